@@ -1,0 +1,45 @@
+# The two commands of the README:   make demo    and    make test
+# Each installs what it needs first (a .venv in the repo root, CPU torch from local disk).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Pin threads: on 2 shared cores default OpenMP threading makes CPU runs ~25x slower.
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install test test-fast demo assets lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build from local disk first; everything after sees torch satisfied and never pulls CUDA.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[megatron,kernels,dev]"
+	touch $(STAMP)
+
+test: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout=1200 tests
+
+test-fast: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not slow and not dist" tests
+
+assets: install
+	$(PY) -m megarl.demo.assets
+
+demo: assets
+	$(PY) -m megarl.demo.run
+
+lint: install
+	$(PY) -m ruff check megarl megarl_kernels launch conversion tests bench
+
+bench: install
+	$(PY) bench/kernels.py && $(PY) bench/rollout.py && $(PY) bench/step.py
+
+clean:
+	rm -rf $(VENV) assets runs .pytest_cache

@@ -1,0 +1,66 @@
+"""The RolloutEngine protocol: generation engines behind one interface (torch, vllm, sglang).
+
+Engines take token ids (the prompt after the chat template) and return token ids plus the
+logprob of each sampled token under the distribution it was actually sampled from (after
+temperature / top-k / top-p). Weights arrive as a stream of (HF name, full tensor) pairs, the
+same stream `megarl.rollout.reshard` produces from either training backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings (names as vLLM's). temperature 0 or greedy=True means argmax."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (needs a detokenizer)
+    seed: int | None = None
+    greedy: bool = False
+    logprobs: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled response.
+
+    prompt_index: position of its prompt in the ``generate`` call's input list
+    token_ids:    generated ids, the stop/EOS token included when it ended the sequence
+    logprobs:     [len(token_ids)] float32 logprob of each token under the sampling distribution
+    finish_reason: "stop" (EOS, stop token or stop string) or "length"
+    """
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: torch.Tensor | None
+    finish_reason: str
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """``sampling.n`` completions per prompt, ordered prompt-major: the n completions of
+        prompt 0 first, then prompt 1, ..."""
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (HF name, full tensor) pairs into the engine's model."""
+
+    def sleep(self) -> None:
+        """Free the engine's memory (weights / KV cache) while training runs (colocated)."""
+
+    def wake(self) -> None: ...

@@ -1,0 +1,55 @@
+"""megarl: RL post-training for reasoning LLMs on megatron-core or plain PyTorch.
+
+Install with `make install` (creates .venv with the CPU build of torch 2.13.0 first, so pip
+never pulls a CUDA build). Extras: megatron, kernels, vllm, sglang, ray, dev.
+"""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.6",  # `make install` puts torch==2.13.0 (CPU) in place first
+    "numpy",
+    "packaging",
+    "safetensors>=0.4",
+    "omegaconf>=2.3",
+    "pyyaml",
+    "tensorboard>=2.14",
+    "math-verify>=0.7",
+    "tokenizers>=0.19",
+    "transformers>=4.51",  # chat templates and tokenizers at run time; reference outputs in tests
+    "pyarrow>=14",
+    "tqdm",
+    "matplotlib",
+    "psutil",
+]
+
+EXTRAS = {
+    # 0.16.1 is the newest megatron-core for Python 3.11; 0.17+ require 3.12.
+    "megatron": [
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.16.1; python_version >= '3.12'",
+        "psutil",  # needed by dist_checkpointing's writer, not declared by megatron-core
+    ],
+    "kernels": ["triton>=3.2"],
+    "vllm": ["vllm>=0.8"],
+    "sglang": ["sglang>=0.4.6"],
+    "ray": ["ray>=2.9"],
+    "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff"],
+}
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="RL post-training for reasoning LLMs: PPO/GRPO/RLOO/REINFORCE++, PURE and PACS "
+    "on megatron-core or a pure-PyTorch fallback",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl*", "megarl_kernels*", "conversion*", "launch*"]),
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": [
+            "megarl-convert=conversion.__main__:main",
+            "megarl-launch=launch.multinode:main",
+        ]
+    },
+)
