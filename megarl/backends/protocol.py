@@ -102,13 +102,20 @@ LossFn = Callable[[Any, SequenceBatch], "tuple[torch.Tensor, dict[str, float]]"]
 
 The loss must already carry its global normalisation (see ``megarl.algos.agg_loss``'s
 ``**norm``): the backend sums gradients over micro-batches and averages over data-parallel
-ranks, and applies no other scaling.
+ranks, and applies no other scaling. Metrics are treated the same way: each value is this
+micro-batch's contribution, the backend SUMS them over micro-batches and AVERAGES them over
+data-parallel ranks (the loss function weights ratios such as clip fractions accordingly).
 """
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """One role's model, its parallel layout, optimizer and checkpoints."""
+    """One role's model, its parallel layout, optimizer and checkpoints.
+
+    The no-grad methods (logprobs, values, token_scores) take the same full batch on every
+    rank; the backend splits it over its data-parallel replicas (micro-batching as it sees fit)
+    and returns the full result on every rank.
+    """
 
     role: str
 
@@ -124,7 +131,8 @@ class Backend(Protocol):
         self, batch: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """No-grad (logprob [B, L], entropy [B, L] or None) of the response tokens under
-        logits / temperature. Zero outside the response mask. Every rank gets the result."""
+        logits / temperature. Zero outside the response mask. Every rank passes the same full
+        batch; the backend computes its data-parallel share and every rank gets the result."""
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """Critic only: no-grad values [B, L] at the response columns (value of the state
@@ -138,8 +146,10 @@ class Backend(Protocol):
         self, micro_batches: list[SequenceBatch], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, float]:
         """Forward/backward every micro-batch, accumulate, clip, one optimizer + LR-scheduler
-        step. A non-finite grad norm skips the step. Returns averaged loss metrics plus
-        ``grad_norm``, ``lr`` and ``skipped`` (0/1)."""
+        step. A non-finite grad norm skips the step. Returns the loss metrics (summed over
+        micro-batches, averaged over DP ranks, see LossFn) plus ``grad_norm``, ``lr`` and
+        ``skipped`` (0/1). Every micro-batch list has the same length on every DP rank (the
+        trainer pads with fully masked micro-batches), so collectives stay matched."""
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream (HF name, full tensor) pairs of the current weights, in HF naming and dtype

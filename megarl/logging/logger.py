@@ -1,0 +1,78 @@
+"""Fan-out of step metrics to the configured sinks (rank 0 only)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megarl.logging.console import ConsoleProgress
+from megarl.logging.jsonl import JsonlWriter, read_jsonl
+from megarl.logging.plots import plot_curves
+
+SINKS = ("console", "tensorboard", "jsonl")
+
+
+class MetricLogger:
+    """``log(step, metrics)`` writes to every sink of ``sinks``; a no-op on ranks other than 0.
+
+    run_dir/metrics.jsonl, run_dir/tensorboard/ (TensorBoard event files, verl's metric names),
+    and at ``close()`` run_dir/curves.png.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        sinks: list[str],
+        total_steps: int,
+        *,
+        rank: int = 0,
+        resume_step: int | None = None,
+        title: str = "",
+    ) -> None:
+        unknown = [s for s in sinks if s not in SINKS]
+        if unknown:
+            raise ValueError(f"trainer.logger: unknown sink(s) {unknown}; choose from {list(SINKS)}")
+        self.active = rank == 0
+        self.run_dir = Path(run_dir)
+        self.title = title
+        self.jsonl = self.tb = None
+        self.console = ConsoleProgress(total_steps, resume_step or 0,
+                                       enabled=self.active and "console" in sinks)
+        if not self.active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # jsonl is always written: it is the run's record (plots, tests and resume checks read it)
+        self.jsonl = JsonlWriter(self.run_dir / "metrics.jsonl", resume_step=resume_step)
+        if "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+                                    purge_step=(resume_step + 1) if resume_step else None)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        self.jsonl.write(step, metrics)
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, global_step=step)
+            self.tb.flush()
+        self.console.update(step, metrics)
+
+    def print(self, text: str) -> None:
+        if self.active:
+            self.console.write(text) if self.console.enabled else print(text, flush=True)
+
+    def close(self, plot: bool = True) -> str | None:
+        if not self.active:
+            return None
+        self.console.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.jsonl.close()
+        if plot:
+            rows = read_jsonl(self.run_dir / "metrics.jsonl")
+            if rows:
+                return plot_curves(rows, self.run_dir / "curves.png", title=self.title)
+        return None

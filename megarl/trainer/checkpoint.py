@@ -1,0 +1,155 @@
+"""Atomic checkpoints and exact resume.
+
+Layout under ``root`` (``<trainer.default_local_dir>/checkpoints``)::
+
+    global_step_6/            a complete checkpoint (only complete ones carry this name)
+        actor/ critic/ ...    each role's Backend.save() output (collective)
+        rng/rank{r}.pt        every rank's RNG states
+        trainer_state.json    step, dataloader position, KL controller, ...
+        COMPLETE              written last, before the rename
+    .tmp_global_step_9/       a checkpoint being written (ignored by resume; removed by the next save)
+
+A save writes everything into the temp directory, fsyncs it, marks it COMPLETE and renames it
+into place (rename is atomic on POSIX), so a kill at any moment leaves the previous checkpoint
+usable and ``latest()`` never returns a partial one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from megarl.utils import dist as mdist
+
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+COMPLETE = "COMPLETE"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU and CUDA) as weights_only-safe data."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_tree(path: Path) -> None:
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class CheckpointManager:
+    """Save / find / load step checkpoints; keep the last ``keep_last`` (None or <= 0: all)."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int | None = None) -> None:
+        self.root = Path(root)
+        self.keep_last = keep_last if keep_last and keep_last > 0 else None
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"global_step_{step}"
+
+    def complete_steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for child in self.root.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and (child / COMPLETE).is_file():
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def latest(self) -> Path | None:
+        steps = self.complete_steps()
+        return self.step_dir(steps[-1]) if steps else None
+
+    def save(
+        self,
+        step: int,
+        write_roles: Callable[[Path], None],
+        trainer_state: dict[str, Any],
+    ) -> Path:
+        """Collective: every rank calls it. ``write_roles(tmp_dir)`` saves each backend under
+        tmp_dir (collective too); rank 0 writes trainer_state and publishes the directory."""
+        rank = mdist.rank()
+        tmp = self.root / f".tmp_global_step_{step}"
+        final = self.step_dir(step)
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            (tmp / "rng").mkdir()
+        mdist.barrier()
+        write_roles(tmp)
+        torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        mdist.barrier()
+        if rank == 0:
+            with open(tmp / "trainer_state.json", "w") as f:
+                json.dump(trainer_state, f, indent=1, sort_keys=True)
+            _fsync_tree(tmp)
+            with open(tmp / COMPLETE, "w") as f:
+                f.write(f"{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # re-saving a step (e.g. after a resume): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._prune()
+        mdist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        for old in self.complete_steps()[: -self.keep_last]:
+            shutil.rmtree(self.step_dir(old), ignore_errors=True)
+
+    @staticmethod
+    def load_trainer_state(ckpt: Path) -> dict[str, Any]:
+        with open(ckpt / "trainer_state.json") as f:
+            return json.load(f)
+
+    @staticmethod
+    def load_rng(ckpt: Path, rank: int) -> None:
+        path = ckpt / "rng" / f"rank{rank}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: no RNG state for rank {rank}; the checkpoint was written by a run with "
+                "fewer ranks. Resume with the same number of processes for an exact resume."
+            )
+        set_rng_state(torch.load(path, weights_only=True))

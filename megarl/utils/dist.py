@@ -1,0 +1,94 @@
+"""Process-group setup and the few collectives the trainer needs, on gloo or NCCL.
+
+Works the same under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) and as a plain
+``python`` process (a world of one, initialised on a free local port so the same code paths,
+including DCP and megatron's parallel_state, run unchanged).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` -> this rank's CUDA device when CUDA is available, else CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device: cuda requested but CUDA is not available; use cpu or auto")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if device != "cpu":
+        raise ValueError(f"trainer.device: expected auto, cpu or cuda, got {device!r}")
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, backend: str = "auto", timeout_s: int = 1800) -> None:
+    """Initialise the default process group once (idempotent)."""
+    if dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" not in os.environ:  # plain `python`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Every rank returns rank ``src``'s ``obj`` (pickled; for small metadata, not tensors)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """List of every rank's ``obj`` in rank order."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Element-wise sum of a list of floats over ranks (float64)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
