@@ -1,0 +1,38 @@
+"""The pure-PyTorch dense decoder family (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) and HF checkpoint
+I/O without transformers. See docs/design.md, "Model family and HF layout"."""
+
+from megarl.models.args import (
+    SUPPORTED_MODEL_TYPES,
+    ModelArgs,
+    UnsupportedModelError,
+    num_labels_from_hf_config,
+)
+from megarl.models.hf_io import (
+    iter_hf_tensors,
+    load_hf_state_dict,
+    read_hf_config,
+    save_hf_checkpoint,
+)
+from megarl.models.loading import hf_config_for, load_model, save_model
+from megarl.models.model import KVCache, Transformer, value_model
+from megarl.models.state_dict_adapter import CheckpointMismatchError, from_hf, to_hf
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointMismatchError",
+    "KVCache",
+    "ModelArgs",
+    "Transformer",
+    "UnsupportedModelError",
+    "from_hf",
+    "hf_config_for",
+    "iter_hf_tensors",
+    "load_hf_state_dict",
+    "load_model",
+    "num_labels_from_hf_config",
+    "read_hf_config",
+    "save_hf_checkpoint",
+    "save_model",
+    "to_hf",
+    "value_model",
+]

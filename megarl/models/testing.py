@@ -1,0 +1,154 @@
+"""Tiny random HF model folders for tests (needs transformers; never imported by runtime code).
+
+    from megarl.models.testing import make_tiny_hf_model
+    path = make_tiny_hf_model(tmp_path, family="qwen2")                      # Qwen2ForCausalLM
+    prm = make_tiny_hf_model(tmp_path / "prm", "qwen2", head="token_cls")    # 2 labels
+    critic = make_tiny_hf_model(tmp_path / "v", "llama", head="token_cls", num_labels=1)
+
+The folder is written by transformers' own ``save_pretrained`` (so it is an independent
+reference for our loader) and by default holds a character-level tokenizer with a ChatML-style
+chat template (``<|endoftext|>`` = 0 = pad, ``<|im_start|>`` = 1, ``<|im_end|>`` = 2 = eos).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN_ID = 2
+PAD_TOKEN_ID = 0
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_BASE = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": EOS_TOKEN_ID,
+    "pad_token_id": None,  # keeps HF's Embedding(padding_idx) out of gradient comparisons
+}
+_FAMILY = {
+    "llama": {},
+    # llama3 scaling with a short original context so all three frequency bands occur at hd=16
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        "rope_theta": 500000.0,
+    },
+    "qwen2": {},
+    "qwen3": {"head_dim": 24},  # != hidden / heads (16), as in real Qwen3 configs
+    "mistral": {"sliding_window": None},
+}
+
+
+def tiny_hf_config(family: str = "qwen2", **overrides: Any):
+    """A transformers config object of a tiny model of ``family`` (see FAMILIES)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    kwargs = {**_BASE, **_FAMILY[family], **overrides}
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "llama3": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[family]
+    return cls(**kwargs)
+
+
+def make_tiny_hf_model(
+    path: str | os.PathLike,
+    family: str = "qwen2",
+    head: str = "lm",
+    num_labels: int = 2,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str | None = None,
+    tokenizer: bool = True,
+    randomize: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random HF model folder with transformers and return its path.
+
+    family:     llama | llama3 (llama3 rope scaling) | qwen2 (qkv bias) | qwen3 (q/k norm,
+                head_dim 24) | mistral. Defaults: hidden 64, 2 layers, 4 heads, 2 kv heads,
+                vocab 128; any config field can be overridden (``num_key_value_heads=1``,
+                ``tie_word_embeddings=True``, ``attention_bias=True``, ...).
+    head:       "lm" (*ForCausalLM) or "token_cls" (*ForTokenClassification, ``num_labels``).
+    randomize:  draw every parameter (norm weights and biases included) from N(0, 0.1) (norms
+                1 + N(0, 0.2)) so that no code path is hidden behind a zero bias or unit norm.
+    max_shard_size: forwarded to ``save_pretrained`` (e.g. "20KB" for a sharded folder).
+    tokenizer:  also save the character-level tokenizer (`make_tiny_tokenizer`).
+    """
+    import transformers
+
+    path = Path(path)
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    if head == "lm":
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    elif head == "token_cls":
+        config.num_labels = num_labels
+        model = transformers.AutoModelForTokenClassification.from_config(config)
+    else:
+        raise ValueError(f"head must be 'lm' or 'token_cls', got {head!r}")
+    if randomize:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                is_norm = name.endswith("norm.weight")
+                p.copy_(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
+    model = model.to(dtype)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer:
+        make_tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+def make_tiny_tokenizer(vocab_size: int = 128):
+    """A character-level ``PreTrainedTokenizerFast``: the 3 special tokens, printable ASCII,
+    newline and tab (100 ids); unknown characters map to ``<|endoftext|>``."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
+    if len(vocab) > vocab_size:
+        raise ValueError(f"the tiny tokenizer needs vocab_size >= {len(vocab)}, got {vocab_size}")
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
