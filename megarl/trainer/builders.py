@@ -1,0 +1,55 @@
+"""Build the parts a run needs from its config: backends per role, the rollout engine, the
+reward manager. The only place that maps a strategy / engine name to a class, so the loop
+itself never branches on the backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.backends.protocol import Backend
+from megarl.rollout.protocol import RolloutEngine
+
+
+def role_section(cfg: Any, role: str) -> tuple[Any, Any]:
+    """(model section, training section) of a role's config."""
+    arr = cfg.actor_rollout_ref
+    if role in ("actor", "ref"):
+        return arr.model, arr.actor
+    if role == "critic":
+        return cfg.critic.model, cfg.critic
+    if role == "prm":
+        return cfg.reward_model.model, cfg.reward_model
+    raise ValueError(f"unknown role {role!r}; expected actor, ref, critic or prm")
+
+
+def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
+    """A Backend for ``role`` with the strategy of the actor (critic: its own strategy)."""
+    strategy = cfg.critic.strategy if role == "critic" else cfg.actor_rollout_ref.actor.strategy
+    if strategy == "torch":
+        from megarl.backends.torch import TorchBackend
+
+        return TorchBackend.from_config(role, cfg, model_path)
+    if strategy == "megatron":
+        from megarl.backends.megatron import MegatronBackend
+
+        return MegatronBackend.from_config(role, cfg, model_path)
+    raise ValueError(f"actor_rollout_ref.actor.strategy: unknown {strategy!r}; expected torch "
+                     "or megatron")
+
+
+def build_engine(cfg: Any, model_path: str, device) -> RolloutEngine:
+    name = cfg.actor_rollout_ref.rollout.name
+    if name == "torch":
+        from megarl.rollout.torch import TorchRolloutEngine
+
+        return TorchRolloutEngine.from_config(cfg, model_path, device=device)
+    if name == "vllm":
+        from megarl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(cfg, model_path)
+    if name == "sglang":
+        from megarl.rollout.sglang import SGLangEngine
+
+        return SGLangEngine.from_config(cfg, model_path)
+    raise ValueError(f"actor_rollout_ref.rollout.name: unknown {name!r}; expected torch, vllm "
+                     "or sglang")

@@ -1,0 +1,129 @@
+"""Loss functions handed to ``Backend.train_step``: actor (PPO family or PACS) and critic.
+
+Each factory closes over the mini-batch's global normalisation (``norm``: dp_size,
+batch_num_tokens, global_batch_size, loss_scale_factor) so that summing micro-batch losses and
+averaging over data-parallel ranks gives exactly the loss of the whole mini-batch (verl's new
+engine semantics). Metrics follow the same rule (see ``megarl.backends.protocol.LossFn``):
+losses are already normalised, and ratios (clip fractions, ppo_kl, entropy) are weighted by
+this micro-batch's share of the mini-batch's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarl import algos
+from megarl.backends.protocol import SequenceBatch
+
+
+@dataclass(frozen=True)
+class Norm:
+    """Totals of one mini-batch over all data-parallel ranks."""
+
+    dp_size: int
+    batch_num_tokens: int
+    global_batch_size: int
+    loss_scale_factor: float
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(dp_size=self.dp_size, batch_num_tokens=self.batch_num_tokens,
+                    global_batch_size=self.global_batch_size,
+                    loss_scale_factor=self.loss_scale_factor)
+
+    def token_share(self, mask: torch.Tensor) -> float:
+        """This micro-batch's weight for a token-mean metric (sums to 1 per rank-average)."""
+        return float(mask.sum()) / max(self.batch_num_tokens, 1) * self.dp_size
+
+
+@dataclass(frozen=True)
+class ActorLossSettings:
+    loss_mode: str = "vanilla"
+    agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    # PACS (replaces the PPO family when enabled)
+    pacs: bool = False
+    pacs_beta: float = 1.0
+    pacs_reward_method: str = "1"
+    pacs_adv_estimator: str = "rloo"
+    pacs_weight_mode: str | None = "question"
+    pacs_norm_adv_by_std: bool = True
+
+    @property
+    def needs_entropy(self) -> bool:
+        return True  # entropy is always logged (actor/entropy); kernels return it for free
+
+
+def actor_loss_fn(s: ActorLossSettings, norm: Norm):
+    """loss_fn(outputs, micro_batch) for the actor; micro_batch.tensors holds old_logprob,
+    advantages (PPO family) or scores (PACS), ref_logprob (KL loss) and response_mask."""
+
+    def loss_fn(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        t = mb.tensors
+        mask = t["response_mask"].to(torch.float32)
+        logprob = out.logprob
+        share = norm.token_share(mask)
+        metrics: dict[str, float] = {}
+        if s.pacs:
+            loss, m = algos.pacs_loss(
+                logprob=logprob, old_logprob=t["old_logprob"], response_mask=mask,
+                scores=t["scores"], group_index=t["group_index"], beta=s.pacs_beta,
+                reward_method=s.pacs_reward_method, adv_estimator=s.pacs_adv_estimator,
+                weight_mode=s.pacs_weight_mode, norm_adv_by_std=s.pacs_norm_adv_by_std)
+            # pacs_loss is a mean over this micro-batch's responses: rescale to the mini-batch.
+            seq_share = mb.batch_size / max(norm.global_batch_size, 1) * norm.dp_size
+            loss = loss * seq_share
+            metrics["actor/pacs_loss"] = float(loss.detach())
+        else:
+            loss, m = algos.policy_loss(
+                s.loss_mode, logprob=logprob, old_logprob=t["old_logprob"],
+                advantages=t["advantages"], response_mask=mask,
+                clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
+                clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode, **norm.kwargs())
+            metrics["actor/pg_loss"] = float(m["pg_loss"])
+            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                metrics[f"actor/{key}"] = float(m[key]) * share
+        entropy = out.entropy
+        if entropy is not None:
+            ent_mean = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+            metrics["actor/entropy"] = float(ent_mean) * share
+            if s.entropy_coeff != 0.0 and not s.pacs:
+                ent_loss = algos.agg_loss(entropy, mask, s.agg_mode, **norm.kwargs())
+                loss = loss - s.entropy_coeff * ent_loss
+        if s.use_kl_loss and not s.pacs:
+            kl = algos.kl_penalty(logprob, t["ref_logprob"], s.kl_loss_type)
+            kl_loss = algos.agg_loss(kl, mask, s.agg_mode, **norm.kwargs())
+            loss = loss + s.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = float(kl_loss.detach())
+            metrics["actor/kl_coef"] = s.kl_loss_coef * share
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(cliprange_value: float, agg_mode: str, norm: Norm):
+    """loss_fn for the critic: clipped value loss against ``returns`` with old ``values``."""
+
+    def loss_fn(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        t = mb.tensors
+        mask = t["response_mask"].to(torch.float32)
+        loss, m = algos.value_loss(
+            vpreds=out.values, returns=t["returns"], values=t["values"], response_mask=mask,
+            cliprange_value=cliprange_value, agg_mode=agg_mode, **norm.kwargs())
+        share = norm.token_share(mask)
+        vmean = (out.values.detach() * mask).sum() / mask.sum().clamp(min=1)
+        return loss, {
+            "critic/vf_loss": float(m["vf_loss"]),
+            "critic/vf_clipfrac": float(m["vf_clipfrac"]) * share,
+            "critic/vpred_mean": float(vmean) * share,
+        }
+
+    return loss_fn

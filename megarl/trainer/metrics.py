@@ -1,0 +1,77 @@
+"""Per-step data metrics under verl's names (critic/score/mean, response_length/mean, ...)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from megarl.trainer.batch import RolloutBatch
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    v = values.to(torch.float64)
+    return {f"{prefix}/mean": float(v.mean()), f"{prefix}/max": float(v.max()),
+            f"{prefix}/min": float(v.min())}
+
+
+def data_metrics(batch: RolloutBatch, max_response_length: int,
+                 max_prompt_length: int) -> dict[str, float]:
+    t = batch.tensors
+    mask = batch.response_mask
+    valid = mask.sum(-1) > 0  # aborted (empty) responses are excluded, as verl
+    sel = mask.bool()
+    m: dict[str, float] = {}
+    m.update(_stats("critic/score", t["token_level_scores"].sum(-1)[valid]))
+    m.update(_stats("critic/rewards", t["token_level_rewards"].sum(-1)[valid]))
+    m.update(_stats("critic/verifiable_reward", t["verifiable"][valid]))
+    if "advantages" in t:
+        m.update(_stats("critic/advantages", t["advantages"][sel]))
+        m.update(_stats("critic/returns", t["returns"][sel]))
+    if "values" in t:
+        values, returns = t["values"][sel], t["returns"][sel]
+        m.update(_stats("critic/values", values))
+        var_r = returns.var(unbiased=True) if returns.numel() > 1 else torch.tensor(0.0)
+        var_d = (returns - values).var(unbiased=True) if returns.numel() > 1 else torch.tensor(0.0)
+        m["critic/vf_explained_var"] = float(1.0 - var_d / (var_r + 1e-5))
+    if "step_mask" in t:
+        m.update(_stats("num_of_steps", t["step_mask"].sum(-1)[valid]))
+    lengths = mask.sum(-1)
+    m.update(_stats("response_length", lengths))
+    m["response_length/clip_ratio"] = float((lengths >= max_response_length).float().mean())
+    correct = t["verifiable"] > 0.5
+    if correct.any():
+        m["response_length/correct_mean"] = float(lengths[correct].float().mean())
+    if (~correct).any():
+        m["response_length/incorrect_mean"] = float(lengths[~correct].float().mean())
+    plen = batch.prompt_mask.sum(-1)
+    m.update(_stats("prompt_length", plen))
+    m["prompt_length/clip_ratio"] = float((plen >= max_prompt_length).float().mean())
+    # pass@n: a prompt is solved when any of its responses is correct
+    solved: dict[int, bool] = defaultdict(bool)
+    for g, ok in zip(batch.group_index.tolist(), correct.tolist()):
+        solved[g] |= ok
+    m["critic/pass_at_n/mean"] = sum(solved.values()) / max(len(solved), 1)
+    return m
+
+
+class Timer:
+    """Accumulates wall time per named phase: ``with timer("gen"): ...`` -> timing_s/gen."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}

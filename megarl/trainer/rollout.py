@@ -1,0 +1,99 @@
+"""Generation and verifiable scoring of one step's prompts, across ranks.
+
+Each rank generates for its share of the prompts (every engine holds the full model, so the
+share is over all ranks, not only data-parallel ones), the samples are all-gathered so every
+rank holds the same ordered list, rank 0 scores them through the reward manager's bounded pool,
+and the scores are broadcast.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarl.rollout.protocol import RolloutEngine, SamplingParams
+from megarl.trainer.batch import RolloutSample
+from megarl.utils import dist as mdist
+
+
+def sampling_seed(base: int, *parts: int) -> int:
+    """A 31-bit seed from the run seed and (step, round, rank, ...): resumes reproduce it."""
+    return zlib.crc32(repr((base, *parts)).encode()) & 0x7FFFFFFF
+
+
+def generate(
+    engine: RolloutEngine,
+    items: list[Any],
+    sampling: SamplingParams,
+    group_offset: int,
+) -> list[RolloutSample]:
+    """Generate ``sampling.n`` responses for each item on this rank's share; gather all.
+
+    ``items`` are dataset items (prompt_ids, data_source, ground_truth, extra_info), the same
+    list on every rank. Group ids are ``group_offset + position in items``.
+    """
+    rank, world = mdist.rank(), mdist.world_size()
+    mine = list(range(rank, len(items), world))
+    completions = engine.generate([items[k].prompt_ids for k in mine], sampling) if mine else []
+    local: list[tuple[int, int, RolloutSample]] = []
+    seen: dict[int, int] = defaultdict(int)
+    for c in completions:
+        k = mine[c.prompt_index]
+        item = items[k]
+        local.append((k, seen[k], RolloutSample(
+            prompt_ids=list(item.prompt_ids),
+            response_ids=list(c.token_ids),
+            rollout_logprobs=c.logprobs.tolist() if c.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            group=group_offset + k,
+            data_source=item.data_source,
+            ground_truth=item.ground_truth,
+            extra_info=dict(item.extra_info or {}),
+        )))
+        seen[k] += 1
+    gathered = [x for part in mdist.all_gather_objects(local) for x in part]
+    gathered.sort(key=lambda x: (x[0], x[1]))
+    return [s for _, _, s in gathered]
+
+
+@dataclass
+class Scorer:
+    """Rank 0 scores with the reward manager; everyone receives (scores, metrics)."""
+
+    manager: Any  # None on ranks other than 0
+    tokenizer: Any
+    max_response_length: int
+    overlong: Any = None  # callable(length, max_length) -> penalty <= 0, or None
+
+    def decode(self, samples: list[RolloutSample]) -> list[str]:
+        return self.tokenizer.batch_decode([s.response_ids for s in samples],
+                                           skip_special_tokens=True)
+
+    def __call__(self, samples: list[RolloutSample]) -> tuple[torch.Tensor, dict[str, float]]:
+        result = None
+        if mdist.rank() == 0:
+            texts = self.decode(samples)
+            scores, metrics = self.manager(texts, [s.data_source for s in samples],
+                                           [s.ground_truth for s in samples],
+                                           [s.extra_info for s in samples])
+            scores = scores.to(torch.float32).tolist()
+            if self.overlong is not None:
+                penalties = [self.overlong(len(s.response_ids), self.max_response_length)
+                             for s in samples]
+                scores = [a + b for a, b in zip(scores, penalties)]
+                metrics["reward/overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
+            result = (scores, metrics)
+        scores, metrics = mdist.broadcast_object(result)
+        return torch.tensor(scores, dtype=torch.float32), metrics
+
+
+def groups_with_signal(samples: list[RolloutSample], scores: torch.Tensor) -> list[int]:
+    """Group ids whose responses do not all have the same score (DAPO dynamic sampling)."""
+    by_group: dict[int, list[float]] = defaultdict(list)
+    for s, v in zip(samples, scores.tolist()):
+        by_group[s.group].append(v)
+    return [g for g, vals in by_group.items() if len(vals) > 1 and max(vals) > min(vals)]

@@ -1,0 +1,334 @@
+"""The RL loop. One step:
+
+  prompts -> rollout (n per prompt) -> verifiable rewards and PRM step scores
+  -> PURE credit assignment / KL in reward -> ref and old logprobs, values -> advantages
+  -> actor (and critic) updates over mini-batches and ppo epochs -> weight sync to the engine
+  -> metrics, validation, checkpoint.
+
+SPMD: every rank started by torchrun runs this same loop and holds the same step batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl import algos
+from megarl.rollout.protocol import SamplingParams
+from megarl.trainer import rollout as R
+from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages
+from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
+from megarl.trainer.metrics import Timer, data_metrics
+from megarl.trainer.prm import score_steps, single_token_id, step_end_mask, step_end_token_table
+from megarl.trainer.parts import RunParts, build_run
+from megarl.trainer.update import mean_metrics, run_update
+from megarl.trainer.validation import validate
+from megarl.utils import dist as mdist
+
+
+class RLTrainer:
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.parts: RunParts = build_run(cfg)
+        p = self.parts
+        self.rank = mdist.rank()
+        arr = cfg.actor_rollout_ref
+        self.actor_settings = ActorLossSettings(
+            loss_mode=arr.actor.policy_loss.loss_mode, agg_mode=arr.actor.loss_agg_mode,
+            clip_ratio_low=arr.actor.clip_ratio_low, clip_ratio_high=arr.actor.clip_ratio_high,
+            clip_ratio_c=arr.actor.clip_ratio_c, entropy_coeff=arr.actor.entropy_coeff,
+            use_kl_loss=arr.actor.use_kl_loss, kl_loss_coef=arr.actor.kl_loss_coef,
+            kl_loss_type=arr.actor.kl_loss_type, pacs=cfg.pacs.enable, pacs_beta=cfg.pacs.beta,
+            pacs_reward_method=str(cfg.pacs.reward_method),
+            pacs_adv_estimator=cfg.pacs.adv_estimator,
+            pacs_weight_mode=cfg.pacs.weight_mode if cfg.pacs.use_weight else None,
+            pacs_norm_adv_by_std=cfg.pacs.norm_adv_by_std_in_grpo)
+        alg = cfg.algorithm
+        self.adv_settings = AdvantageSettings(
+            estimator=alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            use_kl_in_reward=alg.use_kl_in_reward, kl_penalty=alg.kl_penalty,
+            prm_enabled=cfg.reward_model.enable,
+            vr_enabled=cfg.reward_model.reward_manager != "blank",
+            credit_assignment=cfg.reward_model.credit_assignment,
+            verifiable_reward_coef=cfg.reward_model.verifiable_reward_coef,
+            pure_mask_separator=alg.pure.mask_separator, pure_normalize=alg.pure.normalize,
+            pacs=cfg.pacs.enable)
+        if alg.kl_ctrl.type == "adaptive":
+            self.kl_ctrl = algos.AdaptiveKLController(alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
+                                                      alg.kl_ctrl.horizon)
+        else:
+            self.kl_ctrl = algos.FixedKLController(alg.kl_ctrl.kl_coef)
+        if p.prm is not None:
+            self.step_table = step_end_token_table(p.tokenizer, cfg.reward_model.step_separator)
+            marker = cfg.reward_model.prm_step_token
+            self.prm_marker = (single_token_id(p.tokenizer, marker, "reward_model.prm_step_token")
+                               if marker else None)
+        self.ckpt = CheckpointManager(Path(p.run_dir) / "checkpoints",
+                                      cfg.trainer.max_ckpt_to_keep)
+        self.step = 0
+
+    # ------------------------------------------------------------------ sampling settings
+    def _sampling(self, seed: int, validation: bool = False, n: int | None = None,
+                  greedy: bool = False) -> SamplingParams:
+        ro = self.cfg.actor_rollout_ref.rollout
+        src = ro.val_kwargs if validation else ro
+        do_sample = getattr(src, "do_sample", True) and not greedy
+        return SamplingParams(
+            n=n if n is not None else src.n,
+            temperature=src.temperature if do_sample else 0.0,
+            top_k=src.top_k, top_p=src.top_p, greedy=not do_sample,
+            max_new_tokens=self.cfg.data.max_response_length,
+            stop_token_ids=list(ro.stop_token_ids) + [self.parts.eos_id],
+            stop=list(ro.stop), seed=seed)
+
+    # ------------------------------------------------------------------ one step
+    def rollout_and_score(self, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate and score; with dynamic sampling, keep only groups with reward signal and
+        draw more prompts until train_batch_size groups are collected."""
+        cfg, p = self.cfg, self.parts
+        fg = cfg.algorithm.filter_groups
+        want = cfg.data.train_batch_size
+        kept, kept_scores, metrics = [], [], {}
+        rounds = max(1, fg.max_num_gen_batches) if fg.enable else 1
+        n_groups = 0
+        for rnd in range(rounds if fg.enable else 1):
+            idx = p.sampler.next_batch()
+            items = [p.train_ds[i] for i in idx]
+            seed = R.sampling_seed(cfg.trainer.seed, self.step, rnd, self.rank)
+            with timer("gen"):
+                samples = R.generate(p.engine, items, self._sampling(seed),
+                                     group_offset=rnd * want)
+            with timer("reward"):
+                scores, metrics = p.scorer(samples)
+            if not fg.enable:
+                kept, kept_scores = samples, [scores]
+                break
+            good = set(R.groups_with_signal(samples, scores))
+            keep = [i for i, s in enumerate(samples) if s.group in good]
+            kept += [samples[i] for i in keep]
+            kept_scores.append(scores[keep])
+            n_groups += len(good)
+            metrics["train/num_gen_batches"] = rnd + 1
+            if n_groups >= want:
+                break
+        scores = torch.cat(kept_scores) if kept_scores else torch.zeros(0)
+        if fg.enable:
+            groups = list(dict.fromkeys(s.group for s in kept))[:want]
+            sel = [i for i, s in enumerate(kept) if s.group in set(groups)]
+            kept, scores = [kept[i] for i in sel], scores[sel]
+        batch = RolloutBatch.from_samples(kept, p.pad_id)
+        batch.tensors["verifiable"] = scores
+        return batch, metrics
+
+    def train_step(self) -> dict[str, float]:
+        cfg, p = self.cfg, self.parts
+        arr = cfg.actor_rollout_ref
+        timer = Timer()
+        t0 = time.perf_counter()
+        batch, metrics = self.rollout_and_score(timer)
+        t = batch.tensors
+        seq = batch.sequence_batch()
+        temperature = arr.rollout.temperature
+
+        if p.prm is not None:
+            with timer("prm"):
+                t["step_mask"] = step_end_mask(batch.response_ids, batch.response_mask,
+                                               self.step_table)
+                t["step_rewards"] = score_steps(p.prm, batch, t["step_mask"], self.prm_marker)
+        with timer("old_log_prob"):
+            old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
+            t["old_logprob"] = old
+            if ent is not None:
+                mask = batch.response_mask
+                metrics["actor/old_entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
+        if "rollout_logprob" in t and arr.rollout.check_logprobs:
+            diff = (t["rollout_logprob"] - old).abs()[batch.response_mask.bool()]
+            metrics["rollout/logprob_abs_diff_mean"] = float(diff.mean()) if diff.numel() else 0.0
+            metrics["rollout/logprob_abs_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+        if p.ref is not None:
+            with timer("ref"):
+                t["ref_logprob"], _ = p.ref.logprobs(seq, temperature=temperature)
+        if p.critic is not None:
+            with timer("values"):
+                t["values"] = p.critic.values(seq)
+        if self.adv_settings.estimator == "remax" and not cfg.pacs.enable:
+            with timer("gen"):
+                t["reward_baselines"] = self._greedy_baselines(batch)
+
+        with timer("adv"):
+            adv_metrics = compute_step_advantages(batch, self.adv_settings, self.kl_ctrl.value)
+        cur_kl = adv_metrics.pop("_kl_for_controller", None)
+        if cur_kl is not None:
+            self.kl_ctrl.update(cur_kl, batch.batch_size)
+        metrics.update(adv_metrics)
+
+        n = arr.rollout.n
+        if p.critic is not None:
+            with timer("update_critic"):
+                c = cfg.critic
+                steps = run_update(
+                    p.critic, batch, ("values", "returns"),
+                    lambda norm: critic_loss_fn(c.cliprange_value, c.loss_agg_mode, norm),
+                    prompts_per_mini=c.ppo_mini_batch_size, epochs=c.ppo_epochs,
+                    shuffle=c.shuffle, seed=R.sampling_seed(cfg.trainer.seed, self.step, 7),
+                    max_tokens_per_micro=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                    micro_size=c.ppo_micro_batch_size_per_gpu, keep_groups_on_rank=False,
+                    loss_scale_factor=cfg.data.max_response_length)
+                metrics.update({("critic/" + k if "/" not in k else k): v
+                                for k, v in mean_metrics(steps).items()})
+        if self.step > cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                a = arr.actor
+                keys = (("old_logprob", "scores") if cfg.pacs.enable
+                        else ("old_logprob", "advantages"))
+                if a.use_kl_loss:
+                    keys += ("ref_logprob",)
+                if cfg.pacs.enable:
+                    t["scores"] = t["verifiable"]
+                settings = self.actor_settings
+                steps = run_update(
+                    p.actor, batch, keys, lambda norm: actor_loss_fn(settings, norm),
+                    prompts_per_mini=a.ppo_mini_batch_size, epochs=a.ppo_epochs,
+                    shuffle=a.shuffle, seed=R.sampling_seed(cfg.trainer.seed, self.step, 3),
+                    max_tokens_per_micro=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                    micro_size=a.ppo_micro_batch_size_per_gpu,
+                    keep_groups_on_rank=cfg.pacs.enable,
+                    loss_scale_factor=cfg.data.max_response_length, temperature=temperature)
+                metrics.update({("actor/" + k if "/" not in k else k): v
+                                for k, v in mean_metrics(steps).items()})
+            with timer("weight_sync"):
+                p.engine.update_weights(p.actor.export_weights())
+
+        metrics.update(data_metrics(batch, cfg.data.max_response_length,
+                                    cfg.data.max_prompt_length))
+        metrics.update(timer.metrics())
+        step_time = time.perf_counter() - t0
+        metrics["timing_s/step"] = step_time
+        n_tokens = int(batch.response_mask.sum() + batch.prompt_mask.sum())
+        metrics["perf/total_num_tokens"] = n_tokens
+        metrics["perf/time_per_step"] = step_time
+        metrics["perf/throughput"] = n_tokens / step_time / max(mdist.world_size(), 1)
+        metrics["training/global_step"] = self.step
+        metrics["training/epoch"] = p.sampler.epoch
+        metrics["actor/lr"] = metrics.get("actor/lr", float("nan"))
+        del n
+        return metrics
+
+    def _greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
+        """ReMax: the score of a greedy response per prompt, broadcast to its group."""
+        p = self.parts
+        groups = list(dict.fromkeys(batch.group_index.tolist()))
+        first = {g: batch.group_index.tolist().index(g) for g in groups}
+        items = [_PromptView(batch, first[g]) for g in groups]
+        samples = R.generate(p.engine, items, self._sampling(0, greedy=True, n=1), 0)
+        scores, _ = p.scorer(samples)
+        by_group = dict(zip(groups, scores.tolist()))
+        return torch.tensor([by_group[g] for g in batch.group_index.tolist()])
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        p = self.parts
+        if p.val_items is None:
+            return {}
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        greedy = self._sampling(0, validation=True, n=1, greedy=True)
+        sampled = None
+        if vk.n > 1 and vk.do_sample:
+            sampled = self._sampling(R.sampling_seed(self.cfg.trainer.seed, self.step, 99),
+                                     validation=True)
+        return validate(p.engine, p.val_items, p.val_scorer, greedy, sampled,
+                        batch_size=self.cfg.data.val_batch_size)
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "sampler": self.parts.sampler.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def save(self) -> Path:
+        p = self.parts
+
+        def write_roles(tmp: Path) -> None:
+            p.actor.save(str(tmp / "actor"))
+            if p.critic is not None:
+                p.critic.save(str(tmp / "critic"))
+
+        return self.ckpt.save(self.step, write_roles, self.trainer_state())
+
+    def maybe_resume(self) -> int | None:
+        mode = self.cfg.trainer.resume
+        if mode == "disable":
+            return None
+        ckpt = self.ckpt.latest() if mode == "auto" else Path(mode)
+        if ckpt is None:
+            return None
+        if not (ckpt / "COMPLETE").is_file():
+            raise FileNotFoundError(f"trainer.resume: {ckpt} is not a complete checkpoint")
+        p = self.parts
+        p.actor.load(str(ckpt / "actor"))
+        if p.critic is not None:
+            p.critic.load(str(ckpt / "critic"))
+        state = self.ckpt.load_trainer_state(ckpt)
+        self.step = int(state["step"])
+        p.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.ckpt.load_rng(ckpt, self.rank)
+        p.engine.update_weights(p.actor.export_weights())
+        return self.step
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, Any]:
+        cfg, p = self.cfg, self.parts
+        resumed = self.maybe_resume()
+        total = p.total_steps
+        logger = p.make_logger(total, resumed)
+        if resumed is not None:
+            logger.print(f"resumed from step {resumed}")
+        summary: dict[str, Any] = {}
+        if self.step == 0 and cfg.trainer.val_before_train:
+            val = self.validate()
+            if val:
+                logger.log(0, val)
+                summary["val_before"] = val
+                logger.print("validation before training: " + _fmt(val))
+        last_val: dict[str, float] = {}
+        while self.step < total:
+            self.step += 1
+            metrics = self.train_step()
+            freq = cfg.trainer.test_freq
+            if freq and freq > 0 and (self.step % freq == 0 or self.step == total):
+                last_val = self.validate()
+                metrics.update(last_val)
+            logger.log(self.step, metrics)
+            sf = cfg.trainer.save_freq
+            if sf and sf > 0 and (self.step % sf == 0 or self.step == total):
+                self.save()
+        if last_val:
+            summary["val_after"] = last_val
+            logger.print("validation after training: " + _fmt(last_val))
+        if cfg.trainer.export_hf:
+            summary["hf_export"] = p.export_actor_hf()
+        summary["curves"] = logger.close()
+        return summary
+
+
+class _PromptView:
+    """A dataset-item-like view of one row's prompt (for greedy baselines)."""
+
+    def __init__(self, batch: RolloutBatch, row: int) -> None:
+        mask = batch.prompt_mask[row].bool()
+        self.prompt_ids = batch.prompt_ids[row][mask].tolist()
+        self.data_source = batch.data_sources[row]
+        self.ground_truth = batch.ground_truths[row]
+        self.extra_info = batch.extra_infos[row]
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())
+                     if isinstance(v, float) and not math.isnan(v))
