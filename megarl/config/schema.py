@@ -1,0 +1,222 @@
+"""The typed config of a megarl run: one dataclass per section, nested as verl's YAML.
+
+``Config`` is the top level. Sections of ``actor_rollout_ref`` live in ``schema_actor``, critic
+and rewards in ``schema_reward``; everything is re-exported here. Units: ``*_batch_size`` of
+data/actor/critic counts PROMPTS, ``*_micro_batch_size_per_gpu`` counts RESPONSES per rank,
+``*_length`` and ``*_token_len_*`` count TOKENS. A ``None`` documented as "= X" is filled with X
+by ``load_config`` (so a loaded config holds the values that will be used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megarl.config.schema_actor import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    CheckpointConfig,
+    FusedKernelOptions,
+    KLKind,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PolicyLossConfig,
+    RefConfig,
+    RolloutConfig,
+    SamplingConfig,
+)
+from megarl.config.schema_reward import (
+    CriticConfig,
+    CriticModelConfig,
+    CustomRewardFunctionConfig,
+    OverlongBufferConfig,
+    RayPoolConfig,
+    RewardModelConfig,
+    RewardModelModelConfig,
+)
+
+AdvEstimator = Literal[
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "grpo_passk",
+    "pure_rloo",  # PURE main-branch pipeline (megarl.algos.pure_rloo_advantages)
+]
+
+
+@dataclass
+class DataConfig:
+    """``data``: prompt datasets (parquet/jsonl rows in verl's format)."""
+
+    train_files: str | list[str] | None = None  # required
+    val_files: str | list[str] | None = None  # None = no validation
+    prompt_key: str = "prompt"  # column holding the prompt (chat messages or text)
+    train_batch_size: int = 1024  # PROMPTS per training step (x rollout.n responses)
+    val_batch_size: int | None = None  # PROMPTS per validation batch; None = the whole set
+    max_prompt_length: int = 512  # TOKENS, after the chat template
+    max_response_length: int = 512  # TOKENS generated at most per response
+    # megarl default true (verl: false): drop prompts longer than max_prompt_length at load
+    filter_overlong_prompts: bool = True
+    # a prompt still too long: "error" | cut on the "left" / "right" | "filter" it out
+    truncation: Literal["error", "left", "right", "filter"] = "error"
+    shuffle: bool = True
+    seed: int = 42  # shuffling seed
+    chat_template: str | None = None  # Jinja template; None = the tokenizer's own
+    apply_chat_template: bool = True  # false: the prompt text is tokenized as is
+    dataloader_num_workers: int = 0  # megarl default 0 (verl: 8); CPU cores are scarce
+
+
+@dataclass
+class KLCtrlConfig:
+    """KL-in-reward coefficient controller (algorithm.use_kl_in_reward)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001  # initial (fixed: constant) beta
+    horizon: int = 10000  # adaptive: responses over which beta adapts
+    target_kl: float = 0.1  # adaptive: the KL aimed at
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose ``metric`` is equal for all their responses and
+    generate more batches until train_batch_size prompts remain."""
+
+    enable: bool = False
+    metric: Literal["score", "acc", "seq_reward", "seq_final_reward"] = "score"
+    max_num_gen_batches: int = 0  # generation rounds per step at most; <= 0 = unlimited
+
+
+@dataclass
+class PureConfig:
+    """Options of PURE's main-branch advantage pipeline (adv_estimator: pure_rloo)."""
+
+    mask_separator: bool = True  # zero the advantage at step-end tokens
+    normalize: bool = True  # replay-buffer style whitening of the advantages
+
+
+@dataclass
+class AlgorithmConfig:
+    """``algorithm``: advantage estimation and KL in the reward."""
+
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE lambda
+    adv_estimator: AdvEstimator = "gae"
+    norm_adv_by_std_in_grpo: bool = True  # false = Dr.GRPO (no std division)
+    use_kl_in_reward: bool = False  # reward -= beta * KL(actor || ref) per token
+    kl_penalty: KLKind = "kl"  # estimator of the KL in the reward
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    pure: PureConfig = field(default_factory=PureConfig)
+
+
+@dataclass
+class PacsConfig:
+    """``pacs``: PACS (RL as supervised BCE). PACS's own spelling ``actor_rollout_ref.pacs.*``
+    is read as ``pacs.*``. With enable, the actor is trained with the PACS loss (no critic)."""
+
+    enable: bool = False
+    beta: float = 1.0  # scale of the policy-improvement reward proxy
+    reward_method: Literal["1", "2"] = "1"  # 1: beta*sum(logp - old); 2: beta*mean(logp)
+    adv_estimator: Literal["rloo", "grpo", "naive"] = "rloo"  # on the reward proxy, per group
+    use_weight: bool = True  # class-balancing sample weights
+    weight_mode: Literal["question", "only_positive", "only_negative"] = "question"
+    norm_adv_by_std_in_grpo: bool = True  # for pacs.adv_estimator grpo
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer``: the loop, logging, checkpoints. Frequencies count training STEPS."""
+
+    project_name: str = "megarl"
+    experiment_name: str = "run"
+    total_epochs: int = 30  # passes over data.train_files
+    total_training_steps: int | None = None  # None = total_epochs x steps per epoch
+    logger: list[Literal["console", "tensorboard", "jsonl"]] = field(
+        default_factory=lambda: ["console", "jsonl"]
+    )
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    save_freq: int = -1  # save every N steps and at the end; -1 = never
+    test_freq: int = -1  # validate every N steps and at the end; -1 = never
+    val_before_train: bool = True
+    val_only: bool = False  # validate once and exit
+    log_val_generations: int = 0  # sample validation generations printed per validation
+    # "auto": latest checkpoint in default_local_dir if any | "disable" | a checkpoint path.
+    # verl's resume_mode / resume_from_path are read into this key.
+    resume: str = "auto"
+    max_ckpt_to_keep: int | None = None  # None = keep all
+    seed: int = 42  # model init / sampling / dropout seed
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    nnodes: int | None = None  # None = launch.nnodes (kept in sync with it)
+    n_gpus_per_node: int | None = None  # None = launch.nproc_per_node (kept in sync with it)
+    export_hf: bool = True  # also write an HF folder (config + safetensors) at each save
+    critic_warmup: int = 0  # steps that train only the critic before the actor starts
+    balance_batch: bool = True  # reorder responses so DP ranks get similar token counts
+
+
+@dataclass
+class LaunchConfig:
+    """``launch``: how torchrun / the multi-node launcher starts the ranks."""
+
+    nnodes: int = 1
+    nproc_per_node: int = 1  # ranks per node (one per GPU; CPU: processes)
+    node_rank: int | None = None  # None = from the environment (SLURM_NODEID, ...)
+    rdzv_endpoint: str | None = None  # host:port of the rendezvous; None = single node, standalone
+    rdzv_backend: str = "c10d"
+    master_port: int = 29500
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPU, gloo on CPU
+    run_id: str | None = None  # rendezvous id; None = derived from the experiment name
+    log_dir: str | None = None  # per-rank logs; None = <trainer.default_local_dir>/logs
+    hosts: list[str] = field(default_factory=list)  # node hostnames for the launcher (SSH)
+
+
+@dataclass
+class Config:
+    """A whole run. Load with ``megarl.config.load_config``."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    pacs: PacsConfig = field(default_factory=PacsConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+__all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "Config",
+    "CriticConfig",
+    "CriticModelConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "FilterGroupsConfig",
+    "FusedKernelOptions",
+    "KLCtrlConfig",
+    "LaunchConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
+    "PacsConfig",
+    "ParallelConfig",
+    "PolicyLossConfig",
+    "PureConfig",
+    "RayPoolConfig",
+    "RefConfig",
+    "RewardModelConfig",
+    "RewardModelModelConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "TrainerConfig",
+]

@@ -1,0 +1,182 @@
+"""Schema of ``actor_rollout_ref``: the policy model, its trainer (actor), its generator (rollout)
+and the frozen reference copy (ref); plus the optimiser / parallel / megatron blocks the critic
+reuses. Key names and defaults follow verl's ``ppo_trainer.yaml`` unless a comment says otherwise.
+
+Units: ``*_batch_size`` of the actor/critic counts PROMPTS (verl: one prompt = its ``rollout.n``
+responses); ``*_micro_batch_size_per_gpu`` counts RESPONSES (sequences) per forward on one rank;
+``*_token_len_*`` counts TOKENS (prompt + response) per micro-batch on one rank.
+A value of ``None`` documented as "= X" is filled with X by ``load_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Dtype = Literal["fp32", "bf16"]
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
+Strategy = Literal["torch", "megatron"]
+# verl's FSDP strategies map to megarl's pure-PyTorch backend, which shards with FSDP2.
+STRATEGY_ALIASES = {"fsdp": "torch", "fsdp2": "torch"}
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# KL estimators (verl names; k1=kl, k2=mse, k3=low_var_kl).
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+
+
+def aliased(default, aliases: dict[str, str]):
+    """A field whose value may also be written in one of ``aliases`` (alias -> canonical)."""
+    return field(default=default, metadata={"aliases": aliases})
+
+
+@dataclass
+class FusedKernelOptions:
+    impl_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on GPU, torch elsewhere
+    chunk_size: int = 4096  # tokens per chunk of the chunked lm_head -> logprob/entropy path
+
+
+@dataclass
+class ModelConfig:
+    """``actor_rollout_ref.model``: the policy (actor, rollout and ref share it)."""
+
+    path: str | None = None  # HF folder, hub id, or embedded://NAME; required
+    tokenizer_path: str | None = None  # None = path
+    dtype: Dtype = aliased("bf16", DTYPE_ALIASES)  # dtype the model computes in
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
+    use_remove_padding: bool = True  # pack sequences (segment ids) instead of padding
+    use_fused_kernels: bool = True  # lm_head -> logprob/entropy without materialising [T, V]
+    fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
+    trust_remote_code: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with a warmup + constant/cosine schedule (verl ``optim``)."""
+
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1  # optimizer steps; -1 = use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0  # fraction of total_training_steps
+    # verl calls this warmup_style; both spellings are read.
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    total_training_steps: int = -1  # optimizer steps; -1 = filled in by the trainer
+
+
+@dataclass
+class ParallelConfig:
+    """How one training role is laid out on the W = nnodes x nproc_per_node ranks."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None  # interleaved PP stages per rank
+    sequence_parallel: bool = False  # shard activations along the sequence in TP regions
+    # torch backend: FSDP shard-group size inside data parallel; -1 = all DP ranks (the rest)
+    data_parallel_shard: int = -1
+
+
+@dataclass
+class MegatronConfig:
+    """megatron-core only options (strategy: megatron). TP/PP sizes live in ``parallel``; verl's
+    ``megatron.tensor_model_parallel_size`` etc. are read into ``parallel``."""
+
+    use_distributed_optimizer: bool = True  # shard optimizer state over DP (ZeRO-1)
+    recompute_granularity: Literal["full", "selective"] | None = None  # None = no recompute
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = None
+    param_dtype: Dtype | None = aliased(None, DTYPE_ALIASES)  # None = model.dtype
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[Literal["model", "optimizer", "extra"]] = field(
+        default_factory=lambda: ["model", "optimizer", "extra"]
+    )  # extra = RNG + scheduler + dataloader state (needed for exact resume)
+    load_contents: list[Literal["model", "optimizer", "extra"]] | None = None  # None = save_contents
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: Literal["vanilla", "gspo", "cispo", "reinforce"] = "vanilla"
+
+
+@dataclass
+class ActorConfig:
+    """``actor_rollout_ref.actor``: PPO-style updates of the policy."""
+
+    strategy: Strategy = aliased("torch", STRATEGY_ALIASES)
+    ppo_mini_batch_size: int = 256  # PROMPTS per optimizer step (x rollout.n responses)
+    ppo_micro_batch_size_per_gpu: int | None = None  # RESPONSES per forward; used iff not use_dynamic_bsz
+    use_dynamic_bsz: bool = True  # pack micro-batches up to ppo_max_token_len_per_gpu tokens
+    ppo_max_token_len_per_gpu: int = 16384  # TOKENS per micro-batch per rank
+    ppo_epochs: int = 1  # passes over each rollout batch
+    shuffle: bool = False  # shuffle responses before splitting into mini-batches
+    clip_ratio: float = 0.2  # PPO epsilon
+    clip_ratio_low: float | None = None  # None = clip_ratio
+    clip_ratio_high: float | None = None  # None = clip_ratio (DAPO clip-higher: set e.g. 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
+    loss_agg_mode: LossAggMode = "token-mean"
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
+    use_kl_loss: bool = False  # KL(actor || ref) as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KLKind = "low_var_kl"
+    grad_clip: float | None = 1.0  # max global grad norm; None or 0 = no clipping
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass
+class SamplingConfig:
+    """``rollout.val_kwargs``: sampling for validation (greedy by default, as verl)."""
+
+    n: int = 1
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    """``actor_rollout_ref.rollout``: the generation engine and its sampling."""
+
+    name: Literal["torch", "vllm", "sglang"] = aliased("torch", {"hf": "torch"})
+    n: int = 1  # responses per prompt (the group size of GRPO/RLOO/PURE/PACS)
+    temperature: float = 1.0
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    do_sample: bool = True  # false = greedy
+    max_num_seqs: int = 1024  # engine slots: sequences decoded at once
+    gpu_memory_utilization: float = 0.5  # vLLM/SGLang share of GPU memory (weights + KV cache)
+    tensor_model_parallel_size: int = 1  # engine TP (vLLM/SGLang)
+    free_cache_engine: bool = True  # engine.sleep() while training, wake() before generating
+    log_prob_micro_batch_size_per_gpu: int | None = None  # RESPONSES per old-logprob forward
+    log_prob_use_dynamic_bsz: bool = True
+    log_prob_max_token_len_per_gpu: int = 16384  # TOKENS per old-logprob micro-batch per rank
+    check_logprobs: bool = False  # trainer compares engine logprobs with recomputed old logprobs
+    stop: list[str] = field(default_factory=list)  # stop strings
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to EOS
+    update_weights_bucket_megabytes: int = 512  # weight-sync bucket size, MiB
+    seed: int | None = None  # sampling seed; None = trainer.seed
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class RefConfig:
+    """``actor_rollout_ref.ref``: frozen initial policy, used for KL (loss or reward)."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = None  # None = rollout's
+    log_prob_use_dynamic_bsz: bool | None = None  # None = rollout's
+    log_prob_max_token_len_per_gpu: int | None = None  # None = rollout's
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)

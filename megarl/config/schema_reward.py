@@ -1,0 +1,121 @@
+"""Schema of ``critic``, ``reward_model`` (PRM + reward managers + worker pool) and
+``custom_reward_function``. Units as in ``schema_actor``: batch sizes in PROMPTS, micro-batch
+sizes in RESPONSES, ``*_token_len_*`` in TOKENS. ``None`` documented as "= X" is filled by
+``load_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.config.schema_actor import (
+    DTYPE_ALIASES,
+    STRATEGY_ALIASES,
+    Dtype,
+    LossAggMode,
+    MegatronConfig,
+    OptimConfig,
+    ParallelConfig,
+    Strategy,
+    aliased,
+)
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = None  # None = actor_rollout_ref.model.path (value head starts fresh)
+    tokenizer_path: str | None = None  # None = the actor's tokenizer (the critic reads its ids)
+    dtype: Dtype | None = aliased(None, DTYPE_ALIASES)  # None = actor_rollout_ref.model.dtype
+    enable_gradient_checkpointing: bool = False
+
+
+@dataclass
+class CriticConfig:
+    """``critic``: the value model of PPO with GAE."""
+
+    enable: bool | None = None  # None = auto: on iff algorithm.adv_estimator == "gae"
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    strategy: Strategy | None = aliased(None, STRATEGY_ALIASES)  # None = actor's
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int | None = None  # PROMPTS per optimizer step; None = actor's
+    ppo_micro_batch_size_per_gpu: int | None = None  # RESPONSES per forward; iff not use_dynamic_bsz
+    use_dynamic_bsz: bool | None = None  # None = actor's
+    ppo_max_token_len_per_gpu: int = 32768  # TOKENS per micro-batch per rank (verl default)
+    ppo_epochs: int | None = None  # None = actor's
+    grad_clip: float | None = 1.0  # None or 0 = no clipping
+    cliprange_value: float = 0.5  # value clipping around the old values
+    loss_agg_mode: LossAggMode | None = None  # None = actor's
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: str | None = None  # PRM weights (token classification, 2 labels); required if enabled
+    dtype: Dtype | None = aliased(None, DTYPE_ALIASES)  # None = actor_rollout_ref.model.dtype
+
+
+@dataclass
+class RayPoolConfig:
+    """Reward workers on a Ray cluster (pool: ray). ``None`` = the reward_model.* value."""
+
+    address: str | None = None  # None = start or join a local Ray
+    num_workers: int | None = None
+    timeout_s: float | None = None
+    memory_mb: int | None = None
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment: responses longer than max_response_length - len lose up to
+    penalty_factor, linearly in the excess length."""
+
+    enable: bool = False
+    len: int = 0  # TOKENS before max_response_length where the penalty starts
+    penalty_factor: float = 1.0
+
+
+# PURE's spellings of the credit-assignment modes.
+CREDIT_ALIASES = {"strict min-form": "min", "gamma-decay": "sum"}
+
+
+@dataclass
+class RewardModelConfig:
+    """``reward_model``: the process reward model (PURE) and how verifiable rewards are computed.
+
+    PURE modes: VR = enable false + reward_manager prime; PRM = enable true + blank;
+    PRM+VR = enable true + prime.
+    """
+
+    enable: bool = False  # run the PRM
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    strategy: Strategy | None = aliased(None, STRATEGY_ALIASES)  # None = actor's
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size_per_gpu: int | None = None  # RESPONSES per PRM forward; iff not use_dynamic_bsz
+    use_dynamic_bsz: bool | None = None  # None = actor's
+    forward_max_token_len_per_gpu: int = 32768  # TOKENS per PRM micro-batch per rank
+    # naive: verifiable score as is; prime: PRIME/PURE math verifier (correct 1.0 else 0.0);
+    # blank: no verifiable reward (all 0; PRM-only training)
+    reward_manager: Literal["naive", "prime", "blank"] = "naive"
+    # float T > 0: approximate min-form, weights softmax(-r/T) over a response's steps;
+    # "min": strict min-form (paper definition); "sum": plain summation (no transform).
+    credit_assignment: float | Literal["min", "sum"] = aliased(0.1, CREDIT_ALIASES)
+    verifiable_reward_coef: float = 1.0  # weight of the verifiable reward next to PRM rewards
+    step_separator: str = "\n\n"  # text that ends a step in a response
+    prm_step_token: str = "\n"  # text the PRM input puts at each step end
+    pool: Literal["local", "ray"] = "local"  # where verifiable-reward functions run
+    num_workers: int = 2  # reward worker processes
+    timeout_s: float = 10.0  # per-response scoring timeout, seconds (timeout -> score 0)
+    memory_mb: int = 1024  # per-worker memory limit, MiB
+    ray: RayPoolConfig = field(default_factory=RayPoolConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """A user scoring function ``name(data_source, solution_str, ground_truth, extra_info,
+    **reward_kwargs) -> float | dict`` loaded from the file ``path`` (verl's signature)."""
+
+    path: str | None = None  # None = the built-in scorer for the row's data_source
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)

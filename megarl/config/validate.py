@@ -1,0 +1,366 @@
+"""Cross-field rules of a ``Config`` and the filling of "None = X" defaults.
+
+``finalize(cfg, explicit)`` returns a new Config with every derived value filled in (so the
+trainer reads concrete values) plus the list of problems found; each problem is one line that
+starts with the dotted key it is about and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from megarl.config.schema import Config, ParallelConfig
+
+log = logging.getLogger("megarl.config")
+
+# Estimators whose baseline compares the responses of one prompt: with n = 1 they give no signal.
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "pure_rloo", "opo", "reinforce_plus_plus_baseline")
+
+
+def critic_enabled(cfg: Config) -> bool:
+    """critic.enable, with None (auto) meaning on iff the advantage estimator is GAE."""
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tuple[str, ...], str]]]:
+    """Copy of ``cfg`` with the documented "None = X" values filled. ``explicit`` holds the
+    dotted keys the user wrote (files or overrides). Returns (config, problems)."""
+    cfg = copy.deepcopy(cfg)
+    problems: list[tuple[tuple[str, ...], str]] = []
+    arr = cfg.actor_rollout_ref
+    model, actor, rollout, ref = arr.model, arr.actor, arr.rollout, arr.ref
+    if model.tokenizer_path is None:
+        model.tokenizer_path = model.path
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    if actor.megatron.param_dtype is None:
+        actor.megatron.param_dtype = model.dtype
+    if actor.checkpoint.load_contents is None:
+        actor.checkpoint.load_contents = list(actor.checkpoint.save_contents)
+    if rollout.seed is None:
+        rollout.seed = cfg.trainer.seed
+    for name in ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"):
+        if getattr(ref, name) is None:
+            setattr(ref, name, getattr(rollout, name))
+
+    critic = cfg.critic
+    critic.enable = critic_enabled(cfg)
+    if critic.model.path is None:
+        critic.model.path = model.path
+    if critic.model.tokenizer_path is None:
+        critic.model.tokenizer_path = model.tokenizer_path
+    if critic.model.dtype is None:
+        critic.model.dtype = model.dtype
+    if critic.megatron.param_dtype is None:
+        critic.megatron.param_dtype = critic.model.dtype
+    for name in ("strategy", "ppo_mini_batch_size", "use_dynamic_bsz", "ppo_epochs", "loss_agg_mode"):
+        if getattr(critic, name) is None:
+            setattr(critic, name, getattr(actor, name))
+
+    rm = cfg.reward_model
+    if rm.model.dtype is None:
+        rm.model.dtype = model.dtype
+    if rm.strategy is None:
+        rm.strategy = actor.strategy
+    if rm.use_dynamic_bsz is None:
+        rm.use_dynamic_bsz = actor.use_dynamic_bsz
+    for name in ("num_workers", "timeout_s", "memory_mb"):
+        if getattr(rm.ray, name) is None:
+            setattr(rm.ray, name, getattr(rm, name))
+
+    # trainer.nnodes / n_gpus_per_node (verl) and launch.nnodes / nproc_per_node (torchrun)
+    # describe the same thing; whichever was written wins, both written must agree.
+    trainer, launch = cfg.trainer, cfg.launch
+    for tkey, lkey in (("nnodes", "nnodes"), ("n_gpus_per_node", "nproc_per_node")):
+        tval, lval = getattr(trainer, tkey), getattr(launch, lkey)
+        t_set = f"trainer.{tkey}" in explicit and tval is not None
+        l_set = f"launch.{lkey}" in explicit
+        if t_set and l_set and tval != lval:
+            problems.append(
+                ((f"trainer.{tkey}", f"launch.{lkey}"),
+                 f"{tval} but launch.{lkey} is {lval}; they are the same setting, keep one")
+            )
+        elif t_set and not l_set:
+            setattr(launch, lkey, tval)
+        else:
+            setattr(trainer, tkey, lval)
+    if launch.log_dir is None:
+        launch.log_dir = f"{trainer.default_local_dir}/logs"
+    return cfg, problems
+
+
+class _Checker:
+    """Collects problems; skips a rule when a key it reads already had a type error (its value
+    was replaced by the default, so the rule would talk about a value the user never wrote)."""
+
+    def __init__(self, bad_keys: set[str]):
+        self.bad = bad_keys
+        self.problems: list[str] = []
+
+    def fail(self, keys: str | tuple[str, ...], text: str) -> None:
+        keys = (keys,) if isinstance(keys, str) else keys
+        for k in keys:
+            for b in self.bad:
+                if k == b or b.startswith(k + ".") or k.startswith(b + "."):
+                    return
+        self.problems.append(f"{keys[0]}: {text}")
+
+    def positive(self, key: str, value: int | float | None, what: str = "") -> None:
+        if value is not None and value <= 0:
+            self.fail(key, f"must be > 0{what}, got {value!r}")
+
+    def non_negative(self, key: str, value: int | float | None) -> None:
+        if value is not None and value < 0:
+            self.fail(key, f"must be >= 0, got {value!r}")
+
+    def unit(self, key: str, value: float, low_open: bool = False) -> None:
+        if not ((0 < value if low_open else 0 <= value) and value <= 1):
+            self.fail(key, f"must be in {'(' if low_open else '['}0, 1], got {value!r}")
+
+
+def check(cfg: Config, bad_keys: set[str]) -> list[str]:
+    """All cross-field problems of a filled config (see module docstring)."""
+    c = _Checker(bad_keys)
+    _check_ranges(cfg, c)
+    _check_algorithm(cfg, c)
+    _check_batches(cfg, c)
+    _check_layout(cfg, c)
+    return c.problems
+
+
+def _check_ranges(cfg: Config, c: _Checker) -> None:
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    if not d.train_files:
+        c.fail("data.train_files", "required; set data.train_files=path/to/train.parquet (or a list)")
+    if not arr.model.path:
+        c.fail("actor_rollout_ref.model.path", "required; set it to an HF folder, hub id or embedded://NAME")
+    for key in ("train_batch_size", "val_batch_size", "max_prompt_length", "max_response_length"):
+        c.positive(f"data.{key}", getattr(d, key))
+    c.non_negative("data.dataloader_num_workers", d.dataloader_num_workers)
+    c.positive("actor_rollout_ref.model.fused_kernel_options.chunk_size", arr.model.fused_kernel_options.chunk_size)
+
+    a = "actor_rollout_ref.actor"
+    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "ppo_epochs"):
+        c.positive(f"{a}.{key}", getattr(actor, key))
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        c.positive(f"{a}.{key}", getattr(actor, key))
+    if actor.clip_ratio_c <= 1:
+        c.fail(f"{a}.clip_ratio_c", f"must be > 1 (the dual-clip bound), got {actor.clip_ratio_c!r}")
+    for key in ("entropy_coeff", "kl_loss_coef", "grad_clip"):
+        c.non_negative(f"{a}.{key}", getattr(actor, key))
+    _check_optim(f"{a}.optim", actor.optim, c)
+
+    r = "actor_rollout_ref.rollout"
+    for key in ("n", "max_num_seqs", "tensor_model_parallel_size", "log_prob_micro_batch_size_per_gpu",
+                "log_prob_max_token_len_per_gpu", "update_weights_bucket_megabytes"):
+        c.positive(f"{r}.{key}", getattr(rollout, key))
+    c.unit(f"{r}.gpu_memory_utilization", rollout.gpu_memory_utilization, low_open=True)
+    for prefix, s in ((r, rollout), (f"{r}.val_kwargs", rollout.val_kwargs)):
+        c.non_negative(f"{prefix}.temperature", s.temperature)
+        c.unit(f"{prefix}.top_p", s.top_p, low_open=True)
+        if s.top_k == 0 or s.top_k < -1:
+            c.fail(f"{prefix}.top_k", f"must be -1 (off) or >= 1, got {s.top_k!r}")
+    c.positive(f"{r}.val_kwargs.n", rollout.val_kwargs.n)
+    ref = arr.ref
+    c.positive("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu)
+    c.positive("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu)
+
+    if cfg.critic.enable:
+        cr = cfg.critic
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
+                    "ppo_epochs", "cliprange_value"):
+            c.positive(f"critic.{key}", getattr(cr, key))
+        c.non_negative("critic.grad_clip", cr.grad_clip)
+        _check_optim("critic.optim", cr.optim, c)
+
+    rm = cfg.reward_model
+    for key in ("micro_batch_size_per_gpu", "forward_max_token_len_per_gpu", "num_workers", "timeout_s", "memory_mb"):
+        c.positive(f"reward_model.{key}", getattr(rm, key))
+    for key in ("num_workers", "timeout_s", "memory_mb"):
+        c.positive(f"reward_model.ray.{key}", getattr(rm.ray, key))
+    for key in ("step_separator", "prm_step_token"):
+        if not getattr(rm, key):
+            c.fail(f"reward_model.{key}", "must not be empty")
+    ob = rm.overlong_buffer
+    if ob.enable and not 0 < ob.len < d.max_response_length:
+        c.fail(("reward_model.overlong_buffer.len", "data.max_response_length"),
+               f"must be in (0, data.max_response_length={d.max_response_length}) when the overlong "
+               f"buffer is enabled, got {ob.len!r}")
+    c.non_negative("reward_model.overlong_buffer.penalty_factor", ob.penalty_factor)
+
+    t = cfg.trainer
+    c.positive("trainer.total_epochs", t.total_epochs)
+    c.positive("trainer.total_training_steps", t.total_training_steps)
+    c.positive("trainer.max_ckpt_to_keep", t.max_ckpt_to_keep)
+    c.non_negative("trainer.critic_warmup", t.critic_warmup)
+    c.non_negative("trainer.log_val_generations", t.log_val_generations)
+    for key in ("save_freq", "test_freq"):
+        v = getattr(t, key)
+        if v == 0 or v < -1:
+            c.fail(f"trainer.{key}", f"must be -1 (never) or >= 1 steps, got {v!r}")
+    if not t.resume:
+        c.fail("trainer.resume", "must be 'auto', 'disable' or a checkpoint path, got ''")
+
+
+def _check_optim(prefix: str, o, c: _Checker) -> None:
+    c.non_negative(f"{prefix}.lr", o.lr)
+    c.non_negative(f"{prefix}.weight_decay", o.weight_decay)
+    c.positive(f"{prefix}.eps", o.eps)
+    c.unit(f"{prefix}.min_lr_ratio", o.min_lr_ratio)
+    c.unit(f"{prefix}.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio)
+    if o.lr_warmup_steps < -1:
+        c.fail(f"{prefix}.lr_warmup_steps", f"must be -1 (use lr_warmup_steps_ratio) or >= 0, got {o.lr_warmup_steps}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        c.fail(f"{prefix}.betas", f"must be two numbers in [0, 1) (Adam beta1, beta2), got {o.betas!r}")
+
+
+def _check_algorithm(cfg: Config, c: _Checker) -> None:
+    alg, rm, pacs = cfg.algorithm, cfg.reward_model, cfg.pacs
+    rollout = cfg.actor_rollout_ref.rollout
+    est = alg.adv_estimator
+    c.unit("algorithm.gamma", alg.gamma)
+    c.unit("algorithm.lam", alg.lam)
+    c.non_negative("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef)
+    c.positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
+    c.positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
+    c.positive("pacs.beta", pacs.beta)
+
+    if rm.reward_manager == "blank" and not rm.enable:
+        c.fail(("reward_model.reward_manager", "reward_model.enable"),
+               "'blank' gives no verifiable reward and reward_model.enable is false: nothing would "
+               "produce a reward; set reward_model.enable=true (PRM only) or reward_manager=prime|naive")
+    if rm.enable and not rm.model.path:
+        c.fail(("reward_model.model.path", "reward_model.enable"),
+               "required when reward_model.enable is true (the PRM to load); set "
+               "reward_model.model.path=... or reward_model.enable=false")
+    ca = rm.credit_assignment
+    if isinstance(ca, float) and ca <= 0:
+        c.fail("reward_model.credit_assignment",
+               f"temperature must be > 0, got {ca!r}; use a float T > 0 (PURE: 0.1), 'min' or 'sum'")
+
+    if rollout.n < 2:
+        if est in GROUP_ESTIMATORS and not pacs.enable:
+            c.fail(("actor_rollout_ref.rollout.n", "algorithm.adv_estimator"),
+                   f"{rollout.n} < 2 but algorithm.adv_estimator={est} compares the responses of one "
+                   f"prompt; set actor_rollout_ref.rollout.n >= 2")
+        if pacs.enable:
+            c.fail(("actor_rollout_ref.rollout.n", "pacs.enable"),
+                   f"{rollout.n} < 2 but PACS (pacs.enable) scores each response against its group; "
+                   f"set actor_rollout_ref.rollout.n >= 2")
+        if alg.filter_groups.enable:
+            c.fail(("actor_rollout_ref.rollout.n", "algorithm.filter_groups.enable"),
+                   f"{rollout.n} < 2 but algorithm.filter_groups drops groups whose responses all "
+                   f"agree, which every group of one does; set rollout.n >= 2")
+    if est == "gae" and not cfg.critic.enable:
+        c.fail(("critic.enable", "algorithm.adv_estimator"),
+               "false but algorithm.adv_estimator=gae needs a critic's values; set critic.enable=true "
+               "(or null = auto), or choose another algorithm.adv_estimator")
+    if pacs.enable and cfg.critic.enable:
+        why = "critic.enable is true" if est != "gae" else "algorithm.adv_estimator=gae turns it on"
+        c.fail(("pacs.enable", "critic.enable"),
+               f"PACS trains the actor with its BCE loss and uses no critic, but {why}; set "
+               f"critic.enable=false and algorithm.adv_estimator to a critic-free one (PACS: grpo)")
+    if est == "remax" and not rollout.do_sample:
+        c.fail(("algorithm.adv_estimator", "actor_rollout_ref.rollout.do_sample"),
+               "remax needs actor_rollout_ref.rollout.do_sample=true (its baseline is a greedy "
+               "response compared against sampled ones)")
+    if cfg.critic.enable and est != "gae":
+        log.warning("critic.enable is true but algorithm.adv_estimator=%s does not use values", est)
+
+
+def _check_batches(cfg: Config, c: _Checker) -> None:
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    tbs = d.train_batch_size
+    roles = [("actor_rollout_ref.actor", arr.actor)]
+    if cfg.critic.enable:
+        roles.append(("critic", cfg.critic))
+    for prefix, role in roles:
+        mbs = role.ppo_mini_batch_size
+        if mbs is not None and tbs > 0 and mbs > 0:
+            if mbs > tbs:
+                c.fail((f"{prefix}.ppo_mini_batch_size", "data.train_batch_size"),
+                       f"{mbs} prompts > data.train_batch_size {tbs} prompts; set it <= "
+                       f"{tbs} (equal = one optimizer step per training step)")
+            elif tbs % mbs:
+                c.fail((f"{prefix}.ppo_mini_batch_size", "data.train_batch_size"),
+                       f"{mbs} prompts does not divide data.train_batch_size {tbs} prompts; choose a "
+                       f"divisor of {tbs}")
+        if not role.use_dynamic_bsz and role.ppo_micro_batch_size_per_gpu is None:
+            c.fail((f"{prefix}.ppo_micro_batch_size_per_gpu", f"{prefix}.use_dynamic_bsz"),
+                   f"required when {prefix}.use_dynamic_bsz is false (responses per forward); set "
+                   f"it or use_dynamic_bsz=true")
+    pairs = [("actor_rollout_ref.rollout", arr.rollout), ("actor_rollout_ref.ref", arr.ref)]
+    for prefix, role in pairs:
+        if not role.log_prob_use_dynamic_bsz and role.log_prob_micro_batch_size_per_gpu is None:
+            c.fail((f"{prefix}.log_prob_micro_batch_size_per_gpu", f"{prefix}.log_prob_use_dynamic_bsz"),
+                   f"required when {prefix}.log_prob_use_dynamic_bsz is false; set it or "
+                   f"log_prob_use_dynamic_bsz=true")
+    rm = cfg.reward_model
+    if rm.enable and not rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is None:
+        c.fail(("reward_model.micro_batch_size_per_gpu", "reward_model.use_dynamic_bsz"),
+               "required when reward_model.use_dynamic_bsz is false; set it or use_dynamic_bsz=true")
+
+
+def _check_layout(cfg: Config, c: _Checker) -> None:
+    launch = cfg.launch
+    c.positive("launch.nnodes", launch.nnodes)
+    c.positive("launch.nproc_per_node", launch.nproc_per_node)
+    if not 1 <= launch.master_port <= 65535:
+        c.fail("launch.master_port", f"must be a TCP port in 1..65535, got {launch.master_port}")
+    if launch.node_rank is not None and not 0 <= launch.node_rank < max(launch.nnodes, 1):
+        c.fail(("launch.node_rank", "launch.nnodes"), f"must be in [0, launch.nnodes={launch.nnodes}), got {launch.node_rank}")
+    if launch.hosts and len(launch.hosts) != launch.nnodes:
+        c.fail(("launch.hosts", "launch.nnodes"), f"{len(launch.hosts)} hosts but launch.nnodes is {launch.nnodes}")
+    world = launch.nnodes * launch.nproc_per_node
+    if world <= 0:
+        return
+    arr, d = cfg.actor_rollout_ref, cfg.data
+    n = arr.rollout.n
+    roles: list[tuple[str, ParallelConfig, int | None]] = [
+        ("actor_rollout_ref.actor", arr.actor.parallel, arr.actor.ppo_mini_batch_size)
+    ]
+    if cfg.critic.enable:
+        roles.append(("critic", cfg.critic.parallel, cfg.critic.ppo_mini_batch_size))
+    if cfg.reward_model.enable:
+        roles.append(("reward_model", cfg.reward_model.parallel, None))
+    world_keys = ("launch.nnodes", "launch.nproc_per_node")
+    for prefix, par, mbs in roles:
+        p = f"{prefix}.parallel"
+        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        if tp <= 0 or pp <= 0:
+            c.positive(f"{p}.tensor_model_parallel_size", tp)
+            c.positive(f"{p}.pipeline_model_parallel_size", pp)
+            continue
+        if world % (tp * pp):
+            c.fail((f"{p}.tensor_model_parallel_size", f"{p}.pipeline_model_parallel_size", *world_keys),
+                   f"TP {tp} x PP {pp} does not divide the {world} ranks (launch.nnodes x "
+                   f"launch.nproc_per_node)")
+            continue
+        dp = world // (tp * pp)
+        vpp = par.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or pp < 2):
+            c.fail((f"{p}.virtual_pipeline_model_parallel_size", f"{p}.pipeline_model_parallel_size"),
+                   f"needs pipeline_model_parallel_size > 1 and a value >= 1, got {vpp} with PP {pp}; "
+                   f"set it to null")
+        shard = par.data_parallel_shard
+        if shard != -1 and (shard < 1 or dp % shard):
+            c.fail((f"{p}.data_parallel_shard", *world_keys),
+                   f"must be -1 (all {dp} data-parallel ranks) or a divisor of {dp}, got {shard}")
+        if prefix == "actor_rollout_ref.actor" and d.train_batch_size > 0 and d.train_batch_size % dp:
+            c.fail(("data.train_batch_size", *world_keys),
+                   f"{d.train_batch_size} prompts cannot be split evenly over {dp} data-parallel ranks "
+                   f"(whole groups stay on one rank); use a multiple of {dp}")
+        if mbs is not None and mbs > 0 and n > 0 and (mbs * n) % dp:
+            c.fail((f"{prefix}.ppo_mini_batch_size", "actor_rollout_ref.rollout.n", *world_keys),
+                   f"{mbs} prompts x rollout.n {n} = {mbs * n} responses cannot be split evenly over "
+                   f"{dp} data-parallel ranks")
+    rtp = arr.rollout.tensor_model_parallel_size
+    if rtp > 0 and world % rtp:
+        c.fail(("actor_rollout_ref.rollout.tensor_model_parallel_size", *world_keys),
+               f"{rtp} does not divide the {world} ranks")
