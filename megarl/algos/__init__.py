@@ -1,0 +1,56 @@
+"""megarl.algos: the RL math of verl, PURE and PACS as pure tensor functions.
+
+No model, process group or config object here: tensors in, tensors out. Per-token tensors are
+`[B, L]` (B responses, L padded response length), per-response tensors `[B]`; `group_index` is an
+int64 `[B]` tensor (same value = same prompt, any order). float32 / float64 in, same dtype out.
+Contract: specs/algorithms.md of the team's shared folder.
+"""
+
+from megarl.algos.advantages import compute_advantages
+from megarl.algos.agg import AGG_MODES, agg_loss
+from megarl.algos.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    build_kl_controller,
+    entropy_from_logits,
+    kl_penalty,
+)
+from megarl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megarl.algos.pacs import pacs_loss
+from megarl.algos.policy_losses import policy_loss
+from megarl.algos.pure import pure_credit_assignment, pure_rloo_advantages
+from megarl.algos.registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    register_advantage_estimator,
+    register_policy_loss,
+)
+from megarl.algos.value import value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_in_reward",
+    "build_kl_controller",
+    "compute_advantages",
+    "entropy_from_logits",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "pacs_loss",
+    "policy_loss",
+    "pure_credit_assignment",
+    "pure_rloo_advantages",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "value_loss",
+]
