@@ -1,0 +1,268 @@
+"""`local` reward pool: worker subprocesses on this machine, each killable on its own.
+
+Each worker is `python -m megarl.rewards._worker` (a fresh interpreter: it never re-imports the
+trainer's main module and never imports torch) talking over two private pipes. The parent
+sends a worker a chunk of items, the worker answers item by item, and the parent watches every
+busy worker with `multiprocessing.connection.wait` against a deadline: the item in progress
+must finish `timeout_s` after the previous one (or after the send). Past it the worker is
+SIGKILLed and replaced and the item scores 0 with status "timeout". A worker that dies
+(segfault, os._exit, MemoryError under its RLIMIT_AS) has its item retried once, alone, on a
+fresh worker; a second death scores 0 with status "error". Unfinished items of a dead worker's
+chunk go back to the queue, so results never depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from megarl.rewards.pool import RewardPool, RewardRequest, RewardResult
+
+_PKG_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class _Worker:
+    def __init__(self, memory_mb: int):
+        req_r, req_w = os.pipe()
+        res_r, res_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH")) if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "megarl.rewards._worker", str(req_r), str(res_w), str(memory_mb)],
+                pass_fds=(req_r, res_w),
+                env=env,
+            )
+        finally:
+            os.close(req_r)
+            os.close(res_w)
+        self.outbox = Connection(req_w, readable=False)
+        self.inbox = Connection(res_r, writable=False)
+        self.started = time.monotonic()
+        self.ready = False
+        self.fresh = True  # has not been sent any item yet
+        self.inflight: deque[int] = deque()
+        self.item_start = 0.0
+        self.crash_message: str | None = None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for c in (self.outbox, self.inbox):
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def death_reason(self) -> str:
+        if self.crash_message:
+            return self.crash_message
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "worker stopped answering"
+        if code < 0:
+            try:
+                return f"worker killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"worker killed by signal {-code}"
+        return f"worker exited with code {code}"
+
+
+def _shutdown(workers: list[_Worker | None]) -> None:
+    for w in workers:
+        if w is not None:
+            try:
+                w.outbox.send(("stop",))
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + 2.0
+    for w in workers:
+        if w is not None:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+    workers[:] = [None] * len(workers)
+
+
+class LocalRewardPool(RewardPool):
+    """Worker subprocesses with a per-item wall-clock bound and a per-worker RLIMIT_AS.
+
+    num_workers: processes scoring in parallel. timeout_s: seconds one item may take.
+    memory_mb: RLIMIT_AS of each worker (its whole address space, ~60 MiB of which is the
+    idle interpreter with math-verify). chunk_size: items sent per message (pipelining).
+    start_timeout_s: seconds a new worker may take to import and warm up.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        chunk_size: int = 8,
+        start_timeout_s: float = 120.0,
+        max_start_failures: int = 3,
+    ):
+        super().__init__()
+        self.num_workers, self.timeout_s, self.memory_mb = num_workers, timeout_s, memory_mb
+        self.chunk_size, self.start_timeout_s = chunk_size, start_timeout_s
+        self.max_start_failures = max_start_failures
+        self._start_failures = 0
+        self._lock = threading.Lock()
+        self._workers: list[_Worker | None] = [_Worker(memory_mb) for _ in range(num_workers)]
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+
+    # -- public -----------------------------------------------------------------------------
+
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        if self._finalizer.alive is False:
+            raise RuntimeError("LocalRewardPool.score() after close()")
+        with self._lock:
+            return self._score(list(requests))
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def _score(self, requests: list[RewardRequest]) -> list[RewardResult]:
+        n = len(requests)
+        results: list[RewardResult | None] = [None] * n
+        pending: deque[int] = deque(range(n))
+        retries: deque[int] = deque()
+        crashes = [0] * n
+        remaining = n
+        while remaining:
+            self._dispatch(requests, pending, retries)
+            busy = [w for w in self._workers if w is not None and (w.inflight or not w.ready)]
+            now = time.monotonic()
+            deadlines = [self._deadline(w) for w in busy]
+            timeout = max(0.0, min(deadlines) - now) if deadlines else None
+            live = {w.inbox: w for w in self._workers if w is not None}
+            for conn in wait(list(live), timeout):
+                remaining -= self._drain(live[conn], requests, results, pending, retries, crashes)
+            now = time.monotonic()
+            for w in busy:
+                if w in self._workers and (w.inflight or not w.ready) and now > self._deadline(w):
+                    remaining -= self._expire(w, results, pending)
+        return results  # type: ignore[return-value]
+
+    def _deadline(self, w: _Worker) -> float:
+        if not w.ready:
+            return w.started + self.start_timeout_s
+        return w.item_start + self.timeout_s
+
+    def _dispatch(self, requests, pending: deque[int], retries: deque[int]) -> None:
+        fresh_available = any(w is not None and w.fresh for w in self._workers)
+        for w in self._workers:
+            if w is None or not w.ready or w.inflight:
+                continue
+            if retries and (w.fresh or not fresh_available):
+                items = [retries.popleft()]
+            elif pending:
+                k = max(1, min(self.chunk_size, len(pending) // (2 * self.num_workers)))
+                items = [pending.popleft() for _ in range(min(k, len(pending)))]
+            else:
+                continue
+            w.fresh = False
+            w.inflight.extend(items)
+            w.item_start = time.monotonic()
+            try:
+                w.outbox.send(("score", [(i, requests[i]) for i in items]))
+            except (OSError, ValueError):
+                pass  # the worker died; its pipe reports EOF and _drain handles it
+
+    def _drain(self, w, requests, results, pending, retries, crashes) -> int:
+        """Read every message the worker has sent; returns the number of items finished."""
+        finished = 0
+        while True:
+            try:
+                if not w.inbox.poll():
+                    return finished
+                msg = w.inbox.recv()
+            except (EOFError, OSError):
+                return finished + self._died(w, results, pending, retries, crashes)
+            kind = msg[0]
+            if kind == "ready":
+                w.ready = True
+                self._start_failures = 0
+            elif kind == "failed":
+                w.crash_message = f"worker failed to start: {msg[1]}"
+            elif kind == "crash":
+                w.crash_message = msg[2]
+            elif kind == "result":
+                _, index, score, extra, status = msg
+                head = w.inflight.popleft()
+                assert head == index, (head, index)
+                results[index] = RewardResult(float(score), extra, status)
+                if status == "error":
+                    self.stats["reward/errors"] += 1
+                finished += 1
+                w.item_start = time.monotonic()
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers[self._workers.index(w)] = _Worker(self.memory_mb)
+        self.stats["reward/worker_restarts"] += 1
+
+    def _requeue_rest(self, w: _Worker, pending: deque[int]) -> None:
+        pending.extendleft(reversed(w.inflight))
+        w.inflight.clear()
+
+    def _start_failed(self, reason: str) -> None:
+        self._start_failures += 1
+        if self._start_failures >= self.max_start_failures:
+            self.close()
+            raise RuntimeError(
+                f"reward workers failed to start {self._start_failures} times in a row ({reason}). "
+                f"Fix: raise reward_model.memory_mb (now {self.memory_mb}) or check that "
+                "`python -m megarl.rewards._worker` can import megarl and math_verify."
+            )
+
+    def _died(self, w, results, pending, retries, crashes) -> int:
+        reason = w.death_reason()
+        if not w.ready:
+            self._start_failed(reason)
+        finished = 0
+        if w.inflight:
+            head = w.inflight.popleft()
+            crashes[head] += 1
+            if crashes[head] >= 2:
+                results[head] = RewardResult(0.0, {"error": f"{reason} (after one retry)"}, "error")
+                self.stats["reward/errors"] += 1
+                finished = 1
+            else:
+                retries.append(head)
+                self.stats["reward/crash_retries"] += 1
+            self._requeue_rest(w, pending)
+        self._replace(w)
+        return finished
+
+    def _expire(self, w, results, pending) -> int:
+        if not w.ready:
+            w.kill()
+            self._start_failed(f"worker did not start within {self.start_timeout_s} s")
+            self._replace(w)
+            return 0
+        head = w.inflight.popleft()
+        results[head] = RewardResult(0.0, {"error": f"timed out after {self.timeout_s} s"}, "timeout")
+        self.stats["reward/timeouts"] += 1
+        self._requeue_rest(w, pending)
+        self._replace(w)
+        return 1

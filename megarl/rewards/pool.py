@@ -1,0 +1,126 @@
+"""Bounded reward scoring: request/result types, the RewardPool interface and its factory.
+
+Model output is untrusted, so scoring runs in worker processes that the pool can kill: every
+call gets a wall-clock bound (timeout_s) and every worker an address-space bound (memory_mb).
+Implementations: `local` (worker subprocesses, `megarl.rewards.local_pool`) and `ray` (Ray
+actors, `megarl.rewards.ray_pool`, imported only when asked for).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+Status = Literal["ok", "timeout", "error"]
+
+
+@dataclass(frozen=True)
+class RewardFnSpec:
+    """Which score function a worker runs; picklable (a file path and name, never a function).
+
+    kind: "default" = `compute_score` (dispatch on data_source), "prime" = PURE's {0,1}
+    verifiable reward (`prime_compute_score`), "custom" = `name` from the file `path`
+    called with `kwargs` bound.
+    """
+
+    kind: Literal["default", "prime", "custom"] = "default"
+    path: str | None = None
+    name: str = "compute_score"
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in ("default", "prime", "custom"):
+            raise ValueError(f"RewardFnSpec.kind={self.kind!r}; use 'default', 'prime' or 'custom'")
+        if self.kind == "custom" and not self.path:
+            raise ValueError("RewardFnSpec(kind='custom') needs path (reward_model.custom_reward_function.path)")
+
+    def cache_key(self) -> tuple:
+        return (self.kind, self.path, self.name, repr(sorted(dict(self.kwargs).items())))
+
+
+DEFAULT_FN = RewardFnSpec()
+
+
+class RewardRequest(NamedTuple):
+    """One response to score. `ground_truth` is a str (or a list of accepted answers, or a
+    dict for countdown); `extra_info` is passed through to the function."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: Any
+    extra_info: Mapping[str, Any] | None = None
+    fn: RewardFnSpec = DEFAULT_FN
+
+
+class RewardResult(NamedTuple):
+    """score: the reward (0.0 unless status == "ok"); extra: other numbers a dict-returning
+    function gave, or {"error": message}; status: "ok" | "timeout" | "error"."""
+
+    score: float
+    extra: dict[str, Any]
+    status: Status
+
+
+class RewardPool(abc.ABC):
+    """Scores requests in worker processes; results keep the order of the requests.
+
+    `stats` counts, since the pool was built: reward/timeouts, reward/errors,
+    reward/crash_retries, reward/worker_restarts.
+    """
+
+    num_workers: int
+    timeout_s: float
+    memory_mb: int
+
+    def __init__(self) -> None:
+        self.stats = {
+            "reward/timeouts": 0,
+            "reward/errors": 0,
+            "reward/crash_retries": 0,
+            "reward/worker_restarts": 0,
+        }
+
+    @abc.abstractmethod
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        """One result per request, in request order. Never raises for a bad response."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the workers; idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_reward_pool(
+    kind: str = "local",
+    num_workers: int = 2,
+    timeout_s: float = 10.0,
+    memory_mb: int = 2048,
+    ray_address: str | None = None,
+    **kwargs: Any,
+) -> RewardPool:
+    """Build a pool: kind "local" (subprocess workers) or "ray" (actors; `ray_address` of a
+    running cluster, or None for a local one). kwargs go to the implementation."""
+    if num_workers < 1:
+        raise ValueError(f"reward_model.num_workers={num_workers}; need >= 1")
+    if timeout_s <= 0:
+        raise ValueError(f"reward_model.timeout_s={timeout_s}; need > 0 seconds")
+    if memory_mb < 64:
+        raise ValueError(f"reward_model.memory_mb={memory_mb}; need >= 64 (MiB per worker)")
+    if kind == "local":
+        from megarl.rewards.local_pool import LocalRewardPool
+
+        return LocalRewardPool(num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb, **kwargs)
+    if kind == "ray":
+        from megarl.rewards.ray_pool import RayRewardPool
+
+        return RayRewardPool(
+            num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb, address=ray_address, **kwargs
+        )
+    raise ValueError(f"reward_model.pool={kind!r}; use 'local' or 'ray'")
