@@ -51,7 +51,7 @@ _FAMILY = {
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
+            "original_max_position_embeddings": 64,
         },
         "rope_theta": 500000.0,
     },
