@@ -42,6 +42,7 @@ class CriticConfig:
     use_dynamic_bsz: bool | None = None  # None = actor's
     ppo_max_token_len_per_gpu: int = 32768  # TOKENS per micro-batch per rank (verl default)
     ppo_epochs: int | None = None  # None = actor's
+    shuffle: bool | None = None  # None = actor's
     grad_clip: float | None = 1.0  # None or 0 = no clipping
     cliprange_value: float = 0.5  # value clipping around the old values
     loss_agg_mode: LossAggMode | None = None  # None = actor's

@@ -58,7 +58,7 @@ def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tu
         critic.model.dtype = model.dtype
     if critic.megatron.param_dtype is None:
         critic.megatron.param_dtype = critic.model.dtype
-    for name in ("strategy", "ppo_mini_batch_size", "use_dynamic_bsz", "ppo_epochs", "loss_agg_mode"):
+    for name in ("strategy", "ppo_mini_batch_size", "use_dynamic_bsz", "ppo_epochs", "shuffle", "loss_agg_mode"):
         if getattr(critic, name) is None:
             setattr(critic, name, getattr(actor, name))
 
