@@ -142,7 +142,7 @@ def gae(rewards, values, mask, gamma, lam):
         r = [rr[t] for t in pos]
         v = [vv[t] for t in pos] + [0.0]
         delta = [r[k] + gamma * v[k + 1] - v[k] for k in range(len(pos))]
-        adv_c = [sum((gamma * lam) ** l * delta[k + l] for l in range(len(pos) - k)) for k in range(len(pos))]
+        adv_c = [sum((gamma * lam) ** j * delta[k + j] for j in range(len(pos) - k)) for k in range(len(pos))]
         row = [0.0] * len(rr)
         for k, t in enumerate(pos):
             row[t] = adv_c[k]
