@@ -1,0 +1,410 @@
+"""MegatronBackend: one role (actor / ref / critic / prm) on megatron-core.
+
+Gradient accumulation and scaling in `train_step` (the protocol wants the SUM over micro-batches
+and the AVERAGE over data-parallel ranks of the gradients of the already normalised losses):
+
+- megatron's schedules divide every micro-batch loss by ``num_microbatches`` before backward;
+  the loss handed to them is ``loss * num_microbatches``, so the accumulated gradient is the sum
+  (the factor only scales the scalar's gradient: exact for powers of two, otherwise within one
+  float32 rounding of the gradient seed);
+- megatron's DDP scales gradients by ``1 / dp_size`` before its all-reduce / reduce-scatter
+  (``calculate_per_token_loss=False``, ``average_in_collective=False``): the DP average.
+Metrics follow the same rule: summed over micro-batches, averaged over DP ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megarl.backends.megatron import checkpoint, cpu_compat, parallel
+from megarl.backends.megatron.batching import (
+    MicroBatch,
+    chunk_rows,
+    pad_rows,
+    split_rows,
+    to_micro_batch,
+)
+from megarl.backends.megatron.heads import MegatronHeadOutputs, lm_outputs, value_outputs
+from megarl.backends.megatron.model import (
+    LM_ROLES,
+    Layout,
+    MegarlGPTModel,
+    build_model_chunks,
+    check_supported,
+    te_available,
+    transformer_config,
+)
+from megarl.backends.megatron.optim import OptimSettings, build_optimizer, optimizer_step
+from megarl.backends.megatron.weights import export_hf, load_hf_into_chunks
+from megarl.backends.protocol import ROLES, LossFn, SequenceBatch
+from megarl.models.args import ModelArgs, num_labels_from_hf_config
+from megarl.models.hf_io import read_hf_config
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRAINABLE_ROLES = ("actor", "critic")
+
+
+def _recompute_settings(recompute: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if recompute is None or recompute is False:
+        return None
+    if isinstance(recompute, str):
+        if recompute == "full":
+            return {"granularity": "full", "method": "uniform", "num_layers": 1}
+        if recompute == "selective":
+            return {"granularity": "selective"}
+        raise ValueError(f"recompute must be None, 'full', 'selective' or a dict, got {recompute!r}")
+    out = {k: v for k, v in dict(recompute).items() if v is not None}
+    if out.get("granularity") == "full":
+        out.setdefault("method", "uniform")
+        out.setdefault("num_layers", 1)
+    return out
+
+
+class MegatronBackend:
+    """A `megarl.backends.protocol.Backend` on megatron-core (see module docstring).
+
+    role:        actor | ref | critic | prm
+    model_path:  HF folder (config.json + safetensors); critic may start from an LM checkpoint
+                 (fresh ``score`` head), a PRM needs a token-classification checkpoint.
+    tp, pp, vpp, sp: tensor / pipeline / virtual-pipeline sizes, sequence parallelism. All roles
+                 of one process share tp and pp (megatron's parallel_state is global).
+    dtype:       "fp32" or "bf16" (bf16 params via Float16Module, fp32 main params and grads).
+    optim_config: `OptimSettings`, a mapping or a config object with its fields (lr, betas, eps,
+                 weight_decay, grad_clip, lr_warmup_steps, lr_warmup_steps_ratio,
+                 lr_scheduler_type, min_lr_ratio, total_training_steps).
+    recompute:   None | "full" | "selective" | {granularity, method, num_layers, modules}.
+    use_fused_kernels: logprob/entropy through ``megarl_kernels.linear_logprob_entropy`` (else
+                 the PyTorch fallback built on megatron's vocab_parallel_cross_entropy).
+    spec:        "auto" (TransformerEngine when it imports on CUDA, else local) | "local" | "te".
+    train:       build DDP + optimizer (default: actor and critic).
+    forward_micro_batch_size: rows per no-grad forward (None: the DP share in ``pp`` pieces).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        model_path: str,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        vpp: int | None = None,
+        sp: bool = False,
+        dtype: str = "fp32",
+        optim_config: OptimSettings | Mapping[str, Any] | Any | None = None,
+        use_distributed_optimizer: bool = True,
+        recompute: str | Mapping[str, Any] | None = None,
+        seed: int = 1,
+        use_fused_kernels: bool = True,
+        spec: str = "auto",
+        train: bool | None = None,
+        forward_micro_batch_size: int | None = None,
+        num_labels: int | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        if spec not in ("auto", "local", "te"):
+            raise ValueError(f"spec must be 'auto', 'local' or 'te', got {spec!r}")
+        self.role = role
+        self.model_path = str(model_path)
+        self.hf_config = read_hf_config(model_path)
+        self.args = ModelArgs.from_hf_config(self.hf_config)
+        self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp)
+        check_supported(self.args, self.layout)
+        self.dtype = _DTYPES[dtype]
+        self.dtype_name = dtype
+        self.num_labels = None
+        if role == "critic":
+            self.num_labels = 1
+        elif role == "prm":
+            self.num_labels = num_labels or num_labels_from_hf_config(self.hf_config)
+        self.trainable = role in TRAINABLE_ROLES if train is None else bool(train)
+        self.optim = OptimSettings.coerce(optim_config)
+        self.use_fused_kernels = use_fused_kernels
+        self.forward_micro_batch_size = forward_micro_batch_size
+        self.seed = seed
+        self.step = 0  # optimizer updates applied (the LR schedule position)
+
+        parallel.ensure_model_parallel(tp, pp, seed)
+        self.use_te = spec == "te" or (spec == "auto" and te_available())
+        if spec == "te" and not te_available():
+            raise RuntimeError("spec='te' needs TransformerEngine and CUDA; use spec='local'")
+        self.config = transformer_config(
+            self.args, self.layout, dtype=self.dtype, recompute=_recompute_settings(recompute)
+        )
+        with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(vpp):
+            self.chunks = build_model_chunks(
+                role,
+                self.args,
+                self.config,
+                self.layout,
+                pp_rank=parallel.pp_rank(),
+                num_labels=self.num_labels,
+                use_te=self.use_te,
+            )
+            load_hf_into_chunks(
+                self.chunks, model_path, self.args, role, self.num_labels, seed
+            )
+            self.modules: list[torch.nn.Module] = [
+                Float16Module(self.config, c) if self.dtype == torch.bfloat16 else c
+                for c in self.chunks
+            ]
+            self.optimizer = None
+            if self.trainable:
+                self._wrap_for_training(use_distributed_optimizer)
+            else:
+                for m in self.modules:
+                    m.requires_grad_(False)
+                    m.eval()
+
+    # ------------------------------------------------------------------ construction helpers
+
+    def _wrap_for_training(self, distributed: bool) -> None:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=distributed,
+        )
+        self.modules = [
+            DistributedDataParallel(self.config, ddp_config, m, disable_bucketing=i > 0)
+            for i, m in enumerate(self.modules)
+        ]
+        self.config.no_sync_func = (
+            [m.no_sync for m in self.modules] if len(self.modules) > 1 else self.modules[0].no_sync
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = build_optimizer(
+            self.modules,
+            self.optim,
+            bf16=self.dtype == torch.bfloat16,
+            distributed=distributed,
+        )
+
+    # --------------------------------------------------------------------------- protocol
+
+    @property
+    def dp_rank(self) -> int:
+        return ps.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return ps.get_data_parallel_world_size()
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return parallel.tp_group()
+
+    def logprobs(
+        self, batch: SequenceBatch, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.role not in LM_ROLES:
+            raise TypeError(f"logprobs needs an LM head; this backend's role is {self.role!r}")
+
+        def collect(outputs: MegatronHeadOutputs) -> torch.Tensor:
+            lp = outputs.logprob
+            return torch.stack([lp, outputs.entropy]) if with_entropy else lp[None]
+
+        out = self._forward_no_grad(batch, collect, temperature, width=2 if with_entropy else 1)
+        return out[0], (out[1] if with_entropy else None)
+
+    def values(self, batch: SequenceBatch) -> torch.Tensor:
+        if self.role != "critic":
+            raise TypeError(f"values needs the critic role; this backend's role is {self.role!r}")
+        return self._forward_no_grad(batch, lambda o: o.values[None], 1.0, width=1)[0]
+
+    def token_scores(self, batch: SequenceBatch) -> torch.Tensor:
+        if self.role != "prm":
+            raise TypeError(f"token_scores needs the prm role; this backend's role is {self.role!r}")
+        out = self._forward_no_grad(
+            batch, lambda o: o.scores.permute(2, 0, 1), 1.0, width=self.num_labels
+        )
+        return out.permute(1, 2, 0).contiguous()
+
+    def train_step(
+        self, micro_batches: list[SequenceBatch], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
+        if not self.trainable:
+            raise TypeError(f"the {self.role} backend was built without an optimizer (train=False)")
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        M = len(micro_batches)
+        if self.layout.vpp and M % self.layout.pp:
+            raise ValueError(
+                f"interleaved pipeline (virtual_pipeline_model_parallel_size={self.layout.vpp}) "
+                f"needs a multiple of pipeline_model_parallel_size={self.layout.pp} "
+                f"micro-batches, got {M}"
+            )
+        mbs = [self._prepare(mb) for mb in micro_batches]
+
+        def loss_func(mb: MicroBatch, hidden: torch.Tensor):
+            outputs = self._head_outputs(hidden, mb, temperature)
+            loss, metrics = loss_fn(outputs, mb.source)
+            reported = {"loss": loss.detach().clone().float()}
+            for k, v in (metrics or {}).items():
+                reported[k] = torch.as_tensor(v, dtype=torch.float64).detach().clone()
+            return loss * M, reported
+
+        for m in self.modules:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stored = self._run_schedule(mbs, loss_func, forward_only=False)
+        metrics = self._reduce_metrics(stored)
+        grad_norm, skipped, lr = optimizer_step(self.optimizer, self.optim, self.step)
+        if not skipped:
+            self.step += 1
+        metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
+        return metrics
+
+    @torch.no_grad()
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from export_hf(self.chunks, self.args, self.layout, self.role, self.num_labels)
+
+    def save(self, directory: str, include_optimizer: bool = True) -> None:
+        meta = {
+            "role": self.role,
+            "hf_config": self.hf_config,
+            "num_labels": self.num_labels,
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "vpp": self.layout.vpp,
+            "dtype": self.dtype_name,
+            "step": self.step,
+            "source": self.model_path,
+        }
+        optimizer = self.optimizer if include_optimizer else None
+        checkpoint.save(directory, self.modules, optimizer, meta)
+
+    def load(self, directory: str) -> None:
+        meta = checkpoint.read_meta(directory)
+        if meta.get("role") not in (self.role,) and {meta.get("role"), self.role} - set(LM_ROLES):
+            raise ValueError(
+                f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
+                f"{self.role}"
+            )
+        meta = checkpoint.load(directory, self.modules, self.optimizer)
+        if meta.get("has_optimizer") and self.optimizer is not None:
+            self.step = int(meta.get("step", 0))
+
+    # ------------------------------------------------------------------------- internals
+
+    def _prepare(self, batch: SequenceBatch) -> MicroBatch:
+        pad = self.layout.tp if self.layout.sp else 1
+        return to_micro_batch(batch, _device(), pad_multiple=pad)
+
+    def _head_outputs(
+        self, hidden: torch.Tensor, mb: MicroBatch, temperature: float
+    ) -> MegatronHeadOutputs:
+        model: MegarlGPTModel = self.chunks[-1]
+        if self.role in LM_ROLES:
+            return lm_outputs(
+                hidden,
+                mb,
+                model.lm_head_weight(),
+                temperature=temperature,
+                sequence_parallel=self.layout.sp,
+                tp_group=self.tp_group,
+                use_kernel=self.use_fused_kernels,
+            )
+        return value_outputs(
+            hidden,
+            mb,
+            model.score,
+            role=self.role,
+            sequence_parallel=self.layout.sp,
+            tp_group=self.tp_group,
+        )
+
+    def _forward_step(self, loss_func, data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        kwargs = {"fp32_output": False} if self.dtype == torch.bfloat16 else {}
+        hidden = model(mb.input_ids, mb.position_ids, None, **kwargs)
+        return hidden, functools.partial(loss_func, mb)
+
+    def _run_schedule(self, mbs: list[MicroBatch], loss_func, *, forward_only: bool) -> list:
+        """megatron's forward(-backward) schedule over ``mbs``; returns what ``loss_func``
+        reported per micro-batch (last pipeline stage; empty elsewhere)."""
+        fb = get_forward_backward_func(pp_size=self.layout.pp, vp_size=self.layout.vpp)
+        iters = [iter(mbs) for _ in self.modules]
+        with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(self.layout.vpp):
+            return fb(
+                forward_step_func=functools.partial(self._forward_step, loss_func),
+                data_iterator=iters if len(iters) > 1 else iters[0],
+                model=self.modules if len(self.modules) > 1 else self.modules[0],
+                num_microbatches=len(mbs),
+                seq_length=max(mb.seq_len for mb in mbs),
+                micro_batch_size=max(mb.batch_size for mb in mbs),
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+
+    def _forward_no_grad(self, batch: SequenceBatch, collect, temperature: float, width: int):
+        """[width, B, L] of ``collect(outputs)`` ([width, b, L] per micro-batch) for the full
+        batch, computed over this rank's DP share and gathered on every rank."""
+        B, L = batch.batch_size, batch.response_length
+        share, _ = split_rows(batch, self.dp_size, self.dp_rank)
+        per = share.batch_size
+        size = self.forward_micro_batch_size or max(1, -(-per // self.layout.pp))
+        pieces = chunk_rows(share, size)
+        if self.layout.vpp:  # interleaving needs a multiple of pp micro-batches
+            while len(pieces) % self.layout.pp:
+                pieces.append(pad_rows(share.select(slice(0, 0)), 1))
+        mbs = [self._prepare(p) for p in pieces]
+
+        def loss_func(mb: MicroBatch, hidden: torch.Tensor, non_loss_data: bool = False):
+            return collect(self._head_outputs(hidden, mb, temperature)).float()
+
+        for m in self.modules:
+            m.eval()
+        with torch.no_grad():
+            stored = self._run_schedule(mbs, loss_func, forward_only=True)
+        out = torch.zeros((width, per, L), dtype=torch.float32, device=_device())
+        if parallel.is_last_stage():
+            local = torch.cat([s for s in stored], dim=1)[:, :per]
+            out.copy_(local)
+        if self.layout.pp > 1:
+            dist.broadcast(out, src=parallel.pp_ranks()[-1], group=parallel.pp_group())
+        if self.dp_size > 1:
+            parts = [torch.empty_like(out) for _ in range(self.dp_size)]
+            dist.all_gather(parts, out, group=parallel.dp_group())
+            out = torch.cat(parts, dim=1)
+        return out[:, :B].cpu()
+
+    def _reduce_metrics(self, stored: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Sum over micro-batches (last stage), share over PP, average over DP."""
+        summed: dict[str, float] = {}
+        for d in stored:
+            for k, v in d.items():
+                summed[k] = summed.get(k, 0.0) + float(v)
+        if self.layout.pp > 1:
+            box = [summed]
+            dist.broadcast_object_list(box, src=parallel.pp_ranks()[-1], group=parallel.pp_group())
+            summed = box[0]
+        if self.dp_size > 1:
+            keys = sorted(summed)
+            t = torch.tensor([summed[k] for k in keys], dtype=torch.float64, device=_device())
+            dist.all_reduce(t, group=parallel.dp_group())
+            summed = dict(zip(keys, (t / self.dp_size).tolist()))
+        return summed
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,119 @@
+"""Backend checkpoints through ``megatron.core.dist_checkpointing`` (torch_dist format).
+
+A checkpoint directory holds megatron's files (``.metadata``, ``__*.distcp``, ``common.pt``,
+``metadata.json``) plus ``megarl_meta.json`` (role, HF config, layout it was written from,
+step, whether optimizer state is inside). Tensors are stored under layout-independent keys
+(global layer numbers, full tensor shapes), so a checkpoint written at one TP/PP/VPP/DP loads at
+any other; the distributed optimizer's state is saved ``fully_reshardable`` for the same reason.
+Keys are those of megatron's local spec, which TransformerEngine layers map onto.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+
+from megarl.backends.megatron import cpu_compat
+
+META_NAME = "megarl_meta.json"
+FORMAT = "megarl-megatron-v1"
+
+
+def sharded_metadata() -> dict[str, Any]:
+    return {
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def model_sharded_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": c.sharded_state_dict(metadata=metadata) for i, c in enumerate(chunks)}
+
+
+def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    file = Path(directory) / META_NAME
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{directory} is not a megarl megatron checkpoint (no {META_NAME}); write one with "
+            "MegatronBackend.save or `python -m conversion hf-to-megatron`"
+        )
+    with open(file, encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{file}: unknown checkpoint format {meta.get('format')!r}")
+    return meta
+
+
+def save(
+    directory: str | os.PathLike,
+    chunks: list[torch.nn.Module],
+    optimizer,
+    meta: dict[str, Any],
+) -> None:
+    """Collective: write model (+ optimizer) state and ``meta`` (rank 0) to ``directory``."""
+    directory = Path(directory)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        if any(p.name != META_NAME for p in directory.iterdir()):
+            raise FileExistsError(f"checkpoint directory {directory} is not empty")
+    dist.barrier()
+    metadata = sharded_metadata()
+    with cpu_compat.cuda_to_cpu(), cpu_compat.cuda_type_strings():
+        state = model_sharded_state(chunks, metadata)
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(
+                state, is_loading=False, metadata=metadata
+            )
+        dist_checkpointing.save(state, str(directory))
+    if dist.get_rank() == 0:
+        meta = {"format": FORMAT, **meta, "has_optimizer": optimizer is not None}
+        tmp = directory / (META_NAME + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / META_NAME)
+    dist.barrier()
+
+
+def load(
+    directory: str | os.PathLike, chunks: list[torch.nn.Module], optimizer
+) -> dict[str, Any]:
+    """Collective: load model (and, when the checkpoint has it and ``optimizer`` is given,
+    optimizer) state into the wrapped chunks; returns the checkpoint's meta."""
+    meta = read_meta(directory)
+    with_optim = optimizer is not None and meta.get("has_optimizer", False)
+    metadata = sharded_metadata()
+    with cpu_compat.cuda_to_cpu(), cpu_compat.cuda_type_strings():
+        state = model_sharded_state(chunks, metadata)
+        if with_optim:
+            state["optimizer"] = optimizer.sharded_state_dict(
+                state, is_loading=True, metadata=metadata
+            )
+        loaded = dist_checkpointing.load(state, str(directory))
+        keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+        for key, chunk in zip(keys, chunks):
+            _load_model_state(chunk, loaded[key])
+        if with_optim:
+            optimizer.load_state_dict(loaded["optimizer"])
+        elif optimizer is not None:
+            optimizer.reload_model_params()  # fp32 main params from the loaded weights
+    return meta
+
+
+def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise KeyError(f"checkpoint lacks model tensors: {missing}")

@@ -1,0 +1,188 @@
+"""Heads on megatron's final hidden states: LM logprob / entropy (vocab-parallel) and the
+token-classification ``score`` head of critics and PRMs.
+
+Tensor-parallel gradient contract (shared with ``megarl_kernels.linear_logprob_entropy``): the
+vocab-parallel logprob/entropy function receives the hidden states replicated on every TP rank
+and all-reduces their gradient over ``tp_group`` itself. So `full_sequence` hands out the
+hidden states of the whole sequence without any reduction of their gradient (under sequence
+parallelism it all-gathers them and its backward only splits the gradient back). The score
+head is replicated over TP: every rank computes the same full gradient, nothing to reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+
+from megarl.backends.megatron.batching import MicroBatch
+
+logger = logging.getLogger(__name__)
+_KERNEL_WARNED = False
+
+
+def full_sequence(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """[s, b, h] hidden states of the whole sequence (all-gathered under SP)."""
+    if not sequence_parallel:
+        return hidden
+    return tensor_parallel.gather_from_sequence_parallel_region(
+        hidden, tensor_parallel_output_grad=False
+    )
+
+
+def torch_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference / fallback: (logprob [N], entropy [N]) of ``labels`` under
+    ``softmax(hidden @ weight.T / temperature)`` with the vocab split over ``tp_group``
+    (``weight`` is this rank's [V/tp, H] shard). Float32 math; materialises [N, V/tp] logits.
+    The logprob goes through megatron's ``vocab_parallel_cross_entropy``."""
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if tp > 1:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    logits = (hidden @ weight.t()).float() / temperature  # [N, V/tp]
+    if tp > 1:
+        # megatron's function modifies fp32 logits in place (subtracts the row max): clone.
+        logprob = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)
+    else:
+        logprob = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
+    row_max = logits.detach().max(-1).values
+    if tp > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - row_max[:, None]
+    e = shifted.exp()
+    sum_e = e.sum(-1)
+    sum_ez = (e * shifted).sum(-1)
+    if tp > 1:
+        sum_e = tensor_parallel.reduce_from_tensor_model_parallel_region(sum_e, group=tp_group)
+        sum_ez = tensor_parallel.reduce_from_tensor_model_parallel_region(sum_ez, group=tp_group)
+    entropy = sum_e.log() - sum_ez / sum_e
+    return logprob, entropy
+
+
+def kernel_logprob_entropy():
+    """``megarl_kernels.linear_logprob_entropy`` when importable, else None (warns once)."""
+    global _KERNEL_WARNED
+    try:
+        from megarl_kernels import linear_logprob_entropy
+    except ImportError:
+        if not _KERNEL_WARNED:
+            warnings.warn(
+                "megarl_kernels.linear_logprob_entropy is not available; the megatron backend "
+                "uses its PyTorch fallback (full [N, V/tp] logits)",
+                stacklevel=2,
+            )
+            _KERNEL_WARNED = True
+        return None
+    return linear_logprob_entropy
+
+
+class MegatronHeadOutputs:
+    """`HeadOutputs` of one micro-batch (see megarl.backends.protocol).
+
+    hidden [N, H]: final hidden states predicting the N response tokens (packed);
+    weight [V/tp, H]; labels [N]; flat_index (rows [N], cols [N]) into [b, L];
+    logprob / entropy [b, L] lazily, differentiable, 0 outside the response;
+    values [b, L] for critics, scores [b, L, num_labels] for PRMs.
+    """
+
+    def __init__(
+        self,
+        *,
+        mb: MicroBatch,
+        temperature: float,
+        tp_group: dist.ProcessGroup,
+        hidden: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+        use_kernel: bool = True,
+        values: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+    ):
+        self.temperature = float(temperature)
+        self.tp_group = tp_group
+        self.hidden = hidden
+        self.weight = weight
+        self.labels = mb.labels
+        self.flat_index = (mb.rows, mb.resp_cols)
+        self.shape = (mb.batch_size, mb.response_length)
+        self.values = values
+        self.scores = scores
+        self._use_kernel = use_kernel
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache is None:
+            if self.hidden is None:
+                raise AttributeError("logprob/entropy need an LM head (actor or ref role)")
+            fn = kernel_logprob_entropy() if self._use_kernel else None
+            if fn is None:
+                fn = torch_logprob_entropy
+            lp, ent = fn(self.hidden, self.weight, self.labels, self.temperature, self.tp_group)
+            self._cache = (self._scatter(lp), self._scatter(ent))
+        return self._cache
+
+    def _scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.new_zeros(self.shape, dtype=torch.float32)
+        return out.index_put(self.flat_index, flat.float())
+
+    @property
+    def logprob(self) -> torch.Tensor:
+        return self._compute()[0]
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        return self._compute()[1]
+
+
+def lm_outputs(
+    hidden: torch.Tensor,
+    mb: MicroBatch,
+    weight: torch.Tensor,
+    *,
+    temperature: float,
+    sequence_parallel: bool,
+    tp_group: dist.ProcessGroup,
+    use_kernel: bool,
+) -> MegatronHeadOutputs:
+    """HeadOutputs of an LM-head model from its final hidden states [s(/tp), b, h]."""
+    full = full_sequence(hidden, sequence_parallel)
+    picked = full[mb.pred_cols, mb.rows].to(weight.dtype)  # [N, H]
+    return MegatronHeadOutputs(
+        mb=mb,
+        temperature=temperature,
+        tp_group=tp_group,
+        hidden=picked,
+        weight=weight,
+        use_kernel=use_kernel,
+    )
+
+
+def value_outputs(
+    hidden: torch.Tensor,
+    mb: MicroBatch,
+    score: torch.nn.Linear,
+    *,
+    role: str,
+    sequence_parallel: bool,
+    tp_group: dist.ProcessGroup,
+) -> MegatronHeadOutputs:
+    """HeadOutputs of a critic (``values`` [b, L] read at the column before each token) or a
+    PRM (``scores`` [b, L, num_labels] read at the token's own column)."""
+    full = full_sequence(hidden, sequence_parallel)
+    b, L = mb.batch_size, mb.response_length
+    if role == "critic":
+        picked = full[mb.pred_cols, mb.rows].to(score.weight.dtype)
+        v = score(picked)[:, 0].float()
+        values = v.new_zeros((b, L)).index_put((mb.rows, mb.resp_cols), v)
+        return MegatronHeadOutputs(mb=mb, temperature=1.0, tp_group=tp_group, values=values)
+    picked = full[mb.cls_tok_cols, mb.cls_rows].to(score.weight.dtype)
+    s = score(picked).float()
+    scores = s.new_zeros((b, L, s.shape[-1])).index_put((mb.cls_rows, mb.cls_resp_cols), s)
+    return MegatronHeadOutputs(mb=mb, temperature=1.0, tp_group=tp_group, scores=scores)

@@ -1,0 +1,107 @@
+"""megatron's parallel_state: initialised once per process, shared by every role.
+
+Megatron keeps its process groups in module globals, so all backends living in one process
+(actor, ref, critic, PRM) share one tensor x pipeline layout; they may differ in sequence
+parallelism, virtual pipeline size, dtype and recompute. The virtual-pipeline size megatron
+reads from parallel_state is set only while a backend runs its own schedule (`virtual_pp`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+from megarl.backends.megatron import cpu_compat
+
+_SEEDED: int | None = None
+
+
+def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
+    """Initialise megatron's process groups for (tp, pp) unless already done with the same
+    sizes; the caller must have called ``torch.distributed.init_process_group``."""
+    global _SEEDED
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "MegatronBackend needs torch.distributed: call "
+            "torch.distributed.init_process_group('gloo' on CPU, 'nccl' on GPU) first "
+            "(megarl.utils.dist.init_distributed does it)"
+        )
+    cpu_compat.apply()
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    world = dist.get_world_size()
+    if ps.model_parallel_is_initialized():
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+        )
+        if have != (tp, pp):
+            raise ValueError(
+                f"megatron parallel_state is already initialised with tensor/pipeline sizes "
+                f"{have} in this process, but this backend asks for {(tp, pp)}: every megatron "
+                "role in one process must use the same tensor_model_parallel_size and "
+                "pipeline_model_parallel_size"
+            )
+    else:
+        if world % (tp * pp):
+            raise ValueError(
+                f"world size {world} is not a multiple of tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size = {tp} x {pp}"
+            )
+        with cpu_compat.cuda_to_cpu():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            )
+    if _SEEDED is None:
+        with cpu_compat.cuda_to_cpu():
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        _SEEDED = seed
+
+
+@contextlib.contextmanager
+def virtual_pp(vpp: int | None) -> Iterator[None]:
+    """Set megatron's global virtual-pipeline size (and rank 0) for the duration."""
+    old_size = ps.get_virtual_pipeline_model_parallel_world_size()
+    old_rank = ps.get_virtual_pipeline_model_parallel_rank()
+    ps.set_virtual_pipeline_model_parallel_world_size(vpp)
+    ps.set_virtual_pipeline_model_parallel_rank(0 if vpp else None)
+    try:
+        yield
+    finally:
+        ps.set_virtual_pipeline_model_parallel_world_size(old_size)
+        ps.set_virtual_pipeline_model_parallel_rank(old_rank)
+
+
+def tp_group() -> dist.ProcessGroup:
+    return ps.get_tensor_model_parallel_group()
+
+
+def pp_group() -> dist.ProcessGroup:
+    return ps.get_pipeline_model_parallel_group()
+
+
+def dp_group() -> dist.ProcessGroup:
+    return ps.get_data_parallel_group()
+
+
+def tp_rank() -> int:
+    return ps.get_tensor_model_parallel_rank()
+
+
+def pp_rank() -> int:
+    return ps.get_pipeline_model_parallel_rank()
+
+
+def pp_ranks() -> list[int]:
+    """Global ranks of this rank's pipeline group, by stage."""
+    return dist.get_process_group_ranks(pp_group())
+
+
+def is_last_stage() -> bool:
+    return pp_rank() == ps.get_pipeline_model_parallel_world_size() - 1
