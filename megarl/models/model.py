@@ -336,7 +336,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """HF-style init: N(0, initializer_range) for Linear/Embedding weights, zero biases,
-        ones for norms. Safe to call after ``to_empty()`` of a meta-device model."""
+        ones for norms. Safe to call after ``to_empty()`` of a meta-device model (which unties
+        shared parameters: they are re-tied here first)."""
+        self.tie_weights()
         std = self.args.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
