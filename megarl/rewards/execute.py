@@ -68,13 +68,15 @@ def run_request(req: RewardRequest) -> tuple[float, dict[str, Any], str]:
             raise ValueError(f"score function returned non-finite {score}")
         return score, extra, "ok"
     except MemoryError as e:
-        raise WorkerCrash(f"MemoryError: {e}") from None
+        raise WorkerCrash(("MemoryError (memory bound hit)" + (f": {e}" if str(e) else ""))[:_MAX_MESSAGE]) from None
     except Exception as e:  # noqa: BLE001 - any failure of one response scores 0
         return 0.0, {"error": f"{type(e).__name__}: {e}"[:_MAX_MESSAGE]}, "error"
 
 
 def limit_address_space(limit_bytes: int) -> None:
-    """Cap this process's virtual memory (RLIMIT_AS) so a runaway call gets MemoryError."""
+    """Cap this process's virtual memory (RLIMIT_AS) so a runaway call gets MemoryError; no
+    core files from crashing workers."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit_bytes = min(limit_bytes, hard)

@@ -1,7 +1,8 @@
 """`local` reward pool: worker subprocesses on this machine, each killable on its own.
 
-Each worker is `python -m megarl.rewards._worker` (a fresh interpreter: it never re-imports the
-trainer's main module and never imports torch) talking over two private pipes. The parent
+Workers are forked by a zygote, `python -m megarl.rewards._worker --zygote` (a fresh interpreter
+that has math-verify imported and warmed up, never the trainer's main module or torch), so a
+replacement is ready in milliseconds; each talks to the parent over two private pipes. The parent
 sends a worker a chunk of items, the worker answers item by item, and the parent watches every
 busy worker with `multiprocessing.connection.wait` against a deadline: the item in progress
 must finish `timeout_s` after the previous one (or after the send). Past it the worker is
@@ -13,8 +14,10 @@ chunk go back to the queue, so results never depend on the number of workers.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,21 +31,94 @@ from pathlib import Path
 from megarl.rewards.pool import RewardPool, RewardRequest, RewardResult
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
+logger = logging.getLogger(__name__)
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _describe(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "worker exited (status unknown)"
+    if exitcode < 0:
+        try:
+            return f"worker killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"worker killed by signal {-exitcode}"
+    return f"worker exited with code {exitcode}"
+
+
+class _Zygote:
+    """A warm interpreter that forks workers (see `megarl.rewards._worker`)."""
+
+    def __init__(self, start_timeout_s: float):
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "megarl.rewards._worker", "--zygote", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                env=_worker_env(),
+            )
+        finally:
+            child.close()
+        self.sock = parent
+        self.sock.settimeout(start_timeout_s)
+        self.ready = False
+
+    def _call(self, msg: bytes, fds: tuple[int, ...] = ()) -> str:
+        if not self.ready:
+            if self.sock.recv(64) != b"ready":
+                raise OSError("reward zygote did not start")
+            self.ready = True
+        if fds:
+            socket.send_fds(self.sock, [msg], list(fds))
+        else:
+            self.sock.send(msg)
+        reply = self.sock.recv(64)
+        if not reply:
+            raise OSError("reward zygote exited")
+        return reply.decode()
+
+    def spawn(self, inbox_r: int, outbox_w: int, memory_mb: int) -> int:
+        return int(self._call(f"spawn {memory_mb}".encode(), (inbox_r, outbox_w)).split()[1])
+
+    def reap(self, pid: int) -> int:
+        return int(self._call(f"reap {pid}".encode()).split()[1])
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class _Worker:
-    def __init__(self, memory_mb: int):
+    """One worker process: forked by the zygote, or (without one) started directly."""
+
+    def __init__(self, memory_mb: int, zygote: _Zygote | None):
         req_r, req_w = os.pipe()
         res_r, res_w = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH")) if p)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        self.zygote, self.proc = zygote, None
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "megarl.rewards._worker", str(req_r), str(res_w), str(memory_mb)],
-                pass_fds=(req_r, res_w),
-                env=env,
-            )
+            if zygote is not None:
+                self.pid = zygote.spawn(req_r, res_w, memory_mb)
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "megarl.rewards._worker", str(req_r), str(res_w), str(memory_mb)],
+                    pass_fds=(req_r, res_w),
+                    env=_worker_env(),
+                )
+                self.pid = self.proc.pid
+        except BaseException:
+            os.close(req_w)
+            os.close(res_r)
+            raise
         finally:
             os.close(req_r)
             os.close(res_w)
@@ -54,51 +130,49 @@ class _Worker:
         self.inflight: deque[int] = deque()
         self.item_start = 0.0
         self.crash_message: str | None = None
+        self.status: str | None = None
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for c in (self.outbox, self.inbox):
+    def kill(self) -> str:
+        """SIGKILL (harmless if it already exited), reap, close pipes; returns how it ended."""
+        if self.status is None:
             try:
-                c.close()
-            except OSError:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
+            try:
+                if self.proc is not None:
+                    self.status = _describe(self.proc.wait(timeout=10))
+                else:
+                    st = self.zygote.reap(self.pid)
+                    self.status = _describe(os.waitstatus_to_exitcode(st) if st >= 0 else None)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.status = "worker exited (status unknown)"
+            for c in (self.outbox, self.inbox):
+                try:
+                    c.close()
+                except OSError:
+                    pass
+        return self.status
 
     def death_reason(self) -> str:
-        if self.crash_message:
-            return self.crash_message
-        try:
-            code = self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return "worker stopped answering"
-        if code < 0:
-            try:
-                return f"worker killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"worker killed by signal {-code}"
-        return f"worker exited with code {code}"
+        status = self.kill()
+        return self.crash_message or status
 
 
-def _shutdown(workers: list[_Worker | None]) -> None:
+def _shutdown(workers: list[_Worker | None], zygote_box: list[_Zygote | None]) -> None:
     for w in workers:
         if w is not None:
             try:
                 w.outbox.send(("stop",))
             except (OSError, ValueError):
                 pass
-    deadline = time.monotonic() + 2.0
     for w in workers:
         if w is not None:
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
             w.kill()
     workers[:] = [None] * len(workers)
+    if zygote_box[0] is not None:
+        zygote_box[0].close()
+        zygote_box[0] = None
 
 
 class LocalRewardPool(RewardPool):
@@ -118,6 +192,7 @@ class LocalRewardPool(RewardPool):
         chunk_size: int = 8,
         start_timeout_s: float = 120.0,
         max_start_failures: int = 3,
+        use_zygote: bool = True,
     ):
         super().__init__()
         self.num_workers, self.timeout_s, self.memory_mb = num_workers, timeout_s, memory_mb
@@ -125,8 +200,10 @@ class LocalRewardPool(RewardPool):
         self.max_start_failures = max_start_failures
         self._start_failures = 0
         self._lock = threading.Lock()
-        self._workers: list[_Worker | None] = [_Worker(memory_mb) for _ in range(num_workers)]
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        # Workers are forked on first use; the zygote warms up meanwhile.
+        self._zygote: list[_Zygote | None] = [_Zygote(start_timeout_s) if use_zygote else None]
+        self._workers: list[_Worker | None] = [None] * num_workers
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._zygote)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -148,12 +225,17 @@ class LocalRewardPool(RewardPool):
         retries: deque[int] = deque()
         crashes = [0] * n
         remaining = n
+        for k, w in enumerate(self._workers):
+            if w is None:
+                self._workers[k] = self._new_worker()
         while remaining:
             self._dispatch(requests, pending, retries)
             busy = [w for w in self._workers if w is not None and (w.inflight or not w.ready)]
             now = time.monotonic()
             deadlines = [self._deadline(w) for w in busy]
-            timeout = max(0.0, min(deadlines) - now) if deadlines else None
+            if not deadlines:
+                raise RuntimeError("LocalRewardPool: items left but no worker is busy (scheduler bug)")
+            timeout = max(0.0, min(deadlines) - now)
             live = {w.inbox: w for w in self._workers if w is not None}
             for conn in wait(list(live), timeout):
                 remaining -= self._drain(live[conn], requests, results, pending, retries, crashes)
@@ -216,9 +298,20 @@ class LocalRewardPool(RewardPool):
                 finished += 1
                 w.item_start = time.monotonic()
 
+    def _new_worker(self) -> _Worker:
+        zygote = self._zygote[0]
+        if zygote is not None:
+            try:
+                return _Worker(self.memory_mb, zygote)
+            except (OSError, ValueError) as e:
+                logger.warning("reward zygote failed (%s); starting workers directly (slower)", e)
+                zygote.close()
+                self._zygote[0] = None
+        return _Worker(self.memory_mb, None)
+
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self.memory_mb)
+        self._workers[self._workers.index(w)] = self._new_worker()
         self.stats["reward/worker_restarts"] += 1
 
     def _requeue_rest(self, w: _Worker, pending: deque[int]) -> None:

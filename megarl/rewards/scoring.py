@@ -112,7 +112,9 @@ def load_custom_reward_fn(
     spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+        defined = sorted(
+            k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name
+        )
         raise AttributeError(
             f"reward_model.custom_reward_function.name={name!r}: no such function in {p}. "
             f"Functions defined there: {defined}. Fix: set .name to one of them."

@@ -1,0 +1,267 @@
+"""`ray` reward pool: one Ray actor per worker, on any node of the cluster (issue 9).
+
+Same contract as the local pool: results in request order; an item past `timeout_s` kills its
+actor (`ray.kill`), scores 0 with status "timeout" and the actor is replaced; an actor that
+dies (segfault, os._exit, MemoryError under its RLIMIT_AS) has its item retried once on a fresh
+actor, then it scores 0 with status "error". Each actor runs at most `pipeline_depth` calls
+queued, so the parent knows when the head call started (when the one before it finished).
+
+memory_mb: an idle Ray worker already maps ~1.3 GB of address space (mostly reserved, not
+resident), so inside an actor RLIMIT_AS is set to that idle size plus memory_mb.
+
+Ray is optional: this module imports it only when a pool is built.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.rewards.pool import RewardPool, RewardRequest, RewardResult
+
+
+def _vm_size_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _RewardActor:
+    """Runs `execute.run_request` in a Ray worker process."""
+
+    def ready(self, memory_mb: int) -> int:
+        from megarl.rewards.execute import limit_address_space, warm_up
+
+        limit_address_space(_vm_size_bytes() + memory_mb * 2**20)
+        warm_up()
+        return os.getpid()
+
+    def score(self, request: RewardRequest):
+        from megarl.rewards.execute import WorkerCrash, run_request
+
+        try:
+            return run_request(request)
+        except WorkerCrash:
+            os._exit(3)  # the pool sees the actor die and retries the item on a fresh one
+
+
+class _Slot:
+    def __init__(self, handle, ready_ref):
+        self.handle, self.ready_ref = handle, ready_ref
+        self.started = time.monotonic()
+        self.ready = False
+        self.fresh = True
+        self.inflight: deque[tuple[int, Any]] = deque()  # (index, ObjectRef), in call order
+        self.item_start = 0.0
+
+
+class RayRewardPool(RewardPool):
+    """Ray actors with a per-item wall-clock bound and an address-space bound per actor.
+
+    address: a running cluster ("auto", "ray://...", host:port) or None to start a local Ray
+    (or reuse the one this process already initialised). init_kwargs: extra `ray.init`
+    arguments for a local start (default: 256 MiB object store, no dashboard).
+    actor_num_cpus: CPUs each actor reserves. pipeline_depth: calls queued per actor.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        address: str | None = None,
+        init_kwargs: dict[str, Any] | None = None,
+        actor_num_cpus: float = 1.0,
+        pipeline_depth: int = 2,
+        start_timeout_s: float = 300.0,
+        max_start_failures: int = 3,
+    ):
+        super().__init__()
+        try:
+            import ray
+        except ImportError as e:
+            raise ImportError(
+                "reward_model.pool=ray needs Ray: pip install 'megarl[ray]' (or pool=local)"
+            ) from e
+        self._ray = ray
+        self.num_workers, self.timeout_s, self.memory_mb = num_workers, timeout_s, memory_mb
+        self.pipeline_depth, self.start_timeout_s = max(1, pipeline_depth), start_timeout_s
+        self.max_start_failures = max_start_failures
+        self._start_failures = 0
+        self._owns_ray = False
+        if not ray.is_initialized():
+            kw: dict[str, Any] = {"address": address} if address else {
+                "object_store_memory": 256 * 2**20,
+                "include_dashboard": False,
+            }
+            kw.update(init_kwargs or {})
+            ray.init(**kw)
+            self._owns_ray = True
+        self._actor_cls = ray.remote(num_cpus=actor_num_cpus, max_restarts=0, max_task_retries=0)(_RewardActor)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._slots = [self._new_slot() for _ in range(num_workers)]
+
+    # -- public -----------------------------------------------------------------------------
+
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        if self._closed:
+            raise RuntimeError("RayRewardPool.score() after close()")
+        with self._lock:
+            return self._score(list(requests))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._slots:
+            self._kill(s)
+        self._slots = []
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def _new_slot(self) -> _Slot:
+        handle = self._actor_cls.options(scheduling_strategy="SPREAD").remote()
+        return _Slot(handle, handle.ready.remote(self.memory_mb))
+
+    def _kill(self, s: _Slot) -> None:
+        try:
+            self._ray.kill(s.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def _replace(self, s: _Slot) -> None:
+        self._kill(s)
+        self._slots[self._slots.index(s)] = self._new_slot()
+        self.stats["reward/worker_restarts"] += 1
+
+    def _deadline(self, s: _Slot) -> float:
+        return (s.item_start + self.timeout_s) if s.ready else (s.started + self.start_timeout_s)
+
+    def _score(self, requests: list[RewardRequest]) -> list[RewardResult]:
+        ray = self._ray
+        n = len(requests)
+        results: list[RewardResult | None] = [None] * n
+        pending: deque[int] = deque(range(n))
+        retries: deque[int] = deque()
+        crashes = [0] * n
+        remaining = n
+        while remaining:
+            self._dispatch(requests, pending, retries)
+            watched: dict[Any, _Slot] = {}
+            for s in self._slots:
+                if not s.ready:
+                    watched[s.ready_ref] = s
+                elif s.inflight:
+                    watched[s.inflight[0][1]] = s
+            if not watched:
+                raise RuntimeError("RayRewardPool: items left but no actor is busy (scheduler bug)")
+            now = time.monotonic()
+            timeout = max(0.0, min(self._deadline(s) for s in watched.values()) - now)
+            done, _ = ray.wait(list(watched), num_returns=1, timeout=timeout)
+            if done:
+                done, _ = ray.wait(list(watched), num_returns=len(watched), timeout=0)
+            for ref in done:
+                s = watched[ref]
+                if s not in self._slots:
+                    continue
+                if not s.ready:
+                    self._on_ready(s)
+                else:
+                    remaining -= self._on_result(s, results, pending, retries, crashes)
+            now = time.monotonic()
+            for s in list(self._slots):
+                if (s.inflight or not s.ready) and now > self._deadline(s):
+                    remaining -= self._expire(s, results, pending)
+        return results  # type: ignore[return-value]
+
+    def _dispatch(self, requests, pending: deque[int], retries: deque[int]) -> None:
+        fresh_available = any(s.fresh for s in self._slots)
+        for s in self._slots:
+            if not s.ready:
+                continue
+            while len(s.inflight) < self.pipeline_depth:
+                if retries and (s.fresh or not fresh_available):
+                    i = retries.popleft()
+                elif pending:
+                    i = pending.popleft()
+                else:
+                    break
+                if not s.inflight:
+                    s.item_start = time.monotonic()
+                s.fresh = False
+                s.inflight.append((i, s.handle.score.remote(requests[i])))
+
+    def _on_ready(self, s: _Slot) -> None:
+        try:
+            self._ray.get(s.ready_ref)
+        except Exception as e:  # noqa: BLE001
+            self._start_failed(s, f"{type(e).__name__}: {e}")
+            return
+        s.ready = True
+        self._start_failures = 0
+
+    def _start_failed(self, s: _Slot, reason: str) -> None:
+        self._start_failures += 1
+        if self._start_failures >= self.max_start_failures:
+            self.close()
+            raise RuntimeError(
+                f"reward actors failed to start {self._start_failures} times in a row ({reason[:500]}). "
+                f"Fix: raise reward_model.memory_mb (now {self.memory_mb}) or install megarl and "
+                "math-verify on every Ray node."
+            )
+        self._replace(s)
+
+    def _on_result(self, s: _Slot, results, pending, retries, crashes) -> int:
+        ray = self._ray
+        index, ref = s.inflight[0]
+        try:
+            score, extra, status = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:  # the method itself raised: not a crash
+            score, extra, status = 0.0, {"error": f"{type(e).__name__}: {e}"[:500]}, "error"
+        except ray.exceptions.RayError as e:  # the actor died
+            return self._died(s, f"actor died: {type(e).__name__}", results, pending, retries, crashes)
+        s.inflight.popleft()
+        s.item_start = time.monotonic()
+        results[index] = RewardResult(float(score), extra, status)
+        if status == "error":
+            self.stats["reward/errors"] += 1
+        return 1
+
+    def _requeue_rest(self, s: _Slot, pending: deque[int]) -> None:
+        pending.extendleft(reversed([i for i, _ in s.inflight]))
+        s.inflight.clear()
+
+    def _died(self, s: _Slot, reason: str, results, pending, retries, crashes) -> int:
+        head, _ = s.inflight.popleft()
+        crashes[head] += 1
+        finished = 0
+        if crashes[head] >= 2:
+            results[head] = RewardResult(0.0, {"error": f"{reason} (after one retry)"}, "error")
+            self.stats["reward/errors"] += 1
+            finished = 1
+        else:
+            retries.append(head)
+            self.stats["reward/crash_retries"] += 1
+        self._requeue_rest(s, pending)
+        self._replace(s)
+        return finished
+
+    def _expire(self, s: _Slot, results, pending) -> int:
+        if not s.ready:
+            self._start_failed(s, f"actor did not start within {self.start_timeout_s} s")
+            return 0
+        head, _ = s.inflight.popleft()
+        results[head] = RewardResult(0.0, {"error": f"timed out after {self.timeout_s} s"}, "timeout")
+        self.stats["reward/timeouts"] += 1
+        self._requeue_rest(s, pending)
+        self._replace(s)
+        return 1
