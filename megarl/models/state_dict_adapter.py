@@ -131,10 +131,10 @@ def from_hf(
     new_head: list[str] = []
     if allow_new_head:
         own = {k for k in expected if k.startswith(_HEAD_PREFIXES)}
-        if not own & tensors.keys():
+        for k in [k for k in tensors if k.startswith(_HEAD_PREFIXES) and k not in own]:
+            del tensors[k]  # the other head's tensors
+        if not own & tensors.keys():  # a partly present head stays an error below
             new_head = sorted(own)
-            for k in [k for k in tensors if k.startswith(_HEAD_PREFIXES)]:
-                del tensors[k]
             for k in new_head:
                 expected.pop(k)
 

@@ -234,6 +234,17 @@ def test_head_mismatch_needs_allow_new_head(tmp_path):
     prm = make_tiny_hf_model(tmp_path / "prm", "qwen2", "token_cls", tokenizer=False)
     with pytest.raises(CheckpointMismatchError, match="lm_head.weight"):
         load_model(prm)
+    assert load_model(prm, allow_new_head=True).lm_head.weight.shape == (128, 64)
+    # a tied LM needs no new head from a token-classification checkpoint: it is the embedding
+    tied_prm = make_tiny_hf_model(
+        tmp_path / "tied_prm", "qwen2", "token_cls", tokenizer=False, tie_word_embeddings=True
+    )
+    with pytest.raises(CheckpointMismatchError, match="unexpected.*score.bias"):
+        load_model(tied_prm)
+    lm = load_model(tied_prm, allow_new_head=True)
+    assert torch.equal(
+        lm.lm_head.weight, load_file(tied_prm / "model.safetensors")["model.embed_tokens.weight"]
+    )
 
 
 def test_tied_checkpoint_without_lm_head(tmp_path):
