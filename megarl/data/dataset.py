@@ -1,0 +1,170 @@
+"""RLDataset: prompts in verl's row format, tokenised once through the chat template."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megarl.data.rows import BadRowError, read_rows, resolve_path, validate_row
+from megarl.data.tokenizer import render_prompt
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION = ("error", "filter", "left", "right")
+
+
+@dataclass
+class PromptItem:
+    """One prompt ready for rollout.
+
+    prompt_ids:   token ids of the rendered prompt (chat template applied), at most
+                  max_prompt_length long
+    raw_prompt:   the chat messages as stored in the row
+    data_source:  the row's data_source (the reward function is chosen by it)
+    ground_truth: reward_model.ground_truth (a string, or a list of strings)
+    extra_info:   the row's extra_info dict ({} when absent)
+    index:        the row's position in the concatenation of all files, counted before
+                  filtering (a stable id for logging and grouping)
+    prompt_text:  the rendered prompt text (after the chat template, before truncation)
+    """
+
+    prompt_ids: list[int]
+    raw_prompt: list[dict[str, str]]
+    data_source: str
+    ground_truth: str | list[str]
+    extra_info: dict[str, Any]
+    index: int
+    prompt_text: str = field(default="", repr=False)
+
+
+class RLDataset:
+    """All rows of ``files``, validated and tokenised at construction.
+
+    Args:
+        files: one path or a list of paths (.parquet / .jsonl / .json) or ``embedded://...``
+        tokenizer: an HF tokenizer (see ``load_tokenizer``)
+        max_prompt_length: prompts longer than this (in tokens) are handled by ``truncation``:
+            "error" raises naming file and row, "filter" drops them (``num_filtered``, logged),
+            "left" keeps the last max_prompt_length tokens, "right" keeps the first.
+        prompt_key: the row field holding the chat messages
+        chat_template: a Jinja template used instead of the tokenizer's own
+        apply_chat_template: False feeds the message text without any template
+        on_bad_row: "error" raises on a malformed row; "skip" drops it (``num_bad_rows``, logged)
+    """
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        truncation: str = "error",
+        chat_template: str | None = None,
+        apply_chat_template: bool = True,
+        on_bad_row: str = "error",
+    ):
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
+        if on_bad_row not in ("error", "skip"):
+            raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+        files = [files] if isinstance(files, str) else list(files)
+        if not files:
+            raise ValueError("RLDataset needs at least one data file")
+        self.files = [resolve_path(f) for f in files]
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.num_filtered = 0
+        self.num_bad_rows = 0
+        self.num_truncated = 0
+        self.items: list[PromptItem] = []
+
+        bad_examples: list[str] = []
+        offset = 0
+        for path in self.files:
+            rows, where, n_rows = [], [], 0
+            for i, row in read_rows(path, on_bad_row):
+                n_rows = i + 1
+                try:
+                    if isinstance(row, BadRowError):
+                        raise row
+                    rows.append(validate_row(path, i, row, prompt_key))
+                    where.append(i)
+                except BadRowError as e:
+                    if on_bad_row == "error":
+                        raise
+                    self.num_bad_rows += 1
+                    if len(bad_examples) < 3:
+                        bad_examples.append(str(e).split(". Fix the row")[0])
+            self._add_file(path, rows, where, offset, chat_template, apply_chat_template)
+            offset += n_rows
+        if self.num_bad_rows:
+            logger.warning(
+                "skipped %d malformed rows (on_bad_row=skip), e.g.: %s",
+                self.num_bad_rows, "; ".join(bad_examples),
+            )
+        if self.num_filtered:
+            logger.warning(
+                "filtered %d prompts longer than max_prompt_length=%d tokens (truncation=filter)",
+                self.num_filtered, max_prompt_length,
+            )
+        if self.num_truncated:
+            logger.info(
+                "truncated %d prompts to %d tokens (truncation=%s)",
+                self.num_truncated, max_prompt_length, truncation,
+            )
+        if not self.items:
+            raise ValueError(
+                f"no usable prompts in {self.files} ({self.num_bad_rows} malformed, "
+                f"{self.num_filtered} over max_prompt_length={max_prompt_length})"
+            )
+
+    def _add_file(self, path, rows, where, offset, chat_template, apply_chat_template) -> None:
+        texts = [
+            render_prompt(self.tokenizer, r["prompt"], apply_chat_template, chat_template)
+            for r in rows
+        ]
+        if not texts:
+            return
+        ids_list = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        limit = self.max_prompt_length
+        for r, i, text, ids in zip(rows, where, texts, ids_list):
+            ids = list(ids)
+            if len(ids) > limit:
+                if self.truncation == "error":
+                    raise ValueError(
+                        f"{path}: row {i}: prompt is {len(ids)} tokens, over "
+                        f"max_prompt_length={limit}. Raise data.max_prompt_length, or set "
+                        f"data.truncation to 'filter' (drop), 'left' or 'right' (cut)"
+                    )
+                if self.truncation == "filter":
+                    self.num_filtered += 1
+                    continue
+                self.num_truncated += 1
+                ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
+            self.items.append(
+                PromptItem(
+                    prompt_ids=ids,
+                    raw_prompt=r["prompt"],
+                    data_source=r["data_source"],
+                    ground_truth=r["ground_truth"],
+                    extra_info=r["extra_info"],
+                    index=offset + i,
+                    prompt_text=text,
+                )
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        """Token count of every prompt, in dataset order."""
+        return [len(it.prompt_ids) for it in self.items]

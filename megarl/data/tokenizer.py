@@ -1,0 +1,77 @@
+"""Loading HF tokenizers offline and turning chat messages into prompt text."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from megarl.data.rows import resolve_path
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str, **kwargs: Any):
+    """``AutoTokenizer.from_pretrained(path)`` with downloads disabled.
+
+    ``path`` is a local tokenizer/model folder, ``embedded://tokenizer`` (or any embedded model),
+    or a hub id already present in the local HF cache. A tokenizer without a pad token gets its
+    eos token as pad (logged).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    local = resolve_path(path)
+    if os.path.exists(local) and not os.path.isdir(local):
+        raise NotADirectoryError(
+            f"tokenizer path {local!r} is a file; give the folder that holds tokenizer.json / "
+            f"tokenizer_config.json (an HF model or tokenizer folder)"
+        )
+    hub_like = not os.path.isabs(local) and not local.startswith(".") and local.count("/") == 1
+    if not os.path.isdir(local) and not hub_like:
+        raise FileNotFoundError(
+            f"tokenizer folder not found: {local!r}. Give a local HF tokenizer/model folder, a hub "
+            f"id that is already in the local HF cache, or embedded://tokenizer (no downloads: "
+            f"HF_HUB_OFFLINE=1)"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(local, **kwargs)
+    except Exception as e:  # noqa: BLE001 - HF raises OSError/ValueError/... depending on version
+        raise FileNotFoundError(
+            f"could not load a tokenizer from {local!r} ({type(e).__name__}: {e}). Give a local "
+            f"HF tokenizer/model folder, a hub id already in the local HF cache, or "
+            f"embedded://tokenizer (downloads are disabled: HF_HUB_OFFLINE=1)"
+        ) from e
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ValueError(f"tokenizer at {local!r} has neither a pad nor an eos token")
+        logger.info("tokenizer %s has no pad token; using eos %r as pad", local, tok.eos_token)
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def render_prompt(
+    tokenizer,
+    messages: list[dict[str, str]],
+    apply_chat_template: bool = True,
+    chat_template: str | None = None,
+) -> str:
+    """Prompt text for a list of chat messages.
+
+    apply_chat_template=True: the tokenizer's chat template (or ``chat_template`` when given)
+    with ``add_generation_prompt=True``. False: the message contents joined by newlines, no
+    template (for base models prompted with plain text).
+    """
+    if not apply_chat_template:
+        return "\n".join(m["content"] for m in messages)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(
+            "the tokenizer has no chat template: set data.chat_template to a Jinja template, or "
+            "data.apply_chat_template=false to feed the message text as is"
+        )
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, tokenize=False
+    )
