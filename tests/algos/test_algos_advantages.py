@@ -193,6 +193,11 @@ def test_against_bruteforce(seed):
     adv, ret = compute_advantages("reinforce_plus_plus", token_rewards=r, response_mask=m, gamma=0.7)
     torch.testing.assert_close(ret, t(bf.rpp_returns(rr, mm, 0.7)))
     torch.testing.assert_close(adv, t(bf.whiten_tokens(bf.rpp_returns(rr, mm, 0.7), mm)))
+    holes = m.clone()
+    holes[:, 2] = 0  # the return restarts after a masked (e.g. observation) token, as verl
+    adv, ret = compute_advantages("reinforce_plus_plus", token_rewards=r, response_mask=holes, gamma=0.7)
+    hh = bf.rows(holes)
+    torch.testing.assert_close(ret, t(bf.rpp_returns(rr, hh, 0.7)))
     b = torch.randn(r.shape[0], generator=gen, dtype=D)
     adv, ret = compute_advantages("remax", token_rewards=r, response_mask=m, baselines=b)
     ea, er = bf.remax(rr, mm, b.tolist())
@@ -237,6 +242,8 @@ def test_errors_are_clear():
         compute_advantages("rloo", token_rewards=r, response_mask=torch.ones(2, 3), group_index=t([0, 0], torch.long))
     with pytest.raises(ValueError, match=r"\(3,\)"):
         compute_advantages("rloo", token_rewards=r, response_mask=m, group_index=t([0, 0, 1], torch.long))
+    with pytest.raises(ValueError, match="single element"):  # whitening one token, as verl
+        compute_advantages("reinforce_plus_plus", token_rewards=r, response_mask=t([[1, 0], [0, 0]], torch.long))
     with pytest.raises(TypeError, match="int64"):
         compute_advantages("rloo", token_rewards=r, response_mask=m, group_index=t([0.0, 0.0]))
 
@@ -301,7 +308,7 @@ def test_interleaved_group_index_equals_contiguous_after_permutation(seed, name,
     gen = torch.Generator().manual_seed(seed)
     batch = n_groups * size
     contiguous = torch.arange(n_groups).repeat_interleave(size)  # 0 0 0 1 1 1 ...
-    lengths = torch.randint(1, 5, (batch,), generator=gen)
+    lengths = torch.randint(2, 5, (batch,), generator=gen)  # whitening needs >= 2 valid tokens
     m = (torch.arange(4)[None, :] < lengths[:, None]).long()
     r = torch.randn(batch, 4, generator=gen, dtype=D) * m
     a, _ = compute_advantages(name, token_rewards=r, response_mask=m, group_index=contiguous)

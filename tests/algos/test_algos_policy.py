@@ -134,6 +134,14 @@ def test_gspo_hand_forces_seq_mean_token_mean():
     torch.testing.assert_close(lp.grad, t([[0.0, 0.0, 0.0], [1 / 6, 1 / 6, 1 / 6]]), rtol=1e-6, atol=1e-9)
 
 
+def test_gspo_sequence_log_ratio_clamped_at_10():
+    lp = leaf([[12.0, 12.0]])
+    loss, met = policy_loss("gspo", logprob=lp, old_logprob=t([[0.0, 0.0]]), advantages=t([[-1.0, -1.0]]),
+                            response_mask=t([[1, 1]]))
+    assert loss.item() == pytest.approx(math.exp(10.0))  # not exp(12)
+    assert met["ppo_kl"] == pytest.approx(-12.0)
+
+
 def test_cispo_hand():
     old = t([[-1.0, -2.0, -0.3]])
     ratio = [1.5, 0.5, 1.0]
