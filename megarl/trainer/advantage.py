@@ -72,14 +72,13 @@ def compute_step_advantages(batch: RolloutBatch, s: AdvantageSettings,
     t["token_level_scores"] = scores
 
     kl = None
-    if "ref_logprob" in t and (s.use_kl_in_reward or s.estimator == "pure_rloo"):
+    if "ref_logprob" in t and s.use_kl_in_reward:
         kl = algos.kl_penalty(t["old_logprob"], t["ref_logprob"], s.kl_penalty) * mask
-    if s.use_kl_in_reward and kl is not None:
-        rewards = scores - kl_coef * kl
-        seq_kl = (kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-        metrics["actor/reward_kl_penalty"] = float(seq_kl)
+        rewards, cur_kl = algos.apply_kl_in_reward(scores, t["old_logprob"], t["ref_logprob"],
+                                                   mask, kl_coef, kind=s.kl_penalty)
+        metrics["actor/reward_kl_penalty"] = cur_kl
         metrics["actor/reward_kl_penalty_coeff"] = kl_coef
-        metrics["_kl_for_controller"] = float(seq_kl)
+        metrics["_kl_for_controller"] = cur_kl
     else:
         rewards = scores
     t["token_level_rewards"] = rewards
@@ -95,8 +94,7 @@ def compute_step_advantages(batch: RolloutBatch, s: AdvantageSettings,
             step_rewards=step_rewards, step_mask=step_mask, response_mask=mask,
             verifiable_rewards=vr, group_index=batch.group_index, mode=pure_mode(s),
             credit_assignment=s.credit_assignment, vr_coef=s.verifiable_reward_coef,
-            kl=kl if s.use_kl_in_reward else None,
-            kl_coef=kl_coef if s.use_kl_in_reward else 0.0,
+            kl=kl, kl_coef=kl_coef if kl is not None else 0.0,
             mask_separator=s.pure_mask_separator, normalize=s.pure_normalize)
     else:
         adv, ret = algos.compute_advantages(

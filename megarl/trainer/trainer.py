@@ -25,8 +25,8 @@ from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics
-from megarl.trainer.prm import score_steps, single_token_id, step_end_mask, step_end_token_table
 from megarl.trainer.parts import RunParts, build_run
+from megarl.trainer.prm import score_steps, single_token_id, step_end_mask, step_end_token_table
 from megarl.trainer.update import mean_metrics, run_update
 from megarl.trainer.validation import validate
 from megarl.utils import dist as mdist
@@ -60,11 +60,8 @@ class RLTrainer:
             verifiable_reward_coef=cfg.reward_model.verifiable_reward_coef,
             pure_mask_separator=alg.pure.mask_separator, pure_normalize=alg.pure.normalize,
             pacs=cfg.pacs.enable)
-        if alg.kl_ctrl.type == "adaptive":
-            self.kl_ctrl = algos.AdaptiveKLController(alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl,
-                                                      alg.kl_ctrl.horizon)
-        else:
-            self.kl_ctrl = algos.FixedKLController(alg.kl_ctrl.kl_coef)
+        self.kl_ctrl = algos.build_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef,
+                                                 alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         if p.prm is not None:
             self.step_table = step_end_token_table(p.tokenizer, cfg.reward_model.step_separator)
             marker = cfg.reward_model.prm_step_token
@@ -169,7 +166,6 @@ class RLTrainer:
             self.kl_ctrl.update(cur_kl, batch.batch_size)
         metrics.update(adv_metrics)
 
-        n = arr.rollout.n
         if p.critic is not None:
             with timer("update_critic"):
                 c = cfg.critic
@@ -218,7 +214,6 @@ class RLTrainer:
         metrics["training/global_step"] = self.step
         metrics["training/epoch"] = p.sampler.epoch
         metrics["actor/lr"] = metrics.get("actor/lr", float("nan"))
-        del n
         return metrics
 
     def _greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:

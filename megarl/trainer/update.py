@@ -130,7 +130,9 @@ def run_update(
                 dp_size=dp_size,
                 batch_num_tokens=int(resp_tokens[rows].sum()),
                 global_batch_size=int((resp_tokens[rows] > 0).sum()),
-                loss_scale_factor=loss_scale_factor,
+                # seq-mean-token-sum-norm is not scaled by dp_size (verl): dividing the
+                # constant by dp_size makes the DP-averaged gradient the one-batch gradient
+                loss_scale_factor=loss_scale_factor / dp_size,
             )
             out.append(backend.train_step(micro, make_loss_fn(norm), temperature=temperature))
     return out
