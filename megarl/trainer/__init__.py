@@ -1,0 +1,24 @@
+"""The RL loop (SPMD): rollout -> reward -> ref/old logprob -> advantage -> update -> sync."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Train with a validated Config in this process (one rank of a torchrun job, or alone)."""
+    from megarl.trainer.parts import pin_threads
+    from megarl.trainer.trainer import RLTrainer
+    from megarl.utils import dist as mdist
+
+    pin_threads()
+    device = mdist.resolve_device(cfg.trainer.device)
+    mdist.init_distributed(device, cfg.launch.backend)
+    try:
+        trainer = RLTrainer(cfg)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.parts.close()
+    finally:
+        mdist.destroy()

@@ -67,7 +67,7 @@ class Scorer:
     manager: Any  # None on ranks other than 0
     tokenizer: Any
     max_response_length: int
-    overlong: Any = None  # callable(length, max_length) -> penalty <= 0, or None
+    overlong: Any = None  # callable(lengths [B]) -> penalties [B] (<= 0), or None
 
     def decode(self, samples: list[RolloutSample]) -> list[str]:
         return self.tokenizer.batch_decode([s.response_ids for s in samples],
@@ -82,8 +82,7 @@ class Scorer:
                                            [s.extra_info for s in samples])
             scores = scores.to(torch.float32).tolist()
             if self.overlong is not None:
-                penalties = [self.overlong(len(s.response_ids), self.max_response_length)
-                             for s in samples]
+                penalties = self.overlong([len(s.response_ids) for s in samples]).tolist()
                 scores = [a + b for a, b in zip(scores, penalties)]
                 metrics["reward/overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
             result = (scores, metrics)

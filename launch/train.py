@@ -1,0 +1,48 @@
+"""The RL training entry point.
+
+    torchrun [--nproc_per_node N] launch/train.py --config NAME_OR_PATH [key=value ...]
+    python launch/train.py --config NAME_OR_PATH [key=value ...]        # one process
+
+A bare config name (``pure_prm_vr`` or ``pure_prm_vr.yaml``) resolves in configs/. Every rank
+runs the same loop (SPMD); there is no driver process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+# Runnable as a plain script from any directory: make the repo root importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="megarl RL trainer (PPO / GRPO / RLOO / REINFORCE++ / PURE / PACS)")
+    parser.add_argument("--config", required=True,
+                        help="recipe name in configs/ (e.g. pure_prm_vr) or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, as in verl")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from megarl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error:\n{err}", file=sys.stderr)
+        return 2
+    from megarl.trainer import run
+
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Assemble a run from its config: tokenizer, data, backends per role, engine, reward scoring,
+run directory and logger. Everything the loop needs, built once, in one place."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.backends.protocol import Backend
+from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
+from megarl.logging import MetricLogger
+from megarl.rollout.protocol import RolloutEngine
+from megarl.trainer.builders import build_backend, build_engine
+from megarl.trainer.rollout import Scorer
+from megarl.utils import dist as mdist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunParts:
+    cfg: Any
+    run_dir: Path
+    device: torch.device
+    tokenizer: Any
+    pad_id: int
+    eos_id: int
+    train_ds: RLDataset
+    sampler: PromptSampler
+    val_items: list | None
+    actor: Backend
+    ref: Backend | None
+    critic: Backend | None
+    prm: Backend | None
+    engine: RolloutEngine
+    scorer: Scorer
+    val_scorer: Scorer
+    total_steps: int
+    model_paths: dict[str, str]
+    pool: Any = None  # the reward pool (rank 0 only)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def make_logger(self, total_steps: int, resume_step: int | None) -> MetricLogger:
+        t = self.cfg.trainer
+        return MetricLogger(self.run_dir, list(t.logger), total_steps, rank=mdist.rank(),
+                            resume_step=resume_step,
+                            title=f"{t.project_name}/{t.experiment_name}")
+
+    def export_actor_hf(self) -> str | None:
+        """Write the actor as an HF folder under run_dir/hf_actor (collective)."""
+        from megarl.models import read_hf_config, save_hf_checkpoint
+
+        out = self.run_dir / "hf_actor"
+        stream = self.actor.export_weights()
+        if mdist.rank() == 0:
+            src = self.model_paths["actor"]
+            save_hf_checkpoint(out, stream, read_hf_config(src), source_dir=src, overwrite=True)
+        else:
+            for _ in stream:  # every rank takes part in the gathers
+                pass
+        mdist.barrier()
+        return str(out)
+
+
+def _resolve_all(cfg: Any) -> dict[str, str]:
+    """Resolve model paths (embedded:// assets are built by rank 0 first; the rest wait)."""
+    wanted = {"actor": cfg.actor_rollout_ref.model.path,
+              "tokenizer": cfg.actor_rollout_ref.model.tokenizer_path}
+    if cfg.critic.enable:
+        wanted["critic"] = cfg.critic.model.path
+    if cfg.reward_model.enable:
+        wanted["prm"] = cfg.reward_model.model.path
+    for key in ("train_files", "val_files"):
+        files = getattr(cfg.data, key)
+        if files:
+            wanted[key] = files if isinstance(files, str) else list(files)
+    if mdist.rank() == 0:
+        resolved = {k: (resolve_path(v) if isinstance(v, str) else [resolve_path(x) for x in v])
+                    for k, v in wanted.items()}
+    else:
+        resolved = None
+    mdist.barrier()
+    if mdist.rank() != 0:  # assets now exist: resolving is a lookup
+        resolved = {k: (resolve_path(v) if isinstance(v, str) else [resolve_path(x) for x in v])
+                    for k, v in wanted.items()}
+    return resolved
+
+
+def _total_steps(cfg: Any, sampler: PromptSampler) -> int:
+    if cfg.trainer.total_training_steps:
+        return int(cfg.trainer.total_training_steps)
+    return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch()
+
+
+def build_run(cfg: Any) -> RunParts:
+    rank = mdist.rank()
+    device = mdist.resolve_device(cfg.trainer.device)
+    paths = _resolve_all(cfg)
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    d = cfg.data
+    ds_kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
+                     prompt_key=d.prompt_key, truncation=d.truncation,
+                     chat_template=d.chat_template, apply_chat_template=d.apply_chat_template)
+    train_ds = RLDataset(paths["train_files"], **ds_kwargs)
+    if train_ds.num_filtered and rank == 0:
+        log.warning("data.train_files: %d prompts longer than max_prompt_length=%d were "
+                    "filtered", train_ds.num_filtered, d.max_prompt_length)
+    sampler = PromptSampler(len(train_ds), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    val_items = None
+    if paths.get("val_files"):
+        val_ds = RLDataset(paths["val_files"], **ds_kwargs)
+        val_items = [val_ds[i] for i in range(len(val_ds))]
+
+    torch.manual_seed(cfg.trainer.seed)  # fresh heads (critic) initialise identically everywhere
+    actor = build_backend("actor", cfg, paths["actor"])
+    a = cfg.actor_rollout_ref.actor
+    need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    ref = build_backend("ref", cfg, paths["actor"]) if need_ref else None
+    critic = build_backend("critic", cfg, paths["critic"]) if cfg.critic.enable else None
+    prm = build_backend("prm", cfg, paths["prm"]) if cfg.reward_model.enable else None
+
+    engine = build_engine(cfg, paths["actor"], device)
+    engine.update_weights(actor.export_weights())
+
+    rm = cfg.reward_model
+    manager = val_manager = pool = None
+    if rank == 0:
+        from megarl.rewards import make_reward_manager, make_reward_pool
+
+        pool = make_reward_pool(rm.pool, num_workers=rm.num_workers, timeout_s=rm.timeout_s,
+                                memory_mb=rm.memory_mb, ray_address=rm.ray.address)
+        custom = cfg.custom_reward_function
+        custom_spec = ({"path": custom.path, "name": custom.name,
+                        "reward_kwargs": dict(custom.reward_kwargs)} if custom.path else None)
+        manager = make_reward_manager(rm.reward_manager, pool, custom_spec)
+        val_manager = make_reward_manager("naive", pool, custom_spec)
+    overlong = None
+    if rm.overlong_buffer.enable:
+        from megarl.rewards import overlong_penalty
+
+        overlong = functools.partial(overlong_penalty, max_response_length=d.max_response_length,
+                                     buffer_length=rm.overlong_buffer.len,
+                                     penalty_factor=rm.overlong_buffer.penalty_factor)
+    scorer = Scorer(manager, tokenizer, d.max_response_length, overlong)
+    val_scorer = Scorer(val_manager, tokenizer, d.max_response_length)
+
+    run_dir = Path(cfg.trainer.default_local_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        from megarl.config import to_yaml
+
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    eos_id = tokenizer.eos_token_id
+    return RunParts(
+        cfg=cfg, run_dir=run_dir, device=device, tokenizer=tokenizer,
+        pad_id=tokenizer.pad_token_id, eos_id=eos_id, train_ds=train_ds, sampler=sampler,
+        val_items=val_items, actor=actor, ref=ref, critic=critic, prm=prm, engine=engine,
+        scorer=scorer, val_scorer=val_scorer, total_steps=_total_steps(cfg, sampler),
+        model_paths={k: v for k, v in paths.items() if isinstance(v, str)}, pool=pool,
+    )
+
+
+def pin_threads() -> None:
+    """One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (CPU runs on shared
+    cores are ~25x slower oversubscribed)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
