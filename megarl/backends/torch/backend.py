@@ -1,0 +1,471 @@
+"""TorchBackend: one role (actor / ref / critic / prm) on megarl's own model with PyTorch's
+FSDP2, DTensor tensor parallelism and torch.distributed.pipelining.
+
+Data flow of the no-grad methods (``logprobs``, ``values``, ``token_scores``): every rank holds
+the full batch; the rows are split over data-parallel ranks and into micro-batches (by default
+contiguous DP shares cut by ``forward_max_tokens`` / ``forward_micro_batch_size``; or the
+caller's ``micro_batches`` row lists, see `given_row_split`), each micro-batch is packed into one
+row without padding (`packing.pack`), and the results are all-reduced over DP (disjoint rows)
+and broadcast from the last pipeline stage, so every rank returns the full ``[B, L]``.
+
+``train_step`` runs the caller's micro-batches as given (same packing), sums gradients over
+micro-batches (FSDP averages them over DP ranks), clips by the global norm, and applies one
+AdamW update with the scheduled LR; a non-finite grad norm skips the update.
+
+Bit-identity: a micro-batch gives bit-identical logprobs in ``logprobs`` and inside
+``train_step`` (fp32, CPU) because both pack it the same way and run the same modules and
+kernel. Under pipeline parallelism a step's micro-batches are padded to their common length,
+and ``logprobs`` pads each DP rank's micro-batches the same way, so bit-identity needs the same
+per-rank grouping (pass the trainer's split through `interleave_rank_splits`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from megarl.backends.protocol import ROLES, LossFn, SequenceBatch
+from megarl.backends.torch import checkpoint as ckpt
+from megarl.backends.torch import parallelize as par
+from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scores, value_outputs
+from megarl.backends.torch.layout import Layout, build_mesh, world_size
+from megarl.backends.torch.optim import (
+    OptimSettings,
+    build_optimizer,
+    clip_grads_,
+    set_lr,
+    total_grad_norm,
+)
+from megarl.backends.torch.packing import (
+    Packed,
+    default_row_split,
+    empty_batch,
+    given_row_split,
+    pack,
+    packed_length,
+)
+from megarl.backends.torch.pipeline import StageRunner, common_length
+from megarl.backends.torch.weights import iter_full_weights, weight_specs
+from megarl.models import ModelArgs, Transformer, load_model, read_hf_config
+from megarl.models.args import num_labels_from_hf_config
+
+logger = logging.getLogger(__name__)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRAINABLE_ROLES = ("actor", "critic")
+LM_ROLES = ("actor", "ref")
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TorchBackend:
+    """A `megarl.backends.protocol.Backend` in plain PyTorch (see module docstring).
+
+    role:        actor | ref | critic | prm. Critic: 1-label ``score`` head (fresh when the
+                 checkpoint is an LM); PRM: token classification (``num_labels`` or config.json).
+    model_path:  HF folder (config.json + safetensors).
+    tp, pp, dp_shard, sp: tensor / pipeline / FSDP sizes (``dp_shard=-1``: world / (tp * pp)),
+                 sequence parallelism inside TP. Mesh ("pp", "dp_shard", "tp"), TP innermost.
+    dtype:       "fp32" | "bf16". bf16 on a trainable role = FSDP2 mixed precision (bf16 compute,
+                 fp32 master params and gradient reduction); frozen roles hold bf16 weights.
+    optim:       lr, betas, eps, weight_decay, grad_clip (None/0: off), lr_scheduler_type
+                 (constant | cosine), lr_warmup_steps (-1: use the ratio),
+                 lr_warmup_steps_ratio, min_lr_ratio, total_training_steps.
+    activation_checkpointing: recompute each block in backward.
+    use_fused_kernels, kernel_impl, chunk_size: logprob/entropy through megarl_kernels
+                 (impl "auto" | "torch" | "triton") or the naive log_softmax path.
+    forward_max_tokens, forward_micro_batch_size: micro-batching of the no-grad methods.
+    seed:        initialisation of a fresh head. device: default CUDA (current) else CPU.
+    With a world of one, fp32 and no parallelism, the model is not wrapped at all.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        model_path: str,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp_shard: int = -1,
+        sp: bool = False,
+        dtype: str = "fp32",
+        lr: float = 1e-6,
+        betas: Sequence[float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        grad_clip: float | None = 1.0,
+        lr_scheduler_type: str = "constant",
+        lr_warmup_steps: int = -1,
+        lr_warmup_steps_ratio: float = 0.0,
+        min_lr_ratio: float = 0.0,
+        total_training_steps: int = -1,
+        activation_checkpointing: bool = False,
+        use_fused_kernels: bool = True,
+        kernel_impl: str = "auto",
+        chunk_size: int | None = None,
+        forward_max_tokens: int | None = 16384,
+        forward_micro_batch_size: int | None = None,
+        num_labels: int | None = None,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        self.role = role
+        self.model_path = str(model_path)
+        self.trainable = role in TRAINABLE_ROLES
+        self.device = torch.device(device) if device is not None else default_device()
+        self.layout = Layout.resolve(world_size(), tp=tp, pp=pp, dp_shard=dp_shard, sp=sp)
+        self.mesh = build_mesh(self.layout, self.device)
+        self.compute_dtype = _DTYPES[dtype]
+        self.param_dtype = torch.float32 if self.trainable else self.compute_dtype
+        self.optim = OptimSettings(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
+            lr_scheduler_type=lr_scheduler_type, lr_warmup_steps=lr_warmup_steps,
+            lr_warmup_steps_ratio=lr_warmup_steps_ratio, min_lr_ratio=min_lr_ratio,
+            total_training_steps=total_training_steps,
+        )
+        self.kernel = {"fused": use_fused_kernels, "impl": kernel_impl, "chunk_size": chunk_size}
+        self.forward_max_tokens = forward_max_tokens
+        self.forward_micro_batch_size = forward_micro_batch_size
+        self.step = 0  # optimizer updates applied (the LR schedule position)
+
+        self.hf_config = read_hf_config(model_path)
+        self.args = ModelArgs.from_hf_config(self.hf_config)
+        self.head = "lm" if role in LM_ROLES else "token_cls"
+        self.num_labels = None
+        if role == "critic":
+            self.num_labels = 1
+        elif role == "prm":
+            self.num_labels = num_labels or num_labels_from_hf_config(self.hf_config)
+        self.model = self._build_model(model_path, activation_checkpointing, seed)
+        self.optimizer = None
+        if self.trainable:
+            self.optimizer = build_optimizer(self._params(), self.optim)
+        else:
+            self.model.requires_grad_(False)
+            self.model.eval()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, role: str, cfg: Any, model_path: str | None = None,
+                    **overrides: Any) -> TorchBackend:
+        """A backend for ``role`` from the project config (see `backends.torch.config`)."""
+        from megarl.backends.torch.config import backend_kwargs
+
+        path, kwargs = backend_kwargs(role, cfg, model_path)
+        kwargs.update(overrides)
+        return cls(role, path, **kwargs)
+
+    def _build_model(self, path: str, ac: bool, seed: int) -> Transformer:
+        lay = self.layout
+        model = load_model(
+            path, head=self.head, num_labels=self.num_labels, dtype=self.param_dtype,
+            device="cpu", allow_new_head=self.role == "critic",
+            activation_checkpointing=ac and self.trainable, seed=seed,
+        )
+        with torch.device("meta"):
+            full = Transformer(self.args, head=self.head, num_labels=self.num_labels or 2,
+                               dtype=self.param_dtype)
+        self.pp_stage = self.mesh["pp"].get_local_rank()
+        layer_stage = {
+            i: s for s in range(lay.pp)
+            for i in par.stage_layers(self.args.num_hidden_layers, s, lay.pp)
+        }
+        self._specs = weight_specs(full, layer_stage, lay.pp, self.param_dtype)
+        par.split_stage(model, self.pp_stage, lay.pp)
+        model.to(self.device)
+        if lay.tp > 1:
+            par.apply_tp(model, self.mesh["tp"], lay.sp, is_last=self.is_last_stage)
+        mixed = self.trainable and self.compute_dtype != torch.float32
+        if lay.dp_shard > 1 or mixed:
+            par.apply_fsdp(
+                model, self.mesh["dp_shard"],
+                param_dtype=self.compute_dtype if mixed else None,
+                reshard_after_forward=lay.pp == 1,
+            )
+        self._runner = None
+        if lay.pp > 1:
+            self._runner = StageRunner(
+                model, stage=self.pp_stage, num_stages=lay.pp, pp_group=self.pp_group,
+                device=self.device, hidden_size=self.args.hidden_size,
+                act_dtype=self.compute_dtype,
+                out_width=self.args.hidden_size if self.head == "lm" else self.num_labels,
+                out_kind=self._out_kind,
+            )
+        return model
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp_shard"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_shard
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["tp"].get_group() if self.layout.tp > 1 else None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp_shard"].get_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.mesh["pp"].get_local_rank() == self.layout.pp - 1
+
+    @property
+    def _out_kind(self) -> str:
+        return "hidden" if self.head == "lm" else "logits"
+
+    @property
+    def _multiple(self) -> int:
+        return self.layout.tp if self.layout.sp else 1
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ no-grad protocol
+
+    def logprobs(
+        self,
+        batch: SequenceBatch,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        micro_batches: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No-grad (logprob [B, L], entropy [B, L] or None), float32, 0 outside the response.
+
+        micro_batches: optional flat list of row-index lists (a partition of 0..B-1); entry k is
+        computed by DP rank ``k % dp_size`` as one packed micro-batch. Give the rows of a
+        ``train_step`` micro-batch to get bit-identical logprobs (see `interleave_rank_splits`).
+        """
+        if self.role not in LM_ROLES:
+            raise TypeError(f"logprobs needs an LM head; this backend's role is {self.role!r}")
+
+        def collect(out: torch.Tensor, p: Packed) -> torch.Tensor:
+            heads = self._head_outputs(out, p, temperature)
+            return torch.stack([heads.logprob, heads.entropy], -1)
+
+        res = self._forward_no_grad(batch, collect, 2, micro_batches)
+        return res[..., 0], (res[..., 1] if with_entropy else None)
+
+    def values(
+        self, batch: SequenceBatch, micro_batches: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """Critic: no-grad values [B, L] float32 (value of token j read at column P + j - 1)."""
+        if self.role != "critic":
+            raise TypeError(f"values needs the critic role; this backend's role is {self.role!r}")
+        res = self._forward_no_grad(
+            batch, lambda o, p: value_outputs(o, p).values[..., None], 1, micro_batches
+        )
+        return res[..., 0]
+
+    def token_scores(
+        self, batch: SequenceBatch, micro_batches: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """PRM: no-grad logits [B, L, num_labels] float32 at each response token's column."""
+        if self.role != "prm":
+            raise TypeError(f"token_scores needs the prm role; this backend's role is {self.role!r}")
+        return self._forward_no_grad(batch, token_scores, self.num_labels, micro_batches)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(
+        self, micro_batches: list[SequenceBatch], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
+        if self.optimizer is None:
+            raise TypeError(f"the {self.role} backend is frozen (no optimizer)")
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        self.model.train()
+        mbs = [mb.to(self.device) for mb in micro_batches]
+        sums: dict[str, float] = {}
+        if self._runner is None:
+            for mb in mbs:
+                p = pack(mb, self.device, multiple=self._multiple)
+                out = self._run(p)
+                loss = self._loss(out, p, mb, loss_fn, temperature, sums)
+                loss.backward()
+        else:
+            self._train_pipeline(mbs, loss_fn, temperature, sums)
+        metrics = self._reduce_metrics(sums)
+        metrics.update(self._optimizer_step())
+        return metrics
+
+    def _loss(self, out, p: Packed, mb: SequenceBatch, loss_fn: LossFn, temperature: float,
+              sums: dict[str, float]) -> torch.Tensor:
+        loss, metrics = loss_fn(self._head_outputs(out, p, temperature), mb)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
+        if not loss.requires_grad:  # keep every rank's backward (and its collectives) running
+            loss = loss + out.sum() * 0.0
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+        for k, v in (metrics or {}).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        return loss
+
+    def _train_pipeline(self, mbs: list[SequenceBatch], loss_fn: LossFn, temperature: float,
+                        sums: dict[str, float]) -> None:
+        real = len(mbs)
+        while len(mbs) < self.layout.pp:  # 1F1B needs at least one micro-batch per stage
+            mbs = mbs + [empty_batch(mbs[0])]
+        T = common_length([packed_length(mb) for mb in mbs], self._multiple)
+        packed = [pack(mb, self.device, multiple=self._multiple, pad_to=T) for mb in mbs]
+
+        def loss_for(out: torch.Tensor, i: int) -> torch.Tensor:
+            if i >= real:
+                return out.sum() * 0.0
+            return self._loss(out, packed[i], mbs[i], loss_fn, temperature, sums)
+
+        self._runner.train(packed, loss_for)
+
+    @torch.no_grad()
+    def _optimizer_step(self) -> dict[str, float]:
+        params = self._params()
+        norm = float(total_grad_norm(params, self.pp_group if self.layout.pp > 1 else None))
+        lr = self.optim.lr_at(self.step)
+        skipped = not math.isfinite(norm)
+        if skipped:
+            logger.warning("%s: non-finite grad norm %s, skipping the update", self.role, norm)
+        else:
+            if self.optim.grad_clip:
+                clip_grads_(params, float(self.optim.grad_clip), torch.tensor(norm))
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sums of this rank (last stage) -> broadcast over PP -> average over DP."""
+        if self.layout.pp > 1:
+            box = [sums]
+            src = dist.get_process_group_ranks(self.pp_group)[-1]
+            dist.broadcast_object_list(box, src=src, group=self.pp_group)
+            sums = box[0]
+        if self.dp_size == 1:
+            return dict(sums)
+        gathered: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(gathered, sums, group=self.dp_group)
+        keys = sorted({k for g in gathered for k in g})
+        return {k: sum(g.get(k, 0.0) for g in gathered) / self.dp_size for k in keys}
+
+    # ------------------------------------------------------------------ weights / checkpoints
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) in HF order and the training params' dtype (fp32 masters
+        under bf16 mixed precision); tied ``lm_head.weight`` omitted as HF does. Collective."""
+        self._reshard()
+        yield from iter_full_weights(
+            self.model, self._specs, stage=self.pp_stage,
+            pp_group=self.pp_group if self.layout.pp > 1 else None, device=self.device,
+        )
+
+    def save(self, directory: str) -> None:
+        """Collective: model (+ optimizer, step) via DCP; loadable at any other layout."""
+        self._reshard()
+        lay = self.layout
+        meta = {"role": self.role, "tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
+                "sp": lay.sp, "source": self.model_path}
+        ckpt.save(directory, self.model, self.optimizer, self.step, meta)
+
+    def load(self, directory: str) -> None:
+        """Collective: inverse of `save` (at this backend's layout)."""
+        meta = ckpt.read_meta(directory)
+        roles = {meta.get("role"), self.role}
+        if meta.get("role") != self.role and not roles <= set(LM_ROLES):
+            raise ValueError(
+                f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
+                f"{self.role}"
+            )
+        self._reshard()
+        _, step = ckpt.load(directory, self.model, self.optimizer)
+        if step is not None:
+            self.step = step
+
+    # ------------------------------------------------------------------ internals
+
+    def _reshard(self) -> None:
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def _run(self, p: Packed) -> torch.Tensor:
+        return self.model(
+            p.input_ids, position_ids=p.position_ids, segment_ids=p.segment_ids,
+            output=self._out_kind,
+        )
+
+    def _lm_weight(self) -> torch.Tensor:
+        w = self.model.lm_head.weight
+        return w.to_local() if isinstance(w, DTensor) else w
+
+    def _head_outputs(self, out: torch.Tensor, p: Packed, temperature: float) -> TorchHeadOutputs:
+        if self.head == "lm":
+            return lm_outputs(out, p, self._lm_weight(), temperature=temperature,
+                              tp_group=self.tp_group, **self.kernel)
+        return value_outputs(out, p, tp_group=self.tp_group)
+
+    def _forward_no_grad(
+        self,
+        batch: SequenceBatch,
+        collect: Callable[[torch.Tensor, Packed], torch.Tensor],
+        width: int,
+        micro_batches: Sequence[Sequence[int]] | None,
+    ) -> torch.Tensor:
+        """[B, L, width] float32 of ``collect(output, packed)`` ([b, L, width] per micro-batch)
+        for the full batch on every rank (see module docstring)."""
+        B, L = batch.batch_size, batch.response_length
+        lengths = batch.attention_mask.bool().sum(1).tolist()
+        if micro_batches is not None:
+            split = given_row_split(micro_batches, B, self.dp_size)
+        else:
+            split = default_row_split(
+                lengths, self.dp_size, self.forward_max_tokens, self.forward_micro_batch_size
+            )
+        n = max(len(s) for s in split) or 1
+        mine = list(split[self.dp_rank]) + [[]] * (n - len(split[self.dp_rank]))
+        pieces = [batch.select(rows) if rows else empty_batch(batch) for rows in mine]
+        pad_to = None
+        if self._runner is not None:
+            pad_to = common_length([packed_length(p) for p in pieces], self._multiple)
+        packed = [pack(pc, self.device, multiple=self._multiple, pad_to=pad_to) for pc in pieces]
+
+        out = torch.zeros((B, L, width), dtype=torch.float32, device=self.device)
+        self.model.eval()
+        with torch.no_grad():
+            if self._runner is None:
+                outputs = [self._run(p) for p in packed]
+            else:
+                outputs = self._runner.forward(packed)
+            for rows, p, o in zip(mine, packed, outputs):
+                if rows:
+                    out[torch.tensor(rows, device=self.device)] = collect(o, p).float()
+        self._reshard()
+        if self.layout.pp > 1:
+            src = dist.get_process_group_ranks(self.pp_group)[-1]
+            dist.broadcast(out, src=src, group=self.pp_group)
+        if self.dp_size > 1:
+            dist.all_reduce(out, group=self.dp_group)
+        return out.to(batch.input_ids.device)
