@@ -1,0 +1,241 @@
+"""Build and locate the embedded demo assets (``embedded://...``).
+
+    python -m megarl.demo.assets            # build everything missing, print accuracies/times
+    python -m megarl.demo.assets --force    # rebuild
+
+Layout under the assets root (``$MEGARL_ASSETS``, default ``<repo>/assets``)::
+
+    tokenizer/   HF tokenizer folder (byte-level BPE, digits single, "\\n\\n" one token)
+    arith/       train.parquet (3-op RL prompts), val.parquet (held-out 3-op),
+                 sft.parquet (1-3 ops, with a "response" column), metadata.json
+    policy/      Qwen2ForCausalLM after the SFT warm start (+ tokenizer files)
+    critic/      the policy body as a 1-label token classifier, score head zero
+    prm/         Qwen2ForTokenClassification, 2 labels (1 = correct step)
+
+Every component is built in a staging folder and renamed into place with its metadata.json
+written last, under an exclusive file lock (``.build.lock``), so ranks that resolve the same
+URI at once build it once and never see a half-written folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ASSETS_VERSION = 1
+COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm")
+DEPENDS = {"tokenizer": (), "arith": (), "policy": ("tokenizer", "arith"),
+           "critic": ("policy",), "prm": ("policy",)}
+ARITH_FILES = ("train.parquet", "val.parquet", "sft.parquet")
+SCHEME = "embedded://"
+
+
+@dataclass
+class BuildConfig:
+    """Every knob of the build; the defaults make the shipped demo. Seeds fix the result on a
+    given machine and thread count."""
+
+    seed: int = 0
+    n_train: int = 20000  # 3-op RL prompts
+    n_val: int = 500  # held-out 3-op problems (excluded from every other set)
+    n_sft: int = 50000  # 1-3 op SFT rows
+    n_dev: int = 200  # 3-op problems for the SFT stopping rule
+    sft_max_steps: int = 3000
+    sft_batch: int = 64
+    sft_lr: float = 2e-3
+    sft_warmup: int = 30
+    sft_eval_every: int = 100
+    sft_eval_after: int = 500
+    sft_stop_at: float = 0.15  # stop at the first dev accuracy >= this (steep part of the curve)
+    prm_steps: int = 400
+    prm_batch: int = 64
+    prm_lr: float = 1e-3
+    n_prm_train: int = 20000
+    n_prm_eval: int = 500
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def assets_root(root: str | os.PathLike | None = None) -> Path:
+    if root is not None:
+        return Path(root)
+    return Path(os.environ.get("MEGARL_ASSETS") or repo_root() / "assets")
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        with open(path / "metadata.json", encoding="utf-8") as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def is_built(component: str, root: str | os.PathLike | None = None) -> bool:
+    """Built with this ASSETS_VERSION and from the dependency builds that are present now."""
+    base = assets_root(root)
+    meta = _read_meta(base / component)
+    if meta is None or meta.get("version") != ASSETS_VERSION:
+        return False
+    for dep in DEPENDS[component]:
+        dep_meta = _read_meta(base / dep) or {}
+        if meta.get("deps", {}).get(dep) != dep_meta.get("build_id"):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _lock(root: Path):
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".build.lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def ensure(
+    component: str,
+    root: str | os.PathLike | None = None,
+    config: BuildConfig | None = None,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Path of a built component, building it (and what it needs) first if missing."""
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown demo asset {component!r}; one of {COMPONENTS}")
+    base = assets_root(root)
+    if not force and is_built(component, base):
+        return base / component
+    with _lock(base):
+        _ensure_locked(component, base, config or BuildConfig(), {component} if force else set(),
+                       log, set())
+    return base / component
+
+
+def _ensure_locked(component, base, config, forced, log, done) -> None:
+    for dep in DEPENDS[component]:
+        if dep not in done:
+            _ensure_locked(dep, base, config, forced, log, done)
+    done.add(component)
+    if component not in forced and is_built(component, base):
+        return  # present (possibly built by another rank while we waited for the lock)
+    from megarl.demo import build  # heavy imports only when something must be built
+
+    staging = base / f".staging-{component}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    t0 = time.perf_counter()
+    (log or _quiet)(f"[assets] building {component} in {base}")
+    try:
+        meta = getattr(build, f"build_{component}")(staging, base, config, log or _quiet)
+        meta.update(
+            version=ASSETS_VERSION, build_id=uuid.uuid4().hex,
+            build_seconds=round(time.perf_counter() - t0, 1), build_config=asdict(config),
+            deps={d: (_read_meta(base / d) or {}).get("build_id") for d in DEPENDS[component]},
+        )
+        staging.mkdir(parents=True, exist_ok=True)
+        with open(staging / "metadata.json", "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+        target = base / component
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    (log or _quiet)(f"[assets] {component} done in {time.perf_counter() - t0:.1f}s")
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def resolve_uri(uri: str, root: str | os.PathLike | None = None) -> str:
+    """``embedded://policy|critic|prm|tokenizer|arith/<file>.parquet`` -> a local path (built on
+    first use); any other string is returned unchanged."""
+    if not isinstance(uri, str) or not uri.startswith(SCHEME):
+        return uri
+    name = uri[len(SCHEME):].strip("/")
+    component, _, rest = name.partition("/")
+    if component in ("policy", "critic", "prm", "tokenizer") and not rest:
+        return str(ensure(component, root))
+    if component == "arith" and (not rest or rest in ARITH_FILES):
+        return str(ensure("arith", root) / rest) if rest else str(ensure("arith", root))
+    raise ValueError(
+        f"unknown embedded asset {uri!r}; use embedded://policy, embedded://critic, "
+        f"embedded://prm, embedded://tokenizer or embedded://arith/{{{','.join(ARITH_FILES)}}}"
+    )
+
+
+def build_all(root: str | os.PathLike | None = None, config: BuildConfig | None = None,
+              force: bool = False, only: tuple[str, ...] = COMPONENTS,
+              log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Build (or find) the components in ``only``; returns their metadata."""
+    base = assets_root(root)
+    config = config or BuildConfig()
+    with _lock(base):
+        done: set[str] = set()
+        for c in only:
+            _ensure_locked(c, base, config, set(only) if force else set(), log, done)
+    return {c: _read_meta(base / c) or {} for c in only}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megarl.demo.assets", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default=None, help="assets folder (default $MEGARL_ASSETS or "
+                   "<repo>/assets)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the build")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.add_argument("--only", nargs="+", choices=COMPONENTS, default=list(COMPONENTS))
+    p.add_argument("--sft-max-steps", type=int, default=None)
+    p.add_argument("--prm-steps", type=int, default=None)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    config = BuildConfig()
+    if args.sft_max_steps is not None:
+        config.sft_max_steps = args.sft_max_steps
+    if args.prm_steps is not None:
+        config.prm_steps = args.prm_steps
+    t0 = time.perf_counter()
+    metas = build_all(args.root, config, args.force, tuple(args.only))
+    base = assets_root(args.root)
+    print(f"[assets] root {base} ({time.perf_counter() - t0:.1f}s, {args.threads} threads)")
+    for c, meta in metas.items():
+        print(f"  {SCHEME}{c:<10} {base / c}  {summary(c, meta)}")
+    return 0
+
+
+def summary(component: str, meta: dict) -> str:
+    if component == "policy":
+        s = meta.get("sft", {})
+        return (f"SFT {s.get('steps')} steps in {s.get('seconds')}s, greedy held-out accuracy "
+                f"{meta.get('val_accuracy')}")
+    if component == "prm":
+        e = meta.get("eval_corrupted", {})
+        pol = meta.get("eval_policy_samples", {})
+        return (f"step accuracy {e.get('step_accuracy')} (corrupted/clean held-out), "
+                f"{pol.get('step_accuracy')} (policy samples), train {meta.get('train_seconds')}s")
+    if component == "arith":
+        return ", ".join(f"{k} {v}" for k, v in meta.get("rows", {}).items())
+    return f"built in {meta.get('build_seconds')}s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
