@@ -207,3 +207,77 @@ def backward_grads(
         if dw_acc is not None and dw.dtype != torch.float32:
             dw[v0:v1].copy_(dw_acc)
     return dh, dw
+
+
+DEFAULT_FUSED_TOKEN_CHUNK = 256
+
+
+def fused_single_pass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inv_temp: float,
+    grad_fn,
+    need_dh: bool,
+    need_dw: bool,
+    tp_group=None,
+    token_chunk: int | None = None,
+):
+    """One pass for a loss that is a sum over tokens: 3 matmuls per token chunk, no recompute.
+
+    For each chunk of tokens the logits over the whole local vocabulary ``[n, V_local]`` (float32;
+    the memory bound is ``token_chunk * V_local`` floats, two buffers) are formed once; the
+    softmax statistics are reduced over ``tp_group``; ``grad_fn(t0, t1, logprob_c, entropy_c) ->
+    (dL/dlogprob_c | None, dL/dentropy_c | None)`` gives the upstream gradients of those tokens; then
+    ``dh[t0:t1]`` and ``dW += g.T @ h_c`` are accumulated from the same logits. Float32 weights
+    only (a bf16 weight would need a float32 ``[V, H]`` accumulator; use the two-pass path).
+
+    Returns ``(logprob [T], entropy [T], dh float32 [T, H] summed over TP | None, dW | None)``.
+    """
+    from megarl_kernels._common import all_reduce_sum_, combine_partials
+
+    if weight.dtype != torch.float32:
+        raise ValueError("fused_single_pass needs a float32 weight")
+    n_tok, n_voc = hidden.shape[0], weight.shape[0]
+    tc = token_chunk or DEFAULT_FUSED_TOKEN_CHUNK
+    dev = hidden.device
+    h = _scaled_hidden(hidden, inv_temp)
+    logprob = torch.empty(n_tok, dtype=torch.float32, device=dev)
+    entropy = torch.empty(n_tok, dtype=torch.float32, device=dev)
+    dh = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_dh else None
+    dw = torch.zeros_like(weight) if need_dw else None
+    zbuf = torch.empty(min(tc, n_tok) * n_voc, dtype=torch.float32, device=dev)
+    ebuf = torch.empty_like(zbuf)
+    for t0 in range(0, n_tok, tc):
+        t1 = min(t0 + tc, n_tok)
+        n = t1 - t0
+        z = torch.mm(h[t0:t1], weight.t(), out=zbuf[: n * n_voc].view(n, n_voc))
+        idx, inside = _label_slot(labels[t0:t1], 0, n_voc)
+        zl = torch.where(inside, z.gather(1, idx).squeeze(1), 0.0)
+        m = z.amax(dim=1)
+        z.sub_(m[:, None])  # z - m
+        e = torch.exp(z, out=ebuf[: n * n_voc].view(n, n_voc))
+        s = e.sum(dim=1)
+        t = torch.linalg.vecdot(e, z)  # sum e (z - m)
+        lp_c, ent_c, lse_c = combine_partials(m[None], s[None], t[None], zl[None], tp_group)
+        logprob[t0:t1], entropy[t0:t1] = lp_c, ent_c
+        glp, gent = grad_fn(t0, t1, lp_c, ent_c)
+        if glp is None and gent is None:
+            continue
+        # p = e^(z - m) * e^(m - lse); log p = (z - m) - (lse - m)
+        p = e.mul_(torch.exp(m - lse_c)[:, None])
+        z.sub_((lse_c - m)[:, None])
+        if gent is None:
+            g = p.mul_(-glp[:, None])
+        else:
+            offset = gent * ent_c if glp is None else glp + gent * ent_c
+            g = p.mul_(z.mul_(-gent[:, None]).sub_(offset[:, None]))
+        if glp is not None:
+            g.scatter_add_(1, idx, torch.where(inside, glp, 0.0)[:, None])
+        if dh is not None:
+            dh[t0:t1].addmm_(g, weight, alpha=inv_temp)
+        if dw is not None:
+            dw.addmm_(g.t(), h[t0:t1])
+    if dh is not None:
+        all_reduce_sum_(dh, tp_group)
+    return logprob, entropy, dh, dw

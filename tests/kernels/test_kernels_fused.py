@@ -92,7 +92,7 @@ def test_fused_ppo_equals_composed(impl, agg_mode, entropy_coeff):
         scale = mk.loss_scale_from_agg(agg_mode, seq, **norm)
         return mk.fused_ppo_loss(
             h, w, labels, old, adv, loss_scale=scale, temperature=temperature,
-            entropy_coeff=entropy_coeff, impl=impl, **kw,
+            entropy_coeff=entropy_coeff, impl=impl, chunk_size=(8, 64), **kw,
         )
 
     c_loss, c_met, c_dh, c_dw = _grads_of(composed, hidden, weight)
@@ -122,9 +122,39 @@ def test_fused_ppo_against_float64_composition(impl):
         lambda h, w: mk.fused_ppo_loss(h, w, labels, old, adv, loss_scale=1.0 / seq.numel(),
                                        entropy_coeff=0.02, impl=impl), hidden, weight)
     assert float(f_loss) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
-    assert metrics["entropy"] == pytest.approx(float(ent.mean()), rel=1e-5)
+    assert metrics["entropy"] == pytest.approx(float(ent.detach().mean()), rel=1e-5)
     assert_close_scaled(f_dh, h64.grad, 1e-4, "dh")
     assert_close_scaled(f_dw, w64.grad, 1e-4, "dW")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ppo_one_and_two_pass_agree(dtype, monkeypatch):
+    """torch impl: the single pass (fp32 weight) and the two-pass path (bf16) both equal the
+    composed computation (bf16 at bf16 gradient precision)."""
+    from megarl_kernels import torch_impl
+
+    calls = []
+    real = torch_impl.fused_single_pass
+    monkeypatch.setattr(torch_impl, "fused_single_pass", lambda *a: calls.append(1) or real(*a))
+    hidden, weight, labels, old, adv, _ = _problem(0.9)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    kw = dict(loss_scale=0.03, entropy_coeff=0.05, temperature=0.9, impl="torch", chunk_size=(8, 64))
+    f_loss, f_met, f_dh, f_dw = _grads_of(
+        lambda h, w: mk.fused_ppo_loss(h, w, labels, old, adv, **kw), hidden, weight)
+    assert len(calls) == (1 if dtype == torch.float32 else 0)
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = mk.linear_logprob_entropy(h, w, labels, 0.9, impl="torch")
+    mask = torch.ones(1, lp.numel(), dtype=torch.bool)
+    c_loss, _ = algos.policy_loss("vanilla", logprob=lp[None], old_logprob=old[None],
+                                  advantages=adv[None], response_mask=mask,
+                                  agg_mode="token-mean", batch_num_tokens=1 / 0.03)
+    c_loss = c_loss - 0.05 * 0.03 * ent.sum()
+    c_loss.backward()
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(f_loss, c_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_close_scaled(f_dh, h.grad, rel, "dh")
+    assert_close_scaled(f_dw, w.grad, rel, "dW")
 
 
 def test_fused_backward_scales_and_partial_grads(impl):
@@ -164,7 +194,7 @@ def test_fused_pacs_equals_composed(impl, reward_method, adv_estimator, weight_m
 
     def fused(h, w):
         return mk.fused_pacs_loss(h, w, labels, old, seq, GROUPS, scores,
-                                  temperature=temperature, impl=impl, **kw)
+                                  temperature=temperature, impl=impl, chunk_size=(8, 64), **kw)
 
     c_loss, c_met, c_dh, c_dw = _grads_of(composed, hidden, weight)
     f_loss, f_met, f_dh, f_dw = _grads_of(fused, hidden, weight)
