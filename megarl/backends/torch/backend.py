@@ -294,6 +294,19 @@ class TorchBackend:
     def train_step(
         self, micro_batches: list[SequenceBatch], loss_fn: LossFn, temperature: float = 1.0
     ) -> dict[str, float]:
+        """`forward_backward` then one clipped AdamW update (skipped on a non-finite grad
+        norm); returns the loss metrics plus ``grad_norm``, ``lr`` and ``skipped``."""
+        metrics = self.forward_backward(micro_batches, loss_fn, temperature)
+        metrics.update(self._optimizer_step())
+        return metrics
+
+    def forward_backward(
+        self, micro_batches: list[SequenceBatch], loss_fn: LossFn, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """Accumulate the gradients of every micro-batch (summed over micro-batches, averaged
+        over DP ranks) without an optimizer step; returns ``loss`` and the loss function's
+        metrics (summed over micro-batches, averaged over DP). Every DP rank must pass the same
+        number of micro-batches."""
         if self.optimizer is None:
             raise TypeError(f"the {self.role} backend is frozen (no optimizer)")
         if not micro_batches:
@@ -309,9 +322,7 @@ class TorchBackend:
                 loss.backward()
         else:
             self._train_pipeline(mbs, loss_fn, temperature, sums)
-        metrics = self._reduce_metrics(sums)
-        metrics.update(self._optimizer_step())
-        return metrics
+        return self._reduce_metrics(sums)
 
     def _loss(self, out, p: Packed, mb: SequenceBatch, loss_fn: LossFn, temperature: float,
               sums: dict[str, float]) -> torch.Tensor:
@@ -380,6 +391,15 @@ class TorchBackend:
         yield from iter_full_weights(
             self.model, self._specs, stage=self.pp_stage,
             pp_group=self.pp_group if self.layout.pp > 1 else None, device=self.device,
+        )
+
+    def full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full gradient) like `export_weights` (zeros where a parameter has no
+        gradient); for checks after `forward_backward`. Collective."""
+        yield from iter_full_weights(
+            self.model, self._specs, stage=self.pp_stage,
+            pp_group=self.pp_group if self.layout.pp > 1 else None, device=self.device,
+            grads=True,
         )
 
     def save(self, directory: str) -> None:

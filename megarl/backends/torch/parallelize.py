@@ -218,8 +218,9 @@ def apply_fsdp(
 ) -> None:
     """``fully_shard`` every decoder block, then the root (embedding, final norm, head).
     ``param_dtype`` (bf16) turns on mixed precision: bf16 compute params, fp32 sharded master
-    params, fp32 gradient reduction."""
+    params, fp32 gradient reduction. The root keeps its parameters unsharded after forward
+    (the LM-head weight is read by the logprob kernel after the model's forward returns)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers.values():
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

@@ -49,8 +49,11 @@ def weight_specs(
     ]
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+def _full(t: torch.Tensor | None, spec: WeightSpec, device: torch.device) -> torch.Tensor:
+    if t is None:  # a parameter without gradient
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+    t = t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    return t.to(device=device, dtype=spec.dtype)
 
 
 @torch.no_grad()
@@ -61,14 +64,17 @@ def iter_full_weights(
     stage: int,
     pp_group: dist.ProcessGroup | None,
     device: torch.device,
+    grads: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor on ``device``) for every spec; collective over the backend."""
+    """(HF name, full tensor on ``device``) for every spec (``grads``: the parameters'
+    gradients instead, zeros where there is none); collective over the backend."""
     own = dict(module.named_parameters(remove_duplicate=False))
     own.update(dict(module.named_buffers()))
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_group is not None else None
     for spec in specs:
         if spec.stage == stage:
-            t = _full(own[spec.name]).to(device)
+            t = own[spec.name]
+            t = _full(t.grad if grads else t, spec, device)
         else:
             t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
         if pp_ranks is not None and len(pp_ranks) > 1:
