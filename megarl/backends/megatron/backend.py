@@ -35,6 +35,7 @@ from megarl.backends.megatron.batching import (
     MicroBatch,
     chunk_rows,
     pad_rows,
+    pad_to,
     split_rows,
     to_micro_batch,
 )
@@ -341,6 +342,10 @@ class MegatronBackend:
         """megatron's forward(-backward) schedule over ``mbs``; returns what ``loss_func``
         reported per micro-batch (last pipeline stage; empty elsewhere)."""
         fb = get_forward_backward_func(pp_size=self.layout.pp, vp_size=self.layout.vpp)
+        seq_len = max(mb.seq_len for mb in mbs)
+        rows = max(mb.input_ids.shape[0] for mb in mbs)
+        if self.layout.pp > 1:
+            mbs = [pad_to(mb, seq_len, rows) for mb in mbs]
         iters = [iter(mbs) for _ in self.modules]
         with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(self.layout.vpp):
             return fb(
@@ -348,8 +353,8 @@ class MegatronBackend:
                 data_iterator=iters if len(iters) > 1 else iters[0],
                 model=self.modules if len(self.modules) > 1 else self.modules[0],
                 num_microbatches=len(mbs),
-                seq_length=max(mb.seq_len for mb in mbs),
-                micro_batch_size=max(mb.batch_size for mb in mbs),
+                seq_length=seq_len,
+                micro_batch_size=rows,
                 forward_only=forward_only,
                 collect_non_loss_data=forward_only,
             )

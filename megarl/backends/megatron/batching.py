@@ -15,7 +15,7 @@ column P_i + j, read by token classification), ``labels`` (the token ids).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,7 +43,8 @@ class MicroBatch:
 
     @property
     def batch_size(self) -> int:
-        return int(self.input_ids.shape[0])
+        """Rows of the caller's micro-batch (``input_ids`` may carry extra padding rows)."""
+        return int(self.lengths.shape[0])
 
     @property
     def seq_len(self) -> int:
@@ -119,6 +120,20 @@ def to_micro_batch(
         cls_tok_cols=cls_tok_cols,
         source=batch,
     )
+
+
+def pad_to(mb: MicroBatch, seq_len: int, rows: int) -> MicroBatch:
+    """``mb`` with ``input_ids`` / ``position_ids`` padded to [rows, seq_len] (pipeline stages
+    exchange fixed shapes); padding rows and columns come after all real tokens."""
+    b, S = mb.input_ids.shape
+    if (rows, seq_len) == (b, S):
+        return mb
+    if rows < b or seq_len < S:
+        raise ValueError(f"cannot pad [{b}, {S}] down to [{rows}, {seq_len}]")
+    ids = mb.input_ids.new_zeros((rows, seq_len))
+    ids[:b, :S] = mb.input_ids
+    pos = torch.arange(seq_len, device=ids.device)[None].expand(rows, seq_len).contiguous()
+    return replace(mb, input_ids=ids, position_ids=pos)
 
 
 def split_rows(batch: SequenceBatch, parts: int, index: int) -> tuple[SequenceBatch, int]:

@@ -101,7 +101,7 @@ def transformer_config(
     recompute: dict[str, Any] | None = None,
 ) -> TransformerConfig:
     """The TransformerConfig of ``args`` (an HF config) at ``layout``; all fusions off, no
-    dropout (RL), explicit-shape p2p (micro-batches have different lengths)."""
+    dropout (RL)."""
     recompute = dict(recompute or {})
     return TransformerConfig(
         num_layers=args.num_hidden_layers,
@@ -127,8 +127,10 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # megatron refuses the default with variable lengths
+        # Fixed p2p shapes: the backend pads the micro-batches of one schedule call to one
+        # [s, b]. (Shape exchange, variable_seq_lengths=True, deadlocks the interleaved
+        # schedule on gloo.)
+        variable_seq_lengths=False,
         batch_p2p_comm=True,
         use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=False,
