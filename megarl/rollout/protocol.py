@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     greedy: bool = False
     logprobs: bool = True
+    ignore_eos: bool = False  # do not stop at the engine's EOS ids (stop_token_ids still stop)
 
     @property
     def is_greedy(self) -> bool:

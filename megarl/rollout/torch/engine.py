@@ -1,0 +1,428 @@
+"""`TorchRolloutEngine`: batched generation with megarl's own `Transformer` in plain PyTorch.
+
+Continuous batching over a preallocated slot KV cache (`SlotKVCache`): up to ``max_num_seqs``
+sequences decode together; a finished sequence frees its slot at once and the next waiting
+(prompt, sample) is prefilled into it. The n samples of a prompt admitted together share one
+prefill. Sampling noise is a function of (seed, prompt index, sample index, token position)
+only (`megarl.rollout.sampling`), so outputs do not depend on ``max_num_seqs`` or on the order
+sequences happen to be scheduled in: continuous batching equals one-by-one generation, for
+greedy and seeded sampling alike (up to float reassociation in batched matmuls).
+
+The engine can wrap the training model object itself (no weight copy; `update_weights` then
+sees the same storages and skips them) or own a model loaded from an HF folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.models import Transformer, load_model, read_hf_config
+from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.sampling import check_sampling_params, counter_uniforms, sample_next
+from megarl.rollout.torch.kv_cache import SlotKVCache
+from megarl.rollout.torch.stopping import StopStrings
+from megarl.rollout.torch.weights import load_weight_stream
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class _Seq:
+    """One (prompt, sample) being generated."""
+
+    __slots__ = ("req", "sample", "prompt", "max_new", "tokens", "logprobs", "finish")
+
+    def __init__(self, req: int, sample: int, prompt: list[int], max_new: int) -> None:
+        self.req, self.sample, self.prompt, self.max_new = req, sample, prompt, max_new
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: str | None = None
+
+    @property
+    def cached(self) -> int:
+        """Positions already in the KV cache (the last sampled token is not yet)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class TorchRolloutEngine:
+    """RolloutEngine on a megarl `Transformer` (LM head, whole model in this process).
+
+    model:           the Transformer to generate with (shared, not copied).
+    tokenizer:       optional HF tokenizer; needed only for stop strings.
+    max_num_seqs:    KV-cache slots = sequences decoded at once.
+    max_model_len:   prompt + response tokens per sequence at most (cache length); default the
+                     model's max_position_embeddings. Responses are cut ("length") to fit.
+    eos_token_ids:   ids that end a sequence unless SamplingParams.ignore_eos; default the
+                     config's eos_token_id.
+    prefill_token_budget: padded prompt tokens per prefill forward at most (memory bound).
+    offload_weights_on_sleep: move weights to CPU in sleep() (default: only for an engine that
+                     owns its model on a GPU; never for a shared training model).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        tokenizer: Any = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        prefill_token_budget: int = 16384,
+        offload_weights_on_sleep: bool | None = None,
+    ) -> None:
+        if not isinstance(model, Transformer):
+            raise TypeError(f"TorchRolloutEngine needs a megarl Transformer, got {type(model)}")
+        if model.lm_head is None or model.model.embed_tokens is None or model.model.norm is None:
+            raise ValueError(
+                "TorchRolloutEngine needs a whole LM model (head='lm', embeddings and final norm "
+                "present), not a token-classification model or a pipeline stage"
+            )
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_model_len = int(max_model_len or model.args.max_position_embeddings)
+        if eos_token_ids is None:
+            eos_token_ids = _as_id_list(model.args.hf_config.get("eos_token_id"))
+        self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
+        self.prefill_token_budget = int(prefill_token_budget)
+        weight = model.output_weight()
+        self.device, self.dtype = weight.device, weight.dtype
+        if offload_weights_on_sleep is None:
+            offload_weights_on_sleep = False
+        self.offload_weights_on_sleep = bool(offload_weights_on_sleep)
+        self._cache: SlotKVCache | None = None
+        self._asleep = False
+        self._offloaded = False
+
+    # ------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tokenizer: Any = "auto",
+        **kwargs: Any,
+    ) -> TorchRolloutEngine:
+        """Load an HF folder (config.json + safetensors) into an engine that owns its model.
+
+        tokenizer: "auto" loads the folder's tokenizer when it has one, a path loads that
+        folder's, None means none, anything else is used as the tokenizer object. EOS ids come
+        from config.json and generation_config.json (their union).
+        """
+        path = Path(path)
+        model = load_model(path, head="lm", dtype=dtype, device=device).eval()
+        if "eos_token_ids" not in kwargs:
+            kwargs["eos_token_ids"] = _eos_ids(path)
+        if tokenizer == "auto":
+            has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+            tokenizer = _load_tokenizer(str(path)) if has_tok else None
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = _load_tokenizer(str(tokenizer))
+        kwargs.setdefault("offload_weights_on_sleep", torch.device(device).type == "cuda")
+        return cls(model, tokenizer=tokenizer, **kwargs)
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, model_path: str, device: torch.device | str | None = None
+    ) -> TorchRolloutEngine:
+        """Engine for a run. Reads actor_rollout_ref.model.{dtype, tokenizer_path},
+        actor_rollout_ref.rollout.max_num_seqs and data.{max_prompt_length,
+        max_response_length} (their sum is max_model_len)."""
+        from megarl.data.rows import resolve_path
+
+        arr = cfg.actor_rollout_ref
+        dtype_name = arr.model.dtype
+        if dtype_name not in _DTYPES:
+            raise ValueError(
+                f"actor_rollout_ref.model.dtype must be one of {sorted(_DTYPES)}, got {dtype_name!r}"
+            )
+        return cls.from_pretrained(
+            resolve_path(model_path),
+            dtype=_DTYPES[dtype_name],
+            device=device if device is not None else "cpu",
+            tokenizer=arr.model.tokenizer_path or model_path,
+            max_num_seqs=arr.rollout.max_num_seqs,
+            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        )
+
+    # ------------------------------------------------------------------------- protocol
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """``sampling.n`` completions per prompt, prompt-major (see RolloutEngine)."""
+        vocab = self.model.args.vocab_size
+        check_sampling_params(sampling, vocab)
+        seqs = self._make_seqs(prompts, sampling)
+        if not seqs:
+            return []
+        if self._asleep:
+            self.wake()
+        seed = sampling.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= set(self.eos_token_ids)
+        run = _Run(
+            self,
+            seqs,
+            sampling,
+            seed,
+            frozenset(stop_ids),
+            StopStrings(self.tokenizer, list(sampling.stop)),
+        )
+        with torch.inference_mode():
+            run.loop()
+        return [
+            Completion(
+                prompt_index=s.req,
+                token_ids=s.tokens,
+                logprobs=torch.tensor(s.logprobs, dtype=torch.float32) if sampling.logprobs else None,
+                finish_reason=s.finish or "length",
+            )
+            for s in seqs
+        ]
+
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
+    ) -> None:
+        """Copy (HF name, full tensor) pairs into the model in place (see load_weight_stream).
+        Accepts a flat stream or the buckets of `megarl.rollout.reshard` (lists of pairs)."""
+        load_weight_stream(self.model, _flatten(weights), strict=strict)
+
+    def sleep(self) -> None:
+        """Free the KV cache; with offload_weights_on_sleep also move the weights to CPU."""
+        self._cache = None
+        if self.offload_weights_on_sleep and not self._offloaded:
+            pin = self.device.type == "cuda"
+            for p in _unique_tensors(self.model):
+                cpu = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                cpu.copy_(p.data, non_blocking=pin)
+                p.data = cpu
+            if pin:
+                torch.cuda.synchronize(self.device)
+            self._offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Undo sleep(): weights back on the device (the cache is allocated at the next generate)."""
+        if self._offloaded:
+            for p in _unique_tensors(self.model):
+                p.data = p.data.to(self.device, non_blocking=True)
+            self._offloaded = False
+        self._asleep = False
+
+    # ------------------------------------------------------------------------- internals
+
+    def _make_seqs(self, prompts: list[list[int]], sampling: SamplingParams) -> list[_Seq]:
+        vocab = self.model.args.vocab_size
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                    f"(raise data.max_prompt_length/max_response_length or shorten the prompt)"
+                )
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+            max_new = min(sampling.max_new_tokens, self.max_model_len - len(prompt))
+            seqs.extend(_Seq(i, s, prompt, max_new) for s in range(sampling.n))
+        return seqs
+
+    def _get_cache(self, slots: int, max_len: int) -> SlotKVCache:
+        a = self.model.args
+        layers = len(self.model.model.layers)
+        if self._cache is None or not self._cache.fits(layers, slots, max_len, self.dtype, self.device):
+            self._cache = None  # free before allocating the new one
+            self._cache = SlotKVCache(
+                layers, slots, a.num_key_value_heads, max_len, a.head_dim, self.dtype, self.device
+            )
+        return self._cache
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden)
+
+
+class _Run:
+    """One generate() call: the scheduling loop over slots."""
+
+    def __init__(
+        self,
+        engine: TorchRolloutEngine,
+        seqs: list[_Seq],
+        sampling: SamplingParams,
+        seed: int,
+        stop_ids: frozenset[int],
+        stops: StopStrings,
+    ) -> None:
+        self.e, self.seqs, self.sampling, self.seed = engine, seqs, sampling, seed
+        self.stop_ids, self.stops = stop_ids, stops
+        self.slots = min(engine.max_num_seqs, len(seqs))
+        self.cache = engine._get_cache(self.slots, max(len(s.prompt) + s.max_new for s in seqs))
+        self.device = engine.device
+
+    def loop(self) -> None:
+        pending = deque(range(len(self.seqs)))
+        active: list[int] = []  # active[i] is the sequence in cache slot i
+        while pending or active:
+            if pending and len(active) < self.slots:
+                new = []
+                while pending and len(active) + len(new) < self.slots:
+                    new.append(pending.popleft())
+                self.prefill(new, first_slot=len(active))
+                active = self.retire(active + new)
+                if pending and len(active) < self.slots:
+                    continue  # some finished on their first token: admit more first
+            if active:
+                self.decode(active)
+                active = self.retire(active)
+
+    # ------------------------------------------------------------------------- steps
+
+    def prefill(self, new: list[int], first_slot: int) -> None:
+        """Prefill the prompts of sequences ``new`` (slots first_slot...) and sample their
+        first tokens. Samples of one prompt share a row; rows are batched by length under the
+        token budget."""
+        by_req: dict[int, list[int]] = {}
+        for k, sid in enumerate(new):
+            by_req.setdefault(self.seqs[sid].req, []).append(k)
+        reqs = sorted(by_req, key=lambda r: len(self.seqs[new[by_req[r][0]]].prompt))
+        budget = self.e.prefill_token_budget
+        chunk: list[int] = []
+        for r in reqs:
+            length = len(self.seqs[new[by_req[r][0]]].prompt)
+            if chunk and (len(chunk) + 1) * length > budget:
+                self._prefill_chunk(chunk, by_req, new, first_slot)
+                chunk = []
+            chunk.append(r)
+        if chunk:
+            self._prefill_chunk(chunk, by_req, new, first_slot)
+
+    def _prefill_chunk(
+        self, reqs: list[int], by_req: dict[int, list[int]], new: list[int], first_slot: int
+    ) -> None:
+        prompts = [self.seqs[new[by_req[r][0]]].prompt for r in reqs]
+        lengths = [len(p) for p in prompts]
+        t = max(lengths)
+        ids = torch.zeros(len(prompts), t, dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
+        dst, src, sids = [], [], []
+        for row, r in enumerate(reqs):
+            for k in by_req[r]:
+                dst.append(first_slot + k)
+                src.append(row)
+                sids.append(new[k])
+        self.cache.begin_prefill(dst, src)
+        ids = ids.to(self.device)
+        pos = torch.arange(t, device=self.device).expand(len(prompts), t)
+        hidden = self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
+        last = hidden[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        logits = self.e._logits(last)
+        self.sample_into(sids, logits[torch.tensor(src, device=self.device)])
+
+    def decode(self, active: list[int]) -> None:
+        seqs = [self.seqs[s] for s in active]
+        tokens = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=self.device)
+        pos = torch.tensor([s.cached for s in seqs], dtype=torch.long, device=self.device)
+        self.cache.begin_decode(pos)
+        hidden = self.e.model(tokens, position_ids=pos[:, None], kv_cache=self.cache, output="hidden")
+        self.sample_into(active, self.e._logits(hidden[:, -1]))
+
+    def sample_into(self, sids: list[int], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence in ``sids`` (rows of ``logits``) and apply the
+        stop rules."""
+        seqs = [self.seqs[s] for s in sids]
+        u = None
+        if not self.sampling.is_greedy:
+            u = counter_uniforms(
+                self.seed,
+                torch.tensor([s.req for s in seqs], device=self.device),
+                torch.tensor([s.sample for s in seqs], device=self.device),
+                torch.tensor([len(s.tokens) for s in seqs], device=self.device),
+            )
+        tokens, logprobs = sample_next(logits, self.sampling, u)
+        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            if tok in self.stop_ids or (self.stops and self.stops.hit(s.tokens)):
+                s.finish = "stop"
+            elif len(s.tokens) >= s.max_new:
+                s.finish = "length"
+
+    def retire(self, active: list[int]) -> list[int]:
+        """Drop finished sequences and move live ones from the top slots into the holes, so
+        the live sequences occupy slots 0..n-1."""
+        live = [s for s in active if self.seqs[s].finish is None]
+        if len(live) == len(active):
+            return active
+        n = len(live)
+        holes = [i for i in range(n) if self.seqs[active[i]].finish is not None]
+        movers = [i for i in range(n, len(active)) if self.seqs[active[i]].finish is None]
+        self.cache.move(movers, holes, [self.seqs[active[m]].cached for m in movers])
+        out = active[:n]
+        for h, m in zip(holes, movers):
+            out[h] = active[m]
+        return out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _eos_ids(path: Path) -> list[int]:
+    ids = _as_id_list(read_hf_config(path).get("eos_token_id"))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        import json
+
+        with open(gen, encoding="utf-8") as f:
+            ids += _as_id_list(json.load(f).get("eos_token_id"))
+    return sorted(set(ids))
+
+
+def _load_tokenizer(path: str) -> Any:
+    from megarl.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _flatten(weights: Iterable[Any]) -> Iterable[tuple[str, torch.Tensor]]:
+    for item in weights:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            yield item
+        else:  # a bucket: list of (name, tensor)
+            yield from item
