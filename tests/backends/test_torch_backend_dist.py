@@ -116,10 +116,20 @@ def test_actor_four_procs(four, layout, check):
 @pytest.mark.parametrize("key", [
     "critic_tp2_sp/values_err", "critic_tp2_sp/grad_err", "critic_fsdp2/values_err",
     "critic_fsdp2/grad_err", "critic_pp2/values_err", "critic_pp2/grad_err",
-    "prm_pp2/scores_err", "prm_tp2/scores_err",
+    "prm_pp2/scores_err", "prm_tp2/scores_err", "prm_fsdp2/scores_err",
+    "ref_fsdp2/logprob_err", "ref_fsdp2/frozen",
 ])
 def test_value_and_prm_heads_two_procs(two, key):
     _check(two, key)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2"])
+def test_bf16_mixed_precision_two_procs(two, layout):
+    """bf16 compute with fp32 masters: logprobs within bf16 error of the fp32 reference,
+    gradients within 5% (global relative L2), a step trains and exports fp32 weights."""
+    assert two[f"{layout}/bf16_logprob_diff"] < 0.1
+    assert two[f"{layout}/bf16_grad_rel_diff"] < 0.05
+    assert two[f"{layout}/bf16_trains"] is True
 
 
 @pytest.mark.parametrize("key", ["skip_fsdp2/skipped", "skip_fsdp2/unchanged",
@@ -149,6 +159,7 @@ def test_checkpoint_tp2_loads_in_one_process(single, check):
     "naive/logprob_err", "naive/grad_err", "ac/grad_err",
     "ref/equals_actor", "ref/frozen",
     "sched/lr_err", "sched/skip_flags", "sched/step_counter", "sched/lr0_step_unchanged",
+    "hf_export/logprob_err",
     "critic/values_err", "prm/scores_err", "critic/fresh_head_seeded",
     "bf16/trains", "bf16/fp32_masters", "bf16/ref_bf16_weights",
 ])

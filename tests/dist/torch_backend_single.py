@@ -134,6 +134,14 @@ def run_single(models: dict, work: Path, res) -> None:
     res["sched/skip_flags"] = skipped == [0.0, 0.0, 1.0, 0.0, 0.0]
     res["sched/step_counter"] = be.step == 4
 
+    # --- trained weights -> HF folder -> transformers gives the same logprobs ------------
+    from megarl.models import save_hf_checkpoint
+
+    out_dir = save_hf_checkpoint(work / "hf_export", be.export_weights(), be.hf_export_config())
+    logp = torch.log_softmax(hf_logits(hf_reference(str(out_dir), "lm"), batch)[:, P - 1 : -1] / R.TEMPERATURE, -1)
+    hlp = logp.gather(-1, batch.input_ids[:, P:, None])[..., 0] * resp
+    res["hf_export/logprob_err"] = float((be.logprobs(batch, R.TEMPERATURE)[0].double() - hlp).abs().max())
+
     # --- the TP=2 checkpoint at TP=1 -----------------------------------------------------
     W.check_dcp_load("tp2_to_tp1", main, {}, res, work)
 

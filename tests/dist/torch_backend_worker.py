@@ -171,6 +171,39 @@ def check_prm(name: str, path: str, layout: dict, res: Results) -> None:
     res[f"{name}/scores_err"] = float(err)
 
 
+def check_ref(name: str, path: str, layout: dict, res: Results) -> None:
+    """The frozen LM role (no optimizer, no gradients) under ``layout``."""
+    be = TorchBackend("ref", path, **layout)
+    lp, _ = be.logprobs(BATCH, R.TEMPERATURE)
+    rlp, _ = R.ref_logprob_entropy(R.reference_model(path), BATCH)
+    res[f"{name}/logprob_err"] = float((lp.double() - rlp).abs().max())
+    res[f"{name}/frozen"] = be.optimizer is None and not any(
+        p.requires_grad for p in be.model.parameters()
+    )
+
+
+def check_bf16(name: str, path: str, layout: dict, res: Results) -> None:
+    """bf16 mixed precision (bf16 compute, fp32 masters): close to the fp32 reference."""
+    be = TorchBackend("actor", path, dtype="bf16", **layout, **OPT)
+    ref = R.reference_model(path)
+    lp, _ = be.logprobs(BATCH, R.TEMPERATURE)
+    rlp, _ = R.ref_logprob_entropy(ref, BATCH)
+    res[f"{name}/bf16_logprob_diff"] = float((lp.double() - rlp).abs().max())
+    _, mbs = micro(be)
+    be.forward_backward(mbs, policy(be.dp_size), R.TEMPERATURE)
+    grads = dict(be.full_grads())
+    rg = R.ref_grads(ref, BATCH)
+    num = sum(float((grads[k].double() - rg[k].double()).pow(2).sum()) for k in grads)
+    den = sum(float(rg[k].double().pow(2).sum()) for k in grads)
+    res[f"{name}/bf16_grad_rel_diff"] = math.sqrt(num / den)
+    be.optimizer.zero_grad(set_to_none=True)
+    m = be.train_step(mbs, policy(be.dp_size), R.TEMPERATURE)
+    exported = dict(be.export_weights())
+    res[f"{name}/bf16_trains"] = m["skipped"] == 0.0 and all(
+        t.dtype == torch.float32 for t in exported.values()
+    )
+
+
 def check_skip(name: str, path: str, layout: dict, res: Results) -> None:
     be = TorchBackend("actor", path, **layout, **OPT)
     before = dict(be.export_weights())
@@ -202,6 +235,11 @@ def scenario_two(models: dict, work: Path, res: Results) -> None:
     check_critic("critic_pp2", models["critic"], {"pp": 2}, res)
     check_prm("prm_pp2", models["prm"], {"pp": 2}, res)
     check_prm("prm_tp2", models["prm"], {"tp": 2}, res)
+    check_prm("prm_fsdp2", models["prm"], {"dp_shard": 2}, res)
+    check_ref("ref_fsdp2", main, {"dp_shard": 2}, res)
+    check_bf16("fsdp2", main, {"dp_shard": 2}, res)
+    check_bf16("tp2", main, {"tp": 2}, res)
+    check_bf16("pp2", main, {"pp": 2}, res)
     check_skip("skip_fsdp2", main, {"dp_shard": 2}, res)
 
 

@@ -38,6 +38,7 @@ from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scor
 from megarl.backends.torch.layout import Layout, build_mesh, world_size
 from megarl.backends.torch.optim import (
     OptimSettings,
+    align_grad_placements,
     build_optimizer,
     clip_grads_,
     set_lr,
@@ -53,7 +54,7 @@ from megarl.backends.torch.packing import (
 )
 from megarl.backends.torch.pipeline import StageRunner, common_length
 from megarl.backends.torch.weights import iter_full_weights, weight_specs
-from megarl.models import ModelArgs, Transformer, load_model, read_hf_config
+from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
 
 logger = logging.getLogger(__name__)
@@ -354,6 +355,7 @@ class TorchBackend:
     @torch.no_grad()
     def _optimizer_step(self) -> dict[str, float]:
         params = self._params()
+        align_grad_placements(params)
         norm = float(total_grad_norm(params, self.pp_group if self.layout.pp > 1 else None))
         lr = self.optim.lr_at(self.step)
         skipped = not math.isfinite(norm)
@@ -392,6 +394,11 @@ class TorchBackend:
             self.model, self._specs, stage=self.pp_stage,
             pp_group=self.pp_group if self.layout.pp > 1 else None, device=self.device,
         )
+
+    def hf_export_config(self) -> dict[str, Any]:
+        """config.json dict matching `export_weights` (architecture / labels of this role), for
+        ``megarl.models.save_hf_checkpoint(dir, backend.export_weights(), backend.hf_export_config())``."""
+        return hf_config_for(self.model)
 
     def full_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full gradient) like `export_weights` (zeros where a parameter has no

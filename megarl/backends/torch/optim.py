@@ -92,6 +92,18 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], s: OptimSettings) -> t
     )
 
 
+@torch.no_grad()
+def align_grad_placements(params: list[torch.nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements. Without FSDP (which does this
+    itself), tensor parallelism leaves some gradients ``Partial`` (replicated weights fed by
+    sequence- or head-sharded inputs: summed over TP here) or ``Replicate`` for a sharded
+    weight (the embedding: each rank keeps its own slice here)."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 def _mesh_key(t: torch.Tensor):
     return (t.device_mesh, t.placements) if isinstance(t, DTensor) else None
 
