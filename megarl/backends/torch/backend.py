@@ -59,6 +59,7 @@ from megarl.models.args import num_labels_from_hf_config
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
 TRAINABLE_ROLES = ("actor", "critic")
 LM_ROLES = ("actor", "ref")
 
@@ -122,6 +123,7 @@ class TorchBackend:
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        dtype = _DTYPE_ALIASES.get(dtype, dtype)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
         self.role = role
@@ -307,7 +309,8 @@ class TorchBackend:
         """Accumulate the gradients of every micro-batch (summed over micro-batches, averaged
         over DP ranks) without an optimizer step; returns ``loss`` and the loss function's
         metrics (summed over micro-batches, averaged over DP). Every DP rank must pass the same
-        number of micro-batches."""
+        number of micro-batches. Under pipeline parallelism with FSDP, torch's schedule clears
+        gradients when it sets up a step, so calls do not accumulate there."""
         if self.optimizer is None:
             raise TypeError(f"the {self.role} backend is frozen (no optimizer)")
         if not micro_batches:
