@@ -93,6 +93,7 @@ def zygote(ctrl_fd: int) -> None:
             if pid == 0:
                 try:
                     ctrl.close()
+                    os.setsid()  # own session: own CPU share under Linux autogroup, as Ray's workers
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     serve(fds[0], fds[1], int(arg))
                 finally:

@@ -10,6 +10,11 @@ SIGKILLed and replaced and the item scores 0 with status "timeout". A worker tha
 (segfault, os._exit, MemoryError under its RLIMIT_AS) has its item retried once, alone, on a
 fresh worker; a second death scores 0 with status "error". Unfinished items of a dead worker's
 chunk go back to the queue, so results never depend on the number of workers.
+
+Each worker runs in its own session. Besides keeping terminal signals away, this matters for
+throughput on shared Linux machines: with autogroup scheduling (the default on most distros)
+all processes of one session share one CPU slice under contention, so N workers in the
+trainer's session would score no faster than one.
 """
 
 from __future__ import annotations
@@ -113,6 +118,7 @@ class _Worker:
                     [sys.executable, "-m", "megarl.rewards._worker", str(req_r), str(res_w), str(memory_mb)],
                     pass_fds=(req_r, res_w),
                     env=_worker_env(),
+                    start_new_session=True,  # see the zygote: one autogroup per worker
                 )
                 self.pid = self.proc.pid
         except BaseException:
@@ -211,7 +217,15 @@ class LocalRewardPool(RewardPool):
         if self._finalizer.alive is False:
             raise RuntimeError("LocalRewardPool.score() after close()")
         with self._lock:
-            return self._score(list(requests))
+            try:
+                return self._score(list(requests))
+            except BaseException:
+                # Interrupted (e.g. KeyboardInterrupt): drop workers holding stale items.
+                for k, w in enumerate(self._workers):
+                    if w is not None and w.inflight:
+                        w.kill()
+                        self._workers[k] = None
+                raise
 
     def close(self) -> None:
         self._finalizer()

@@ -114,7 +114,15 @@ class RayRewardPool(RewardPool):
         if self._closed:
             raise RuntimeError("RayRewardPool.score() after close()")
         with self._lock:
-            return self._score(list(requests))
+            try:
+                return self._score(list(requests))
+            except BaseException:
+                # Interrupted: replace actors that still hold calls of this batch.
+                if not self._closed:
+                    for s in list(self._slots):
+                        if s.inflight:
+                            self._replace(s)
+                raise
 
     def close(self) -> None:
         if self._closed:
@@ -228,7 +236,8 @@ class RayRewardPool(RewardPool):
         except ray.exceptions.RayTaskError as e:  # the method itself raised: not a crash
             score, extra, status = 0.0, {"error": f"{type(e).__name__}: {e}"[:500]}, "error"
         except ray.exceptions.RayError as e:  # the actor died
-            return self._died(s, f"actor died: {type(e).__name__}", results, pending, retries, crashes)
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return self._died(s, f"actor died: {type(e).__name__}: {first}", results, pending, retries, crashes)
         s.inflight.popleft()
         s.item_start = time.monotonic()
         results[index] = RewardResult(float(score), extra, status)
