@@ -1,0 +1,57 @@
+"""Shared helpers of tests/rollout (imported as a plain module: pytest puts this folder on
+sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def prompts_of(lengths: list[int], seed: int = 0, vocab: int = 100) -> list[list[int]]:
+    """Random prompts (ids 3..vocab-1, so no special token) starting with im_start (1)."""
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, vocab, (n - 1,), generator=g).tolist() for n in lengths]
+
+
+def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness-of-fit p-value of integer ``counts`` [K] against ``probs``
+    [K] (float64, sums to 1 over the support). Bins with expected count < min_expected are
+    merged into one; bins of probability 0 must have count 0 (asserted by the callers)."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.float64)
+    probs = np.asarray(probs, dtype=np.float64)
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= min_expected
+    obs = list(counts[big])
+    exp = list(expected[big])
+    rest_e = expected[~big].sum()
+    if rest_e > 0:
+        obs.append(counts[~big].sum())
+        exp.append(rest_e)
+    obs, exp = np.array(obs), np.array(exp)
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    # survival function of chi2(dof) = regularised upper incomplete gamma Q(dof/2, stat/2)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def target_distribution(logits, temperature: float, top_k: int = -1, top_p: float = 1.0):
+    """The sampling distribution of float64 ``logits`` [V] built independently in numpy: softmax
+    of logits / T, keep the k largest, then keep tokens (descending) while the mass before
+    them is < top_p, renormalise. Returns float64 [V] with zeros outside the kept set."""
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), dtype=bool)
+    kk = len(p) if top_k is None or top_k <= 0 else min(top_k, len(p))
+    ps = p[order][:kk] / p[order][:kk].sum()
+    before = np.cumsum(ps) - ps
+    sel = before < top_p if top_p < 1.0 else np.ones(kk, dtype=bool)
+    keep[order[:kk][sel]] = True
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
