@@ -277,6 +277,41 @@ class MegatronBackend:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from export_hf(self.chunks, self.args, self.layout, self.role, self.num_labels)
 
+    @torch.no_grad()
+    def export_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Debug / test aid: (HF name, full fp32 gradient) accumulated by the last train_step,
+        as DDP reduced it (before clipping by the distributed optimizer). Collective. Needs
+        dp_size == 1 or the non-distributed optimizer (the distributed one reduce-scatters:
+        each DP rank then holds only its shard of the reduced gradient)."""
+        if self.optimizer is None:
+            raise TypeError(f"the {self.role} backend has no gradients (train=False)")
+        if self.dp_size > 1 and self.modules[0].ddp_config.use_distributed_optimizer:
+            raise RuntimeError("export_grads with the distributed optimizer needs dp_size == 1")
+        yield from export_hf(
+            self.chunks, self.args, self.layout, self.role, self.num_labels, grads=True
+        )
+
+    def logits(self, batch: SequenceBatch, temperature: float = 1.0) -> torch.Tensor:
+        """No-grad full-vocabulary logits / temperature [B, L, V] (float32) predicting the
+        response tokens (the hidden state at column P + j - 1), 0 where a token has no
+        predecessor or is padding. Materialises [B, L, V]: for checks and conversion, not
+        for training."""
+        if self.role not in LM_ROLES:
+            raise TypeError(f"logits needs an LM head; this backend's role is {self.role!r}")
+        V = self.args.vocab_size
+
+        def collect(outputs: MegatronHeadOutputs) -> torch.Tensor:
+            z = (outputs.hidden @ outputs.weight.t()).float() / outputs.temperature
+            if self.layout.tp > 1:
+                parts = [torch.empty_like(z) for _ in range(self.layout.tp)]
+                dist.all_gather(parts, z.contiguous(), group=self.tp_group)
+                z = torch.cat(parts, dim=-1)
+            full = z.new_zeros((*outputs.shape, V)).index_put(outputs.flat_index, z)
+            return full.permute(2, 0, 1)
+
+        out = self._forward_no_grad(batch, collect, temperature, width=V)
+        return out.permute(1, 2, 0).contiguous()
+
     def save(self, directory: str, include_optimizer: bool = True) -> None:
         meta = {
             "role": self.role,
@@ -290,7 +325,7 @@ class MegatronBackend:
             "source": self.model_path,
         }
         optimizer = self.optimizer if include_optimizer else None
-        checkpoint.save(directory, self.modules, optimizer, meta)
+        checkpoint.save(directory, self.chunks, optimizer, meta)
 
     def load(self, directory: str) -> None:
         meta = checkpoint.read_meta(directory)
@@ -299,7 +334,7 @@ class MegatronBackend:
                 f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
                 f"{self.role}"
             )
-        meta = checkpoint.load(directory, self.modules, self.optimizer)
+        meta = checkpoint.load(directory, self.chunks, self.optimizer)
         if meta.get("has_optimizer") and self.optimizer is not None:
             self.step = int(meta.get("step", 0))
 

@@ -72,6 +72,7 @@ def save(
     with cpu_compat.cuda_to_cpu(), cpu_compat.cuda_type_strings():
         state = model_sharded_state(chunks, metadata)
         if optimizer is not None:
+            materialize_optimizer_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(
                 state, is_loading=False, metadata=metadata
             )
@@ -98,6 +99,7 @@ def load(
     with cpu_compat.cuda_to_cpu(), cpu_compat.cuda_type_strings():
         state = model_sharded_state(chunks, metadata)
         if with_optim:
+            materialize_optimizer_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(
                 state, is_loading=True, metadata=metadata
             )
@@ -106,14 +108,66 @@ def load(
         for key, chunk in zip(keys, chunks):
             _load_model_state(chunk, loaded[key])
         if with_optim:
-            optimizer.load_state_dict(loaded["optimizer"])
+            _load_optimizer_state(optimizer, loaded["optimizer"])
         elif optimizer is not None:
             optimizer.reload_model_params()  # fp32 main params from the loaded weights
     return meta
 
 
+@torch.no_grad()
+def materialize_optimizer_state(optimizer) -> None:
+    """Give a never-stepped optimizer its (zero) Adam state: megatron's state_dict needs a
+    common ``step`` in it, both to save and to load into. A zero-gradient AdamW step with lr and
+    weight decay 0 leaves the parameters unchanged."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None or len(inner.state) > 0:
+            continue
+        saved = [(g["lr"], g["weight_decay"]) for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+            for p in g["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        inner.step()
+        for g, (lr, wd) in zip(inner.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+            for p in g["params"]:
+                p.grad = None
+
+
+def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, working around megatron 0.16.1 with torch's AdamW
+    (no Apex / TransformerEngine, i.e. on CPU): its DistributedOptimizer copies every key of the
+    torch per-parameter state, ``step`` included, from the loaded parameter state, which has no
+    ``step`` (KeyError). So the param state is loaded with ``step`` set aside, then restored."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    sub = subs[0]
+    if len(subs) != 1 or not isinstance(sub, DistributedOptimizer) or "param_state" not in state:
+        optimizer.load_state_dict(state)
+        return
+    state = dict(state)
+    param_state = state.pop("param_state")
+    kind = state.pop("param_state_sharding_type")
+    sub.load_state_dict(state)  # param groups, inner torch state (with the saved step)
+    steps = {}
+    for key, value in sub.optimizer.state.items():
+        if "step" in value:
+            steps[key] = value.pop("step")
+    try:
+        if kind != "fully_reshardable":
+            raise ValueError(f"unexpected optimizer state format {kind!r}")
+        sub.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for key, step in steps.items():
+            sub.optimizer.state[key]["step"] = step
+
+
 def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
-    result = chunk.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    expected = [k for k in chunk.state_dict() if not k.endswith("_extra_state")]
+    missing = [k for k in expected if k not in state]
     if missing:
         raise KeyError(f"checkpoint lacks model tensors: {missing}")
+    chunk.load_state_dict(state, strict=False)  # megatron's wrappers return None

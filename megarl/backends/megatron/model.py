@@ -131,7 +131,10 @@ def transformer_config(
         # [s, b]. (Shape exchange, variable_seq_lengths=True, deadlocks the interleaved
         # schedule on gloo.)
         variable_seq_lengths=False,
-        batch_p2p_comm=True,
+        # Interleaving sends to the previous and the next stage in one call; at pp=2 both are
+        # the same rank and batched p2p pairs the two messages in the wrong order (silently
+        # swapping activations and gradients). megatron's unbatched path orders them by rank.
+        batch_p2p_comm=layout.vpp is None,
         use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

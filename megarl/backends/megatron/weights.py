@@ -382,9 +382,11 @@ def export_hf(
     layout: Layout,
     role: str,
     num_labels: int | None,
+    grads: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) of the whole model on every rank, in HF order. Collective
-    over the TP and PP groups (every rank must iterate to the end)."""
+    over the TP and PP groups (every rank must iterate to the end). ``grads``: the accumulated
+    gradients (megatron's ``main_grad`` buffers, fp32) instead of the weights."""
     tp_group, tp_size = parallel.tp_group(), layout.tp
     my_pp = parallel.pp_rank()
     pp_ranks = parallel.pp_ranks()
@@ -395,13 +397,21 @@ def export_hf(
             if entry.mcore == "output_layer.weight" and entry.hf == (EMBED,):
                 continue  # tied copy on the last stage: the first stage exports the embedding
             mine[entry.hf] = (params[entry.mcore], entry)
-    dtype = next(iter(mine.values()))[0].dtype if mine else torch.float32
+    def value(param: torch.nn.Parameter) -> torch.Tensor:
+        if not grads:
+            return param.detach()
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            raise RuntimeError("no gradient buffer: export_grads needs a trainable backend")
+        return grad.detach()
+
+    dtype = value(next(iter(mine.values()))[0]).dtype if mine else torch.float32
     for entry in _all_entries(args, role):
         owner = _owner_stage(entry, args, layout)
         outputs = None
         if owner == my_pp:
             param, local_entry = mine[entry.hf]
-            shard = param.detach()
+            shard = value(param)
             if tp_size > 1 and local_entry.kind != "replicated":
                 shards = [torch.empty_like(shard) for _ in range(tp_size)]
                 dist.all_gather(shards, shard.contiguous(), group=tp_group)

@@ -1,0 +1,184 @@
+"""Shared helpers of the megatron backend / conversion tests (pytest files and tests/dist
+workers). References are computed with transformers in float64, independently of megarl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+DIST_DIR = REPO / "tests" / "dist"
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu")
+    )
+
+
+def ensure_dist() -> None:
+    """A process group (a world of one when not under torchrun), gloo on CPU / nccl on GPU."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    from megarl.utils.dist import init_distributed, resolve_device
+
+    init_distributed(resolve_device("auto"))
+
+
+def make_model(path: Path, family: str, head: str = "lm", **overrides) -> Path:
+    """Tiny random HF folder (transformers' save_pretrained) unless it exists already."""
+    from megarl.models.testing import make_tiny_hf_model
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    kw = {"num_labels": overrides.pop("num_labels")} if "num_labels" in overrides else {}
+    return make_tiny_hf_model(path, family, head=head, tokenizer=False, **kw, **overrides)
+
+
+# Model zoo of the tests: (family, head, overrides)
+ZOO = {
+    "llama_tied_gqa": ("llama", "lm", {"tie_word_embeddings": True, "num_key_value_heads": 2}),
+    "qwen2_bias": ("qwen2", "lm", {}),
+    "qwen3_qknorm": ("qwen3", "lm", {}),
+    "llama3_rope": ("llama3", "lm", {}),
+    "llama4_tied": ("llama", "lm", {"tie_word_embeddings": True, "num_hidden_layers": 4}),
+    "qwen2_critic": ("qwen2", "token_cls", {"num_labels": 1}),
+    "qwen3_prm": ("qwen3", "token_cls", {"num_labels": 2}),
+}
+
+
+def zoo_model(root: Path, name: str) -> Path:
+    family, head, overrides = ZOO[name]
+    return make_model(Path(root) / name, family, head, **dict(overrides))
+
+
+def make_batch(B: int = 4, P: int = 6, L: int = 5, vocab: int = 128, seed: int = 0):
+    """A SequenceBatch with ragged left-padded prompts and right-padded responses."""
+    from megarl.backends.protocol import SequenceBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, P + L), generator=g)
+    mask = torch.ones(B, P + L, dtype=torch.long)
+    for i in range(B):
+        pad_left = int(torch.randint(0, P - 1, (1,), generator=g))
+        resp = int(torch.randint(1, L + 1, (1,), generator=g))
+        mask[i, :pad_left] = 0
+        mask[i, P + resp :] = 0
+    return SequenceBatch(ids * mask, mask, L)
+
+
+def hf_model(path: Path, head: str = "lm", dtype=torch.float64):
+    import transformers
+
+    cls = (
+        transformers.AutoModelForCausalLM if head == "lm"
+        else transformers.AutoModelForTokenClassification
+    )
+    return cls.from_pretrained(path, dtype=dtype)
+
+
+def hf_outputs(model, batch) -> torch.Tensor:
+    """HF logits [B, P+L, V or labels] with position_ids = cumsum(mask) - 1 (left padding)."""
+    mask = batch.attention_mask
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    return model(input_ids=batch.input_ids, attention_mask=mask, position_ids=pos).logits
+
+
+def hf_logprobs(model, batch, temperature: float = 1.0):
+    """(logprob [B, L], entropy [B, L], logits [B, L, V]) of the response tokens, float64,
+    zero outside the response mask; differentiable w.r.t. the HF parameters."""
+    L = batch.response_length
+    P = batch.input_ids.shape[1] - L
+    logits = hf_outputs(model, batch)[:, P - 1 : -1].double() / temperature
+    lsm = torch.log_softmax(logits, -1)
+    m = batch.response_mask.double()
+    lp = lsm.gather(-1, batch.response_ids[..., None])[..., 0] * m
+    ent = -(lsm.exp() * lsm).sum(-1) * m
+    return lp, ent, logits * m[..., None]
+
+
+def hf_values(model, batch) -> torch.Tensor:
+    """Critic values [B, L]: token-classification output at column P + j - 1."""
+    L = batch.response_length
+    P = batch.input_ids.shape[1] - L
+    return hf_outputs(model, batch)[:, P - 1 : -1, 0].double() * batch.response_mask.double()
+
+
+def hf_scores(model, batch) -> torch.Tensor:
+    """PRM scores [B, L, labels]: token-classification output at the token's own column."""
+    L = batch.response_length
+    return hf_outputs(model, batch)[:, -L:].double() * batch.response_mask.double()[..., None]
+
+
+def pg_loss(outputs, mb, n_tokens: float):
+    """-sum(logprob * mask) / n_tokens (a globally normalised LM loss)."""
+    m = mb.response_mask.to(outputs.logprob.device).float()
+    loss = -(outputs.logprob * m).sum() / n_tokens
+    return loss, {"tokens": float(m.sum())}
+
+
+def value_loss(outputs, mb, n_tokens: float):
+    m = mb.response_mask.to(outputs.values.device).float()
+    target = mb.tensors["returns"].to(outputs.values.device)
+    return ((outputs.values - target) ** 2 * m).sum() / n_tokens, {}
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double().cpu() - b.double().cpu()).abs().max())
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 240) -> str:
+    """Run ``tests/dist/<script>`` under ``torchrun --standalone`` (gloo on CPU, one thread per
+    process); return its output, raise AssertionError with it when it fails."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", str(DIST_DIR / script), *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} exited {proc.returncode}:\n{out[-6000:]}")
+    return out
+
+
+def read_results(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_results(path: Path, results: dict) -> None:
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def worker_setup() -> None:
+    """Common start of a tests/dist worker: one thread, quiet warnings, process group."""
+    import warnings
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
