@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import secrets
 import shlex
@@ -271,7 +272,7 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
         alive = [p for p in procs if p.poll() is None]
         for p in alive:
             try:
-                os.killpg(p.pid, sig)  # torchrun and its ranks (own session, see run_nodes)
+                os.killpg(p.pid, sig)  # torchrun and its ranks (own session, see _child_setup)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
@@ -290,6 +291,20 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def _child_setup(parent: int) -> None:
+    """Runs in each node process before exec: its own session (so the launcher can signal the
+    whole torchrun tree) and, on Linux, SIGTERM when the launcher dies, even by SIGKILL."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
 def run_nodes(commands: list[NodeCommand]) -> int:
     """Start every node, wait; on the first failure (or a signal) stop the others."""
     procs: list[subprocess.Popen] = []
@@ -298,8 +313,9 @@ def run_nodes(commands: list[NodeCommand]) -> int:
         for c in commands:
             c.log.parent.mkdir(parents=True, exist_ok=True)
             with open(c.log, "ab") as log:
-                procs.append(subprocess.Popen(c.argv, cwd=c.cwd, stdin=subprocess.DEVNULL, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(subprocess.Popen(
+                    c.argv, cwd=c.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=functools.partial(_child_setup, os.getpid())))
             _log(f"node{c.index} ({c.host}) started, pid {procs[-1].pid}, log {c.log}")
         while True:
             codes = [p.poll() for p in procs]

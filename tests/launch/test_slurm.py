@@ -155,6 +155,6 @@ def test_one_node_template_runs_the_demo_trainer(slurm, tmp_path):
     env = _job_env(run_dir, CONFIG="grpo", NPROC_PER_NODE="1",
                    OVERRIDES="trainer.total_training_steps=2 trainer.val_before_train=false")
     job, out = _submit(slurm, ONE_NODE, tmp_path, env, cpus=2)
-    _finish(slurm, job, out, timeout=1200)
+    _finish(slurm, job, out, timeout=1100)
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2], rows

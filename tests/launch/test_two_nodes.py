@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -124,6 +125,50 @@ def test_a_failing_node_stops_the_other(tmp_path):
     assert took < 120, took
 
 
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_killing_the_launcher_stops_every_node(tmp_path):
+    """Even SIGKILL (no chance to clean up): the nodes get SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and torchrun stops its ranks."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_"))}
+    env.update(OMP_NUM_THREADS="1", HELLO_STEP_SECONDS="60")
+    launcher = subprocess.Popen(
+        [sys.executable, "launch/multinode.py", "--mode", "local", "--nnodes", "2", "--rdzv-port",
+         str(_free_port()), "--config", HELLO_CONFIG, "--script", HELLO, "--run-dir", str(run_dir)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        logs = [run_dir / f"logs/node{i}.log" for i in (0, 1)]
+        while not all(p.exists() and "hello step=1" in p.read_text() for p in logs):
+            assert time.monotonic() < deadline and launcher.poll() is None, "nodes did not start"
+            time.sleep(0.3)
+        assert len(_processes_mentioning(str(run_dir))) >= 4  # 2 torchrun agents + 2 ranks
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while _processes_mentioning(str(run_dir)):
+            assert time.monotonic() < deadline, _processes_mentioning(str(run_dir))
+            time.sleep(0.3)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _processes_mentioning(str(run_dir)):  # on failure: what this test started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_preflight_refuses_a_taken_rendezvous_port(tmp_path):
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", 0))
@@ -145,7 +190,7 @@ def test_two_local_nodes_run_the_demo_trainer(tmp_path):
     r = _launch(["--mode", "local", "--hosts", "127.0.0.1,127.0.0.1", "--nproc-per-node", "1",
                  "--backend", "gloo", "--rdzv-port", str(_free_port()), "--config", "grpo",
                  "--run-dir", str(run_dir), "trainer.total_training_steps=2",
-                 "trainer.val_before_train=false"], timeout=1500)
+                 "trainer.val_before_train=false"], timeout=1100)
     assert r.returncode == 0, r.stderr + "\n".join(
         (run_dir / f"logs/node{i}.log").read_text()[-3000:] for i in (0, 1))
     rows = _metrics(run_dir)
