@@ -182,3 +182,66 @@ def worker_setup() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
+
+
+# ---------------------------------------------------------------- DP=2 vs DP=1 optimizer run
+
+DP_STEPS = 3
+DP_OPTIM = {
+    "lr": 2e-2,
+    "betas": (0.9, 0.95),
+    "eps": 1e-6,
+    "weight_decay": 0.1,
+    "grad_clip": 0.5,
+    "lr_warmup_steps": 1,
+    "lr_scheduler_type": "cosine",
+    "min_lr_ratio": 0.1,
+    "total_training_steps": 3,
+}
+
+
+def dp_global_batch(step: int):
+    return make_batch(B=8, seed=100 + step)
+
+
+def dp_micro_batches(step: int, rank: int, size: int):
+    """(micro-batches of 2 rows of DP rank ``rank``'s share, tokens in the global batch)."""
+    batch = dp_global_batch(step)
+    per = batch.batch_size // size
+    share = batch.select(slice(rank * per, (rank + 1) * per))
+    mbs = [share.select(slice(i, i + 2)) for i in range(0, per, 2)]
+    return mbs, float(batch.response_mask.sum())
+
+
+def lr_lambda(step: int) -> float:
+    """DP_OPTIM's schedule written out independently: warmup 1, cosine to 0.1 over 3 steps."""
+    import math
+
+    if step < 1:
+        return step / 1
+    progress = (step - 1) / (3 - 1)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def torch_adamw_reference(path: Path) -> dict[str, torch.Tensor]:
+    """The DP run replayed on transformers in float64 with torch.optim.AdamW, clip_grad_norm_
+    and LambdaLR: the HF state dict after DP_STEPS steps."""
+    model = hf_model(path)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=DP_OPTIM["lr"],
+        betas=DP_OPTIM["betas"],
+        eps=DP_OPTIM["eps"],
+        weight_decay=DP_OPTIM["weight_decay"],
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    for step in range(DP_STEPS):
+        batch = dp_global_batch(step)
+        lp, _, _ = hf_logprobs(model, batch)
+        loss = -lp.sum() / batch.response_mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), DP_OPTIM["grad_clip"])
+        opt.step()
+        sched.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
