@@ -2,11 +2,10 @@
 PP=2 (1F1B and interleaved), DP=2 with the distributed optimizer; all against transformers in
 float64, plus checkpoint resharding TP=2 -> PP=2 and TP=2 -> TP=1."""
 
+import mcore_testlib as lib
 import pytest
 import torch
 from safetensors.torch import load_file
-
-import mcore_testlib as lib
 
 pytestmark = pytest.mark.dist
 

@@ -174,6 +174,79 @@ class MegatronBackend:
                     m.requires_grad_(False)
                     m.eval()
 
+    @classmethod
+    def from_config(cls, role: str, cfg: Any, model_path: str | None = None) -> MegatronBackend:
+        """Build ``role`` from the project config (megarl.config.Config, or any object / nested
+        mapping with the same keys). Sections read (absent keys keep the defaults):
+        actor/ref: ``actor_rollout_ref.{model, actor.{optim, grad_clip, parallel, megatron}}``;
+        critic: ``critic.{model, optim, grad_clip, parallel, megatron}``;
+        prm: ``reward_model.{model, parallel, micro_batch_size_per_gpu}``; ``trainer.seed``.
+        ``model_path`` overrides the section's ``model.path``."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        arr = _get(cfg, "actor_rollout_ref")
+        actor_model = _get(arr, "model")
+        if role in LM_ROLES:
+            section, model = _get(arr, "actor"), actor_model
+        elif role == "critic":
+            section = _get(cfg, "critic")
+            model = _get(section, "model")
+        else:
+            section = _get(cfg, "reward_model")
+            model = _get(section, "model")
+        path = model_path or _get(model, "path") or (
+            _get(actor_model, "path") if role == "critic" else None
+        )
+        if not path:
+            where = {"critic": "critic.model.path", "prm": "reward_model.model.path"}.get(
+                role, "actor_rollout_ref.model.path"
+            )
+            raise ValueError(f"{where}: an HF model folder is required for the {role} backend")
+        par = _get(section, "parallel") or _get(_get(arr, "actor"), "parallel")
+        mega = _get(section, "megatron") or _get(_get(arr, "actor"), "megatron")
+        dtype = _get(mega, "param_dtype") or _get(model, "dtype") or _get(actor_model, "dtype")
+        recompute = None
+        if _get(mega, "recompute_granularity"):
+            recompute = {
+                "granularity": _get(mega, "recompute_granularity"),
+                "method": _get(mega, "recompute_method"),
+                "num_layers": _get(mega, "recompute_num_layers"),
+            }
+        elif _get(model, "enable_gradient_checkpointing"):
+            recompute = "full"
+        optim = None
+        if role in TRAINABLE_ROLES:
+            optim = OptimSettings.coerce(_get(section, "optim"))
+            clip = _get(section, "grad_clip", "missing")
+            if clip != "missing":
+                optim.grad_clip = clip
+        if role == "actor":
+            fwd_mbs = _get(_get(arr, "rollout"), "log_prob_micro_batch_size_per_gpu")
+        elif role == "ref":
+            fwd_mbs = _get(_get(arr, "ref"), "log_prob_micro_batch_size_per_gpu") or _get(
+                _get(arr, "rollout"), "log_prob_micro_batch_size_per_gpu"
+            )
+        elif role == "critic":
+            fwd_mbs = _get(section, "ppo_micro_batch_size_per_gpu")
+        else:
+            fwd_mbs = _get(section, "micro_batch_size_per_gpu")
+        use_fused = _get(actor_model, "use_fused_kernels")
+        return cls(
+            role,
+            str(path),
+            tp=int(_get(par, "tensor_model_parallel_size") or 1),
+            pp=int(_get(par, "pipeline_model_parallel_size") or 1),
+            vpp=_get(par, "virtual_pipeline_model_parallel_size"),
+            sp=bool(_get(par, "sequence_parallel") or False),
+            dtype=str(dtype or "bf16"),
+            optim_config=optim,
+            use_distributed_optimizer=_get(mega, "use_distributed_optimizer") is not False,
+            recompute=recompute,
+            seed=int(_get(_get(cfg, "trainer"), "seed") or 1),
+            use_fused_kernels=True if use_fused is None else bool(use_fused),
+            forward_micro_batch_size=fwd_mbs,
+        )
+
     # ------------------------------------------------------------------ construction helpers
 
     def _wrap_for_training(self, distributed: bool) -> None:
@@ -442,6 +515,15 @@ class MegatronBackend:
             dist.all_reduce(t, group=parallel.dp_group())
             summed = dict(zip(keys, (t / self.dp_size).tolist()))
         return summed
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    """``obj.key`` or ``obj[key]``; ``default`` when obj is None or lacks it."""
+    if obj is None:
+        return default
+    if isinstance(obj, Mapping):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
 
 
 def _device() -> torch.device:

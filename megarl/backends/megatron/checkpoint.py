@@ -140,7 +140,8 @@ def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
     """``optimizer.load_state_dict(state)``, working around megatron 0.16.1 with torch's AdamW
     (no Apex / TransformerEngine, i.e. on CPU): its DistributedOptimizer copies every key of the
     torch per-parameter state, ``step`` included, from the loaded parameter state, which has no
-    ``step`` (KeyError). So the param state is loaded with ``step`` set aside, then restored."""
+    ``step`` (KeyError). So the param state is loaded with ``step`` set aside, then restored,
+    one tensor per parameter (megatron shares one, which AdamW would advance once per param)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
@@ -162,7 +163,9 @@ def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
         sub.load_parameter_state_from_fully_reshardable(param_state)
     finally:
         for key, step in steps.items():
-            sub.optimizer.state[key]["step"] = step
+            # megatron puts ONE step tensor into every parameter's state; torch's AdamW then
+            # increments it in place once per parameter. Give each parameter its own copy.
+            sub.optimizer.state[key]["step"] = step.detach().clone()
 
 
 def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:

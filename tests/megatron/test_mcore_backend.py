@@ -1,0 +1,265 @@
+"""The megatron backend in this process (TP = PP = DP = 1) against transformers in float64:
+every model family and head, the Backend protocol methods, recompute, bf16, skipped steps,
+the config adapter; plus the CPU compatibility layer and the import guard."""
+
+import math
+
+import mcore_testlib as lib
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TOL = 1e-5
+LM_ZOO = ("llama_tied_gqa", "qwen2_bias", "qwen3_qknorm", "llama3_rope")
+
+
+@pytest.fixture(scope="module")
+def backend_cls(mcore_dist):
+    from megarl.backends.megatron import MegatronBackend
+
+    return MegatronBackend
+
+
+@pytest.mark.parametrize("name", LM_ZOO)
+def test_lm_logits_logprobs_entropy_match_transformers(zoo, backend_cls, name):
+    path = lib.zoo_model(zoo, name)
+    be = backend_cls("ref", str(path))
+    batch = lib.make_batch(seed=5)
+    ref_lp, ref_ent, ref_logits = lib.hf_logprobs(lib.hf_model(path), batch, temperature=0.8)
+    lp, ent = be.logprobs(batch, temperature=0.8, with_entropy=True)
+    assert lp.shape == ent.shape == batch.response_mask.shape
+    assert lib.max_diff(be.logits(batch, temperature=0.8), ref_logits) < TOL
+    assert lib.max_diff(lp, ref_lp) < TOL
+    assert lib.max_diff(ent, ref_ent) < TOL
+    assert torch.all(lp[batch.response_mask == 0] == 0)
+    # HF -> megatron -> HF is bit-exact for every tensor, names included
+    source = load_file(str(path / "model.safetensors"))
+    exported = dict(be.export_weights())
+    assert sorted(exported) == sorted(source)
+    for k, v in source.items():
+        assert torch.equal(exported[k], v), k
+
+
+def test_fallback_and_fused_kernel_paths_agree(zoo, backend_cls):
+    path = lib.zoo_model(zoo, "qwen2_bias")
+    batch = lib.make_batch(seed=6)
+    a = backend_cls("ref", str(path), use_fused_kernels=True).logprobs(batch, 1.0, True)
+    b = backend_cls("ref", str(path), use_fused_kernels=False).logprobs(batch, 1.0, True)
+    assert lib.max_diff(a[0], b[0]) < 1e-5 and lib.max_diff(a[1], b[1]) < 1e-5
+
+
+def test_critic_and_prm_heads_match_token_classification(zoo, backend_cls):
+    batch = lib.make_batch(seed=7)
+    path = lib.zoo_model(zoo, "qwen2_critic")
+    critic = backend_cls("critic", str(path))
+    assert lib.max_diff(critic.values(batch), lib.hf_values(lib.hf_model(path, "token_cls"),
+                                                            batch)) < TOL
+    path = lib.zoo_model(zoo, "qwen3_prm")
+    prm = backend_cls("prm", str(path))
+    scores = prm.token_scores(batch)
+    assert scores.shape == (*batch.response_mask.shape, 2)
+    assert lib.max_diff(scores, lib.hf_scores(lib.hf_model(path, "token_cls"), batch)) < TOL
+    exported = dict(prm.export_weights())
+    assert exported["score.weight"].shape == (2, 64) and "lm_head.weight" not in exported
+    with pytest.raises(TypeError, match="prm role"):
+        critic.token_scores(batch)
+    with pytest.raises(TypeError, match="LM head"):
+        prm.logprobs(batch)
+
+
+def test_critic_from_lm_checkpoint_gets_a_fresh_head(zoo, backend_cls):
+    path = lib.zoo_model(zoo, "qwen2_bias")
+    critic = backend_cls("critic", str(path), seed=3)
+    w = dict(critic.export_weights())
+    source = load_file(str(path / "model.safetensors"))
+    assert torch.equal(w["model.layers.1.mlp.up_proj.weight"],
+                       source["model.layers.1.mlp.up_proj.weight"])
+    assert w["score.weight"].shape == (1, 64) and torch.all(w["score.bias"] == 0)
+    assert 0.005 < float(w["score.weight"].std()) < 0.05  # N(0, initializer_range=0.02)
+    with pytest.raises(Exception, match="score"):
+        backend_cls("prm", str(path))  # a PRM must come with its head
+
+
+def test_agrees_with_megarl_models(zoo, backend_cls):
+    models = pytest.importorskip("megarl.models")
+    path = lib.zoo_model(zoo, "qwen3_qknorm")
+    batch = lib.make_batch(seed=8)
+    ours = models.load_model(path)
+    mask = batch.attention_mask
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = ours(batch.input_ids, attention_mask=mask, position_ids=pos)
+    logits = out if torch.is_tensor(out) else out.logits
+    P = batch.input_ids.shape[1] - batch.response_length
+    ref = logits[:, P - 1 : -1] * batch.response_mask[..., None]
+    assert lib.max_diff(backend_cls("ref", str(path)).logits(batch), ref) < TOL
+
+
+def test_train_step_gradients_metrics_and_frozen_roles(zoo, backend_cls):
+    path = lib.zoo_model(zoo, "qwen2_bias")
+    be = backend_cls("actor", str(path), optim_config={"grad_clip": 0.0, "lr": 1e-3})
+    hf = lib.hf_model(path)
+    batch = lib.make_batch(seed=9)
+    n = float(batch.response_mask.sum())
+    ref_lp, _, _ = lib.hf_logprobs(hf, batch, temperature=0.9)
+    (-(ref_lp.sum()) / n).backward()
+    metrics = be.train_step(
+        [batch.select(slice(0, 1)), batch.select(slice(1, 3)), batch.select(slice(3, 4))],
+        lambda o, mb: lib.pg_loss(o, mb, n),
+        temperature=0.9,
+    )
+    grads = dict(be.export_grads())
+    for k, p in hf.named_parameters():
+        assert lib.rel_diff(grads[k], p.grad) < 1e-4, k
+    assert metrics["tokens"] == n  # summed over the 3 micro-batches
+    assert metrics["loss"] == pytest.approx(float(-(ref_lp.sum()) / n), rel=1e-5)
+    assert metrics["skipped"] == 0.0 and metrics["lr"] == 1e-3 and be.step == 1
+    ref = backend_cls("ref", str(path))
+    assert all(not p.requires_grad for m in ref.modules for p in m.parameters())
+    with pytest.raises(TypeError, match="without an optimizer"):
+        ref.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, n))
+
+
+def test_non_finite_grad_norm_skips_the_step(zoo, backend_cls):
+    path = lib.zoo_model(zoo, "llama_tied_gqa")
+    be = backend_cls("actor", str(path), optim_config={"lr": 1e-2})
+    batch = lib.make_batch(seed=10)
+    before = dict(be.export_weights())
+
+    def nan_loss(outputs, mb):
+        return (outputs.logprob * float("nan")).sum(), {}
+
+    metrics = be.train_step([batch], nan_loss)
+    assert metrics["skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+    assert be.step == 0
+    after = dict(be.export_weights())
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    metrics = be.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, 10.0))
+    assert metrics["skipped"] == 0.0 and be.step == 1
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_activation_recompute_keeps_gradients(zoo, backend_cls, recompute):
+    path = lib.zoo_model(zoo, "qwen3_qknorm")
+    batch = lib.make_batch(seed=11)
+    grads = []
+    for rc in (None, recompute):
+        be = backend_cls("actor", str(path), recompute=rc, optim_config={"grad_clip": 0})
+        be.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, 10.0))
+        grads.append(dict(be.export_grads()))
+    for k in grads[0]:
+        assert torch.allclose(grads[0][k], grads[1][k], atol=1e-7, rtol=1e-6), k
+
+
+def test_bf16_params_and_logprobs(zoo, backend_cls):
+    path = lib.zoo_model(zoo, "qwen2_bias")
+    be = backend_cls("actor", str(path), dtype="bf16", optim_config={"lr": 1e-3})
+    batch = lib.make_batch(seed=12)
+    ref_lp, _, _ = lib.hf_logprobs(lib.hf_model(path), batch)
+    lp, _ = be.logprobs(batch)
+    assert lp.dtype == torch.float32
+    assert lib.max_diff(lp, ref_lp) < 0.15  # bf16 weights and activations
+    metrics = be.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, 10.0))
+    assert metrics["skipped"] == 0.0 and math.isfinite(metrics["grad_norm"])
+    assert all(t.dtype == torch.bfloat16 for _, t in be.export_weights())
+
+
+def test_checkpoint_roundtrip_restores_weights_optimizer_and_step(zoo, backend_cls, tmp_path):
+    path = lib.zoo_model(zoo, "llama3_rope")
+    batch = lib.make_batch(seed=13)
+
+    def step(be):
+        return be.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, 10.0))
+
+    optim = {"lr": 1e-2, "lr_warmup_steps": 2}
+    a = backend_cls("actor", str(path), optim_config=optim)
+    step(a)
+    a.save(str(tmp_path / "ckpt"))
+    m_a = step(a)
+    b = backend_cls("actor", str(path), optim_config=optim)
+    b.load(str(tmp_path / "ckpt"))
+    assert b.step == 1
+    m_b = step(b)  # same Adam moments, same LR position
+    assert m_b["lr"] == m_a["lr"] == pytest.approx(0.5e-2)
+    wa, wb = dict(a.export_weights()), dict(b.export_weights())
+    assert max(lib.max_diff(wa[k], wb[k]) for k in wa) < 1e-6
+    with pytest.raises(FileExistsError):
+        a.save(str(tmp_path / "ckpt"))
+
+
+def test_from_config_reads_the_project_config(zoo, backend_cls):
+    config = pytest.importorskip("megarl.config")
+    path = lib.zoo_model(zoo, "qwen2_bias")
+    cfg = config.Config()
+    cfg.actor_rollout_ref.model.path = str(path)
+    cfg.actor_rollout_ref.model.dtype = "fp32"
+    cfg.actor_rollout_ref.actor.optim.lr = 3e-4
+    cfg.actor_rollout_ref.actor.grad_clip = 0.7
+    cfg.actor_rollout_ref.actor.megatron.recompute_granularity = "full"
+    be = backend_cls.from_config("actor", cfg)
+    assert be.optim.lr == 3e-4 and be.optim.grad_clip == 0.7 and be.dtype == torch.float32
+    assert be.config.recompute_granularity == "full"
+    critic = backend_cls.from_config("critic", cfg)  # critic.model.path -> the actor's
+    assert critic.num_labels == 1 and critic.optim.lr == cfg.critic.optim.lr
+    with pytest.raises(ValueError, match="reward_model.model.path"):
+        backend_cls.from_config("prm", cfg)
+
+
+def test_bad_batch_layout_is_refused(zoo, backend_cls):
+    from megarl.backends.protocol import SequenceBatch
+
+    be = backend_cls("ref", str(lib.zoo_model(zoo, "qwen2_bias")))
+    batch = lib.make_batch(seed=14)
+    mask = batch.attention_mask.clone()
+    mask[0, -batch.response_length] = 0  # a hole at the start of the response
+    mask[0, -1] = 1
+    with pytest.raises(ValueError, match="row 0"):
+        be.logprobs(SequenceBatch(batch.input_ids, mask, batch.response_length))
+
+
+def test_cpu_compat_is_idempotent_and_scoped(mcore_dist):
+    from megarl.backends.megatron import cpu_compat
+
+    if not cpu_compat.needed():
+        pytest.skip("CUDA present: the CPU patches are not applied")
+    cpu_compat.apply()
+    cpu_compat.apply()
+    assert torch.cuda.current_device() == torch.device("cpu")
+    t = torch.zeros(2)
+    assert t.type() == "torch.FloatTensor"
+    with cpu_compat.cuda_type_strings():
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert t.type(torch.float64).dtype == torch.float64
+    assert t.type() == "torch.FloatTensor"
+    with cpu_compat.cuda_to_cpu():
+        assert torch.ones(1, device="cuda").device.type == "cpu"
+    from megatron.core.transformer import utils
+
+    assert torch.equal(utils.get_default_causal_mask(3), torch.triu(torch.ones(3, 3), 1).bool())
+
+
+def test_import_guard_names_the_broken_transformer_engine(tmp_path, monkeypatch, mcore_dist):
+    import sys
+
+    from megarl.backends.megatron import MegatronUnavailableError, check_environment
+
+    pkg = tmp_path / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "raise RuntimeError('Found empty transformer-engine meta package installed.')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    with pytest.raises(MegatronUnavailableError, match="pip uninstall transformer-engine"):
+        check_environment()
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    (pkg / "__init__.py").write_text("")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name.startswith("megatron") else real(name, *a),
+    )
+    with pytest.raises(MegatronUnavailableError, match=r"pip install megarl\[megatron\]"):
+        check_environment()
