@@ -20,7 +20,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build from local disk first; everything after sees torch satisfied and never pulls CUDA.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[megatron,kernels,dev]"
+	$(PY) -m pip install -q -e ".[megatron,kernels,ray,dev]"
 	touch $(STAMP)
 
 test: install
