@@ -33,7 +33,7 @@ EXTRAS = {
     "kernels": ["triton>=3.2"],
     "vllm": ["vllm>=0.8"],
     "sglang": ["sglang>=0.4.6"],
-    "ray": ["ray>=2.9"]  # tested with 2.60.0,
+    "ray": ["ray>=2.9"],  # tested with 2.60.0
     "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff"],
 }
 

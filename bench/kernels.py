@@ -12,9 +12,13 @@ load than wall time), peak extra memory over the baseline (CPU: ``ru_maxrss``; G
 ``max_memory_allocated``), and ratios to ``naive`` measured in the same run.
 
 Methods:
-- ``naive``: ``log_softmax(hidden @ W.T / temperature)``, gather, ``-(p * logp).sum(-1)``.
+- ``naive``: ``log_softmax(hidden @ W.T / temperature)`` (division in place, skipped at 1.0),
+  gather, ``-(p * logp).sum(-1)`` with ``p = logp.exp()``.
 - ``ours``: ``linear_logprob_entropy(..., impl=--impl)``.
 - ``ours_compiled``: same with ``set_torch_compile(True)`` (torch implementation only).
+- ``ppo_naive`` / ``ppo_fused``: the PPO loss (token-mean, entropy_coeff 0.01) from the naive
+  log-probs vs ``fused_ppo_loss`` (ratios for these two are to ``naive``; compare them to each
+  other).
 - ``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss`` (cross-entropy only: no entropy, no
   temperature), CUDA only. Its Triton kernel runs on CPU only under the interpreter, which would
   measure the interpreter, so it is skipped on CPU.
@@ -50,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, nargs=2, default=None, metavar=("TOKENS", "VOCAB"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--methods", default="naive,ours", help="comma list: naive,ours,ours_compiled,liger")
+    p.add_argument("--methods", default="naive,ours", help="comma list: naive,ours,ours_compiled,ppo_naive,ppo_fused,liger")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -78,7 +82,9 @@ def _step_fn(method: str, args, torch, hidden, weight, labels, a, b):
     temperature = args.temperature
     if method == "naive":
         def step():
-            logits = (hidden @ weight.t()).float() / temperature
+            logits = (hidden @ weight.t()).float()
+            if temperature != 1.0:
+                logits = logits.div_(temperature)
             logp = torch.log_softmax(logits, dim=-1)
             lp = logp.gather(1, labels[:, None]).squeeze(1)
             ent = -(logp.exp() * logp).sum(dim=-1)
@@ -97,6 +103,35 @@ def _step_fn(method: str, args, torch, hidden, weight, labels, a, b):
             lp, ent = mk.linear_logprob_entropy(hidden, weight, labels, temperature,
                                                 impl=args.impl, chunk_size=chunk)
             loss = (lp * a).sum() + (ent * b).sum()
+            t_fwd = time.perf_counter()
+            loss.backward()
+            return t_fwd
+        return step
+    if method in ("ppo_naive", "ppo_fused"):
+        import megarl_kernels as mk
+
+        old = -5.0 * torch.rand(labels.shape, device=labels.device)  # arbitrary behaviour logprobs
+        scale = 1.0 / labels.numel()
+        chunk = tuple(args.chunk_size) if args.chunk_size else None
+
+        def ppo(lp, ent):
+            ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+            clipped = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
+            per_token = torch.where(a < 0, torch.minimum(-a * 3.0, clipped), clipped)
+            return (per_token * scale).sum() - 0.01 * (ent * scale).sum()
+
+        def step():
+            if method == "ppo_fused":
+                loss, _ = mk.fused_ppo_loss(hidden, weight, labels, old, a, loss_scale=scale,
+                                            entropy_coeff=0.01, temperature=temperature,
+                                            impl=args.impl, chunk_size=chunk)
+            else:
+                logits = (hidden @ weight.t()).float()
+                if temperature != 1.0:
+                    logits = logits.div_(temperature)
+                logp = torch.log_softmax(logits, dim=-1)
+                lp = logp.gather(1, labels[:, None]).squeeze(1)
+                loss = ppo(lp, -(logp.exp() * logp).sum(dim=-1))
             t_fwd = time.perf_counter()
             loss.backward()
             return t_fwd

@@ -47,6 +47,11 @@ def check_inputs(hidden, weight, labels, temperature, tp_group) -> tuple[int, in
     for name, x in (("hidden", hidden), ("weight", weight)):
         if x.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float32/bfloat16/float16, got {x.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden and weight must have one dtype, got {hidden.dtype} and {weight.dtype} "
+            "(cast the hidden states to the LM-head dtype)"
+        )
     if not isinstance(labels, torch.Tensor) or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"labels must be a [T] tensor matching hidden's T={hidden.shape[0]}, got "

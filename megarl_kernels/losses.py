@@ -36,7 +36,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 
 
 class _FusedLinearLoss(torch.autograd.Function):
-    """forward -> loss (0-dim float32); ``token_loss(logprob, entropy) -> (loss, metrics)``."""
+    """forward -> loss (0-dim float32). ``token_loss(logprob, entropy, sl) -> (loss, metrics)``
+    evaluates the loss of tokens ``sl`` (a slice; ``slice(None)`` = all, the only one used
+    unless ``separable``, where chunk slices give their summands and metrics may be None)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, tp_group, impl, chunks, token_loss,

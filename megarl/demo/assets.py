@@ -56,7 +56,10 @@ class BuildConfig:
     sft_warmup: int = 30
     sft_eval_every: int = 100
     sft_eval_after: int = 500
+    sft_fine_eval_every: int = 20  # once the running loss is below sft_fine_below_loss
+    sft_fine_below_loss: float = 0.12
     sft_stop_at: float = 0.15  # stop at the first dev accuracy >= this (steep part of the curve)
+    sft_bucket_by_ops: bool = True  # each batch has one operation count (no padding waste)
     prm_steps: int = 400
     prm_batch: int = 64
     prm_lr: float = 1e-3
@@ -197,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=None, help="assets folder (default $MEGARL_ASSETS or "
                    "<repo>/assets)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the build")
+    p.add_argument("--threads", type=int,
+                   default=int(os.environ.get("MEGARL_ASSETS_THREADS", "2")),
+                   help="torch threads for the build (default $MEGARL_ASSETS_THREADS or 2)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
     p.add_argument("--only", nargs="+", choices=COMPONENTS, default=list(COMPONENTS))
     p.add_argument("--sft-max-steps", type=int, default=None)

@@ -87,7 +87,7 @@ def build_policy(staging: Path, base: Path, config: BuildConfig, log: Log) -> di
 
     tok = _load_tokenizer(base)
     sft_rows = pq.read_table(base / "arith" / "sft.parquet",
-                             columns=["prompt", "response"]).to_pylist()
+                             columns=["prompt", "response", "extra_info"]).to_pylist()
     val = _arith_problems(base / "arith" / "val.parquet")
     dev = _problem_sets(config)["dev"] if config.n_dev else val[:0]
     t0 = time.perf_counter()
@@ -106,7 +106,11 @@ def build_policy(staging: Path, base: Path, config: BuildConfig, log: Log) -> di
         config.sft_lr, config.sft_warmup, seed=_seed(config, 11),
         eval_fn=(lambda: arith_accuracy(model, tok, dev)) if dev else None,
         eval_every=config.sft_eval_every, eval_after=config.sft_eval_after,
-        stop_at=config.sft_stop_at, log=log,
+        stop_at=config.sft_stop_at, fine_eval_every=config.sft_fine_eval_every,
+        fine_below_loss=config.sft_fine_below_loss,
+        buckets=[r["extra_info"]["num_ops"] for r in sft_rows] if config.sft_bucket_by_ops
+        else None,
+        log=log,
     )
     t1 = time.perf_counter()
     val_acc, texts = arith_accuracy(model, tok, val, return_responses=True)

@@ -116,3 +116,36 @@ def test_prm_evaluation_counts(tok):
     assert r["num_steps"] == 8
     assert r["accuracy_on_correct_steps"] == 1.0 and r["accuracy_on_wrong_steps"] == 0.0
     assert r["step_accuracy"] == 5 / 8 and r["first_error_found"] == 0.0
+
+
+def test_bucketed_batches_and_fine_eval(tok, model, monkeypatch):
+    import megarl.demo.sft as sft_mod
+
+    probs = arith.sample_problems(4, 40, (1, 3))
+    ex = encode_sft([[{"role": "user", "content": p.prompt}] for p in probs],
+                    [p.solution for p in probs], tok)
+    ops = [len(p.ops) for p in probs]
+    seen = []
+    real = sft_mod.sft_batch
+
+    def spy(batch, pad_id):
+        seen.append({ops[ex.index(e)] for e in batch})
+        return real(batch, pad_id)
+
+    monkeypatch.setattr(sft_mod, "sft_batch", spy)
+    m = Transformer(model.args, head="lm")
+    calls = []
+
+    def fake_eval():
+        calls.append(len(seen))
+        return 0.0
+
+    train_sft(m, ex, tok.pad_token_id, steps=12, batch_size=4, buckets=ops, eval_fn=fake_eval,
+              eval_every=5, fine_eval_every=2, fine_below_loss=-1.0)
+    assert all(len(s) == 1 for s in seen) and {1, 3} == set().union(*seen)
+    assert calls == [5, 10]  # the loss never falls below -1: coarse cadence only
+    calls.clear()
+    seen.clear()
+    r = train_sft(m, ex, tok.pad_token_id, steps=6, batch_size=4, eval_fn=lambda: 0.5,
+                  eval_every=5, fine_eval_every=2, fine_below_loss=100.0, stop_at=0.4)
+    assert r.steps == 2  # fine cadence from the start, and the first eval >= stop_at stops

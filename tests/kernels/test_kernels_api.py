@@ -84,6 +84,7 @@ def test_import_does_not_import_triton_or_megarl():
         (lambda h, w, y: (h, w, y + 100), r"\[0, 30\)"),
         (lambda h, w, y: (h, w, y - 100), r"\[0, 30\)"),
         (lambda h, w, y: (h.double(), w, y), "float32/bfloat16"),
+        (lambda h, w, y: (h.bfloat16(), w, y), "one dtype"),
     ],
 )
 def test_input_errors(mutate, match):

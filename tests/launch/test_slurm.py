@@ -153,7 +153,7 @@ def test_usr1_requeues_and_the_job_resumes(slurm, tmp_path):
 def test_one_node_template_runs_the_demo_trainer(slurm, tmp_path):
     run_dir = tmp_path / "run"
     env = _job_env(run_dir, CONFIG="grpo", NPROC_PER_NODE="1",
-                   OVERRIDES="trainer.total_training_steps=2 trainer.val_before_train=false")
+                   OVERRIDES="trainer.total_training_steps=2")
     job, out = _submit(slurm, ONE_NODE, tmp_path, env, cpus=2)
     _finish(slurm, job, out, timeout=1100)
     rows = _metrics(run_dir)

@@ -189,8 +189,7 @@ def test_two_local_nodes_run_the_demo_trainer(tmp_path):
     run_dir = tmp_path / "run"
     r = _launch(["--mode", "local", "--hosts", "127.0.0.1,127.0.0.1", "--nproc-per-node", "1",
                  "--backend", "gloo", "--rdzv-port", str(_free_port()), "--config", "grpo",
-                 "--run-dir", str(run_dir), "trainer.total_training_steps=2",
-                 "trainer.val_before_train=false"], timeout=1100)
+                 "--run-dir", str(run_dir), "trainer.total_training_steps=2"], timeout=1100)
     assert r.returncode == 0, r.stderr + "\n".join(
         (run_dir / f"logs/node{i}.log").read_text()[-3000:] for i in (0, 1))
     rows = _metrics(run_dir)

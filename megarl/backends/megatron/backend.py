@@ -94,12 +94,15 @@ class MegatronBackend:
     spec:        "auto" (TransformerEngine when it imports on CUDA, else local) | "local" | "te".
     train:       build DDP + optimizer (default: actor and critic).
     forward_micro_batch_size: rows per no-grad forward (None: the DP share in ``pp`` pieces).
+    num_labels:  PRM label count (default: the HF config's, else 2).
+    hf_config:   with ``model_path=None``: build from this config.json dict without loading
+                 weights (they are uninitialised until `load`; see `from_checkpoint`).
     """
 
     def __init__(
         self,
         role: str,
-        model_path: str,
+        model_path: str | None,
         *,
         tp: int = 1,
         pp: int = 1,
@@ -115,6 +118,7 @@ class MegatronBackend:
         train: bool | None = None,
         forward_micro_batch_size: int | None = None,
         num_labels: int | None = None,
+        hf_config: dict[str, Any] | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -123,8 +127,10 @@ class MegatronBackend:
         if spec not in ("auto", "local", "te"):
             raise ValueError(f"spec must be 'auto', 'local' or 'te', got {spec!r}")
         self.role = role
-        self.model_path = str(model_path)
-        self.hf_config = read_hf_config(model_path)
+        if model_path is None and hf_config is None:
+            raise ValueError("MegatronBackend needs model_path (an HF folder) or hf_config")
+        self.model_path = None if model_path is None else str(model_path)
+        self.hf_config = dict(hf_config) if model_path is None else read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(self.hf_config)
         self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp)
         check_supported(self.args, self.layout)
@@ -159,9 +165,10 @@ class MegatronBackend:
                 num_labels=self.num_labels,
                 use_te=self.use_te,
             )
-            load_hf_into_chunks(
-                self.chunks, model_path, self.args, role, self.num_labels, seed
-            )
+            if model_path is not None:
+                load_hf_into_chunks(
+                    self.chunks, model_path, self.args, role, self.num_labels, seed
+                )
             self.modules: list[torch.nn.Module] = [
                 Float16Module(self.config, c) if self.dtype == torch.bfloat16 else c
                 for c in self.chunks
@@ -173,6 +180,21 @@ class MegatronBackend:
                 for m in self.modules:
                     m.requires_grad_(False)
                     m.eval()
+
+    @classmethod
+    def from_checkpoint(cls, directory: str, **kwargs: Any) -> MegatronBackend:
+        """A backend rebuilt from a checkpoint of `save` alone (role, HF config, label count and
+        dtype from its ``megarl_meta.json``); ``kwargs`` (tp, pp, ..., ``train``, ``dtype``,
+        ``role``) override. Frozen (``train=False``) unless asked otherwise."""
+        meta = checkpoint.read_meta(directory)
+        role = kwargs.pop("role", meta["role"])
+        kwargs.setdefault("dtype", meta.get("dtype", "fp32"))
+        kwargs.setdefault("train", False)
+        if role == "prm":
+            kwargs.setdefault("num_labels", meta.get("num_labels"))
+        backend = cls(role, None, hf_config=meta["hf_config"], **kwargs)
+        backend.load(directory)
+        return backend
 
     @classmethod
     def from_config(cls, role: str, cfg: Any, model_path: str | None = None) -> MegatronBackend:

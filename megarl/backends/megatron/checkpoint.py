@@ -174,3 +174,62 @@ def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
     if missing:
         raise KeyError(f"checkpoint lacks model tensors: {missing}")
     chunk.load_state_dict(state, strict=False)  # megatron's wrappers return None
+
+
+def expected_model_tensors(args, role: str, num_labels: int | None) -> dict[str, tuple]:
+    """{dist-checkpoint key: global shape} of the model tensors a checkpoint of ``role`` holds,
+    whatever layout wrote it: layers stacked along a leading [num_layers] axis, pre-norms under
+    TransformerEngine's names (megatron's local spec maps its keys onto them), a tied LM head
+    stored once as the embedding."""
+    from megarl.backends.megatron.model import LM_ROLES
+
+    h, hd, L = args.hidden_size, args.head_dim, args.num_hidden_layers
+    q, kv, ffn = args.num_attention_heads * hd, args.num_key_value_heads * hd, args.intermediate_size
+    layer = {
+        "self_attention.linear_qkv.layer_norm_weight": (h,),
+        "self_attention.linear_qkv.weight": (q + 2 * kv, h),
+        "self_attention.linear_proj.weight": (h, q),
+        "mlp.linear_fc1.layer_norm_weight": (h,),
+        "mlp.linear_fc1.weight": (2 * ffn, h),
+        "mlp.linear_fc2.weight": (h, ffn),
+    }
+    if args.qkv_bias:
+        layer["self_attention.linear_qkv.bias"] = (q + 2 * kv,)
+    if args.qk_norm:
+        layer["self_attention.q_layernorm.weight"] = (hd,)
+        layer["self_attention.k_layernorm.weight"] = (hd,)
+    out = {f"decoder.layers.{k}": (L, *v) for k, v in layer.items()}
+    out["embedding.word_embeddings.weight"] = (args.vocab_size, h)
+    out["decoder.final_layernorm.weight"] = (h,)
+    if role in LM_ROLES:
+        if not args.tie_word_embeddings:
+            out["output_layer.weight"] = (args.vocab_size, h)
+    else:
+        out["score.weight"] = (num_labels, h)
+        out["score.bias"] = (num_labels,)
+    return out
+
+
+def check_model_tensors(directory: str | os.PathLike, args, role: str, num_labels) -> int:
+    """Compare the model tensors stored in ``directory`` with `expected_model_tensors`; raise
+    ValueError naming every missing, unexpected or mis-shaped one. Returns their count."""
+    with cpu_compat.cuda_to_cpu():
+        stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    have = {
+        k: tuple(v.global_shape) for k, v in stored.items() if not k.startswith("optimizer.")
+    }
+    want = expected_model_tensors(args, role, num_labels)
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    bad = [f"{k}: {have[k]} vs {want[k]}" for k in sorted(set(want) & set(have))
+           if have[k] != want[k]]
+    if missing or unexpected or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected}")
+        if bad:
+            parts.append(f"wrong shapes {bad}")
+        raise ValueError(f"checkpoint {directory} is incomplete: " + "; ".join(parts))
+    return len(have)

@@ -346,7 +346,11 @@ def load_hf_into_chunks(
     try:
         for chunk in chunks:
             params = dict(chunk.named_parameters())
-            for entry in chunk_entries(chunk, args):
+            entries = chunk_entries(chunk, args)
+            uncovered = sorted(set(params) - {e.mcore for e in entries})
+            if uncovered:
+                raise RuntimeError(f"no HF tensor maps onto megatron parameters {uncovered}")
+            for entry in entries:
                 param = params[entry.mcore]
                 if entry.hf[0] in (SCORE_W, SCORE_B) and fresh_head:
                     _init_fresh_head(chunk, args, seed)
