@@ -159,6 +159,7 @@ def test_torch_impl_never_builds_full_logits():
     assert probe.largest <= max(tc * vc, V * H, T * H) < T * V // 10
 
 
+@pytest.mark.slow  # a cold torch.compile takes ~10 s
 def test_compiled_tile_math_matches():
     """set_torch_compile(True): the torch.compile'd per-tile math gives the same results."""
     pytest.importorskip("torch._inductor")
