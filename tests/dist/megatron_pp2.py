@@ -33,7 +33,7 @@ def pipeline_checks(res, root, key, **layout):
     source = load_hf_state_dict(path)
     exported = dict(be.export_weights())
     res[f"{key}.export_exact"] = sorted(exported) == sorted(source) and all(
-        torch.equal(exported[k], source[k]) for k in source
+        torch.equal(exported[k].cpu(), source[k]) for k in source
     )
     n = float(batch.response_mask.sum())
     mbs = [batch.select(slice(0, 2)), batch.select(slice(2, 3)), batch.select(slice(3, 4)),

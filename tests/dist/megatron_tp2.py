@@ -38,7 +38,7 @@ def lm_checks(res, root, name, **layout):
     source = load_hf_state_dict(path)
     exported = dict(be.export_weights())
     res[f"{name}.export_names"] = sorted(exported) == sorted(source)
-    res[f"{name}.export_exact"] = all(torch.equal(exported[k], source[k]) for k in source)
+    res[f"{name}.export_exact"] = all(torch.equal(exported[k].cpu(), source[k]) for k in source)
 
     n = float(batch.response_mask.sum())
     mbs = [batch.select(slice(0, 2)), batch.select(slice(2, 4))]

@@ -37,7 +37,7 @@ def test_lm_logits_logprobs_entropy_match_transformers(zoo, backend_cls, name):
     exported = dict(be.export_weights())
     assert sorted(exported) == sorted(source)
     for k, v in source.items():
-        assert torch.equal(exported[k], v), k
+        assert torch.equal(exported[k].cpu(), v), k
 
 
 def test_fallback_and_fused_kernel_paths_agree(zoo, backend_cls):
@@ -72,7 +72,7 @@ def test_critic_from_lm_checkpoint_gets_a_fresh_head(zoo, backend_cls):
     critic = backend_cls("critic", str(path), seed=3)
     w = dict(critic.export_weights())
     source = load_file(str(path / "model.safetensors"))
-    assert torch.equal(w["model.layers.1.mlp.up_proj.weight"],
+    assert torch.equal(w["model.layers.1.mlp.up_proj.weight"].cpu(),
                        source["model.layers.1.mlp.up_proj.weight"])
     assert w["score.weight"].shape == (1, 64) and torch.all(w["score.bias"] == 0)
     assert 0.005 < float(w["score.weight"].std()) < 0.05  # N(0, initializer_range=0.02)
