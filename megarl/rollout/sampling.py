@@ -56,7 +56,7 @@ def counter_uniforms(
 
     seed: Python int (any size; the low 64 bits are used). request / sample / position: int64
     tensors [n] (position: index of the generated token, 0 for the first). Returns float64 [n]
-    with 53 random bits.
+    with 53 random bits. Equal, bit for bit, to `uniform_at(noise_key(...), position)`.
     """
     device = request.device
     s = int(seed) & ((1 << 64) - 1)
@@ -70,47 +70,75 @@ def counter_uniforms(
     return (a * (1 << 26) + b).to(torch.float64) * (1.0 / (1 << 53))
 
 
+def _mix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def noise_key(seed: int, request: int, sample: int) -> int:
+    """The hash state of (seed, request, sample) that `uniform_at` finishes per position (the
+    engine computes it once per sequence: a decode step then costs 3 mixes per row in Python,
+    cheaper than ~60 tensor ops for the batch sizes of a CPU engine)."""
+    s = int(seed) & ((1 << 64) - 1)
+    h = _mix32_int((s & _MASK32) ^ 0x9E3779B9)
+    h = _mix32_int(h ^ (s >> 32))
+    h = _mix32_int(h ^ (int(request) & _MASK32))
+    return _mix32_int(h ^ (int(sample) & _MASK32))
+
+
+def uniform_at(key: int, position: int) -> float:
+    """The uniform of generated token ``position`` of the sequence with `noise_key` ``key``."""
+    h = _mix32_int(key ^ (int(position) & _MASK32))
+    a = _mix32_int(h ^ 0x68E31DA4) >> 5
+    b = _mix32_int(h ^ 0xB5297A4D) >> 6
+    return (a * (1 << 26) + b) * (1.0 / (1 << 53))
+
+
 # ------------------------------------------------------------------------- inverse CDF
+
+
+def _below(total: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """u * total, kept strictly below total (u < 1, but the product may round up to it;
+    total * (1 - 2^-52) rounds to at least one ulp below a positive total)."""
+    return torch.minimum(u * total, total * (1.0 - 2.0**-52))
 
 
 def _inverse_cdf_full(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token index [n] drawn from each row of ``probs`` [n, V] (need not sum to 1) with the
-    uniforms ``u`` [n]: the block holding u * total is found from block sums (float64 cumsum
-    over V / 1024 blocks), then the token inside that block from a cumsum of 1024 entries."""
+    uniforms ``u`` [n]. Small V: one float64 cumsum. Large V: the block holding u * total is
+    found from block sums (float64 cumsum over V / 1024 blocks), then the token inside that
+    block from a cumsum of 1024 entries. ``searchsorted(right=True)`` of a target strictly
+    below the total lands on an entry whose CDF step is positive: a zero-probability token is
+    never drawn."""
     n, vocab = probs.shape
+    if vocab <= 2 * _BLOCK:
+        cdf = probs.to(torch.float64).cumsum(-1)
+        return torch.searchsorted(cdf, _below(cdf[:, -1:], u[:, None]), right=True)[:, 0]
     n_full = vocab // _BLOCK
-    sums = []
-    if n_full:
-        sums.append(probs[:, : n_full * _BLOCK].reshape(n, n_full, _BLOCK).sum(-1))
+    sums = [probs[:, : n_full * _BLOCK].reshape(n, n_full, _BLOCK).sum(-1)]
     if vocab % _BLOCK:
         sums.append(probs[:, n_full * _BLOCK :].sum(-1, keepdim=True))
     block_sums = torch.cat(sums, dim=1).to(torch.float64)  # [n, nb]
     cdf = block_sums.cumsum(-1)
-    target = u * cdf[:, -1]
-    block = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
-    block = block.clamp(max=cdf.shape[1] - 1)
-    rows = torch.arange(n, device=probs.device)
-    before = torch.where(block > 0, cdf[rows, (block - 1).clamp(min=0)], torch.zeros_like(target))
-    mass = block_sums[rows, block]
-    frac = ((target - before) / mass.clamp(min=1e-300)).clamp(0.0, 1.0 - 2.0**-52)
+    target = _below(cdf[:, -1:], u[:, None])
+    block = torch.searchsorted(cdf, target, right=True)  # [n, 1]
+    before = cdf.gather(1, (block - 1).clamp(min=0)) * (block > 0)
+    frac = ((target - before) / block_sums.gather(1, block)).clamp(max=1.0 - 2.0**-52)
 
-    cols = block[:, None] * _BLOCK + torch.arange(_BLOCK, device=probs.device)
+    cols = block * _BLOCK + torch.arange(_BLOCK, device=probs.device)
     inside = probs.gather(1, cols.clamp(max=vocab - 1)).to(torch.float64)
-    inside = torch.where(cols < vocab, inside, torch.zeros_like(inside)).cumsum(-1)
-    j = torch.searchsorted(inside, (frac * inside[:, -1])[:, None], right=True)[:, 0]
-    token = block * _BLOCK + j.clamp(max=_BLOCK - 1)
-    # mass 0 only if u * total rounded up onto the total (probability ~2^-53): take the argmax
-    return torch.where(mass > 0, token.clamp(max=vocab - 1), probs.argmax(-1))
+    inside = inside.masked_fill(cols >= vocab, 0.0).cumsum(-1)
+    j = torch.searchsorted(inside, frac * inside[:, -1:], right=True)
+    return (block * _BLOCK + j)[:, 0]
 
 
 def _inverse_cdf_sorted(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Column [n] drawn from non-negative ``weights`` [n, k] (zeros never drawn)."""
     cdf = weights.to(torch.float64).cumsum(-1)
-    j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    j = j.clamp(max=weights.shape[1] - 1)
-    # a rounding overshoot can only land past the last positive weight: step back onto it
-    last_pos = (weights > 0).cumsum(-1).argmax(-1)
-    return torch.minimum(j, last_pos)
+    return torch.searchsorted(cdf, _below(cdf[:, -1:], u[:, None]), right=True)[:, 0]
 
 
 # ------------------------------------------------------------------------- the sampler
@@ -158,7 +186,8 @@ def sample_next(
     if u is None:
         raise ValueError("sample_next needs uniforms u unless sampling is greedy")
     vocab = logits.shape[-1]
-    probs = torch.softmax(logits / sampling.temperature, -1)
+    z = logits if sampling.temperature == 1.0 else logits / sampling.temperature
+    probs = torch.softmax(z, -1)
     top_k = sampling.top_k if 0 < sampling.top_k < vocab else 0
     if not top_k and sampling.top_p >= 1.0:
         token = _inverse_cdf_full(probs, u)

@@ -134,3 +134,17 @@ def test_greedy_logprob_is_temperature_one():
     assert torch.equal(tok, logits.argmax(-1))
     ref = torch.log_softmax(logits.double(), -1).gather(1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp.double(), ref, atol=1e-6, rtol=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.lists(st.tuples(st.integers(0, 2**32 - 1),
+                                                      st.integers(0, 2**20),
+                                                      st.integers(0, 2**20)), min_size=1,
+                                            max_size=10))
+def test_python_noise_equals_tensor_noise(seed, keys):
+    """The engine's per-sequence Python path gives exactly the tensor function's uniforms."""
+    from megarl.rollout.sampling import noise_key, uniform_at
+
+    r, s, p = (torch.tensor(list(x)) for x in zip(*keys))
+    want = counter_uniforms(seed, r, s, p).tolist()
+    assert [uniform_at(noise_key(seed, a, b), c) for a, b, c in keys] == want

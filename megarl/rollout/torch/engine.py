@@ -25,7 +25,7 @@ import torch
 
 from megarl.models import Transformer, load_model, read_hf_config
 from megarl.rollout.protocol import Completion, SamplingParams
-from megarl.rollout.sampling import check_sampling_params, counter_uniforms, sample_next
+from megarl.rollout.sampling import check_sampling_params, noise_key, sample_next, uniform_at
 from megarl.rollout.torch.kv_cache import SlotKVCache
 from megarl.rollout.torch.stopping import StopStrings
 from megarl.rollout.torch.weights import load_weight_stream
@@ -38,13 +38,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class _Seq:
     """One (prompt, sample) being generated."""
 
-    __slots__ = ("req", "sample", "prompt", "max_new", "tokens", "logprobs", "finish")
+    __slots__ = ("req", "sample", "prompt", "max_new", "tokens", "logprobs", "finish", "key")
 
     def __init__(self, req: int, sample: int, prompt: list[int], max_new: int) -> None:
         self.req, self.sample, self.prompt, self.max_new = req, sample, prompt, max_new
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.finish: str | None = None
+        self.key = 0  # noise_key(seed, req, sample), set by the run
 
     @property
     def cached(self) -> int:
@@ -277,6 +278,8 @@ class _Run:
         self.slots = min(engine.max_num_seqs, len(seqs))
         self.cache = engine._get_cache(self.slots, max(len(s.prompt) + s.max_new for s in seqs))
         self.device = engine.device
+        for s in seqs:
+            s.key = noise_key(seed, s.req, s.sample)
 
     def loop(self) -> None:
         pending = deque(range(len(self.seqs)))
@@ -352,12 +355,8 @@ class _Run:
         seqs = [self.seqs[s] for s in sids]
         u = None
         if not self.sampling.is_greedy:
-            u = counter_uniforms(
-                self.seed,
-                torch.tensor([s.req for s in seqs], device=self.device),
-                torch.tensor([s.sample for s in seqs], device=self.device),
-                torch.tensor([len(s.tokens) for s in seqs], device=self.device),
-            )
+            u = torch.tensor([uniform_at(s.key, len(s.tokens)) for s in seqs],
+                             dtype=torch.float64, device=self.device)
         tokens, logprobs = sample_next(logits, self.sampling, u)
         for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             s.tokens.append(tok)
