@@ -101,3 +101,21 @@ def test_from_config(tiny_folder):
     out = engine.generate(prompts_of([4], seed=0), SamplingParams(max_new_tokens=30, seed=1,
                                                                  ignore_eos=True))
     assert len(out[0].token_ids) == 20  # cut to max_model_len (16 + 8) - 4 prompt tokens
+
+
+def test_kv_cache_budget_limits_slots(tiny_folder):
+    """A byte cap smaller than max_num_seqs slots: fewer slots, same outputs; too small: error."""
+    path = tiny_folder("qwen2")
+    prompts = prompts_of([4, 6, 5], seed=5)
+    sp = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=3)
+    free = TorchRolloutEngine.from_pretrained(path, max_num_seqs=6)
+    want = [c.token_ids for c in free.generate(prompts, sp)]
+    # qwen2 tiny: 2 layers x 2 kv heads x 16 head dim x 4 bytes x 2 (k, v) = 512 B per position
+    per_slot = 512 * (6 + 6)
+    capped = TorchRolloutEngine.from_pretrained(path, max_num_seqs=6,
+                                                kv_cache_bytes=2 * per_slot + 100)
+    assert [c.token_ids for c in capped.generate(prompts, sp)] == want
+    assert capped._cache.slots == 2
+    tiny = TorchRolloutEngine.from_pretrained(path, kv_cache_bytes=per_slot - 1)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        tiny.generate(prompts, sp)

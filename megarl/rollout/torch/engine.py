@@ -64,6 +64,8 @@ class TorchRolloutEngine:
     eos_token_ids:   ids that end a sequence unless SamplingParams.ignore_eos; default the
                      config's eos_token_id.
     prefill_token_budget: padded prompt tokens per prefill forward at most (memory bound).
+    kv_cache_bytes:  cap on the KV cache; fewer slots than max_num_seqs are used when
+                     max_num_seqs x (prompt + response) would not fit (None: no cap).
     offload_weights_on_sleep: move weights to CPU in sleep() (default: only for an engine that
                      owns its model on a GPU; never for a shared training model).
     """
@@ -77,6 +79,7 @@ class TorchRolloutEngine:
         max_model_len: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
         prefill_token_budget: int = 16384,
+        kv_cache_bytes: int | None = None,
         offload_weights_on_sleep: bool | None = None,
     ) -> None:
         if not isinstance(model, Transformer):
@@ -96,6 +99,7 @@ class TorchRolloutEngine:
             eos_token_ids = _as_id_list(model.args.hf_config.get("eos_token_id"))
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self.prefill_token_budget = int(prefill_token_budget)
+        self.kv_cache_bytes = None if kv_cache_bytes is None else int(kv_cache_bytes)
         weight = model.output_weight()
         self.device, self.dtype = weight.device, weight.dtype
         if offload_weights_on_sleep is None:
@@ -140,8 +144,10 @@ class TorchRolloutEngine:
         cls, cfg: Any, model_path: str, device: torch.device | str | None = None
     ) -> TorchRolloutEngine:
         """Engine for a run. Reads actor_rollout_ref.model.{dtype, tokenizer_path},
-        actor_rollout_ref.rollout.max_num_seqs and data.{max_prompt_length,
-        max_response_length} (their sum is max_model_len)."""
+        actor_rollout_ref.rollout.{max_num_seqs, gpu_memory_utilization} and
+        data.{max_prompt_length, max_response_length} (their sum is max_model_len). The KV
+        cache gets at most gpu_memory_utilization x the device's free memory (CUDA: total
+        minus allocated; CPU: MemAvailable) when the engine is built."""
         from megarl.data.rows import resolve_path
 
         arr = cfg.actor_rollout_ref
@@ -150,13 +156,15 @@ class TorchRolloutEngine:
             raise ValueError(
                 f"actor_rollout_ref.model.dtype must be one of {sorted(_DTYPES)}, got {dtype_name!r}"
             )
+        device = torch.device(device if device is not None else "cpu")
         return cls.from_pretrained(
             resolve_path(model_path),
             dtype=_DTYPES[dtype_name],
-            device=device if device is not None else "cpu",
+            device=device,
             tokenizer=arr.model.tokenizer_path or model_path,
             max_num_seqs=arr.rollout.max_num_seqs,
             max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            kv_cache_bytes=_cache_budget(device, arr.rollout.gpu_memory_utilization),
         )
 
     # ------------------------------------------------------------------------- protocol
@@ -275,8 +283,22 @@ class _Run:
     ) -> None:
         self.e, self.seqs, self.sampling, self.seed = engine, seqs, sampling, seed
         self.stop_ids, self.stops = stop_ids, stops
+        max_len = max(len(s.prompt) + s.max_new for s in seqs)
         self.slots = min(engine.max_num_seqs, len(seqs))
-        self.cache = engine._get_cache(self.slots, max(len(s.prompt) + s.max_new for s in seqs))
+        if engine.kv_cache_bytes is not None:
+            a = engine.model.args
+            per_slot = (2 * len(engine.model.model.layers) * a.num_key_value_heads * max_len
+                        * a.head_dim * torch.empty(0, dtype=engine.dtype).element_size())
+            fit = engine.kv_cache_bytes // per_slot
+            if fit < 1:
+                raise ValueError(
+                    f"the KV cache budget ({engine.kv_cache_bytes / 2**20:.0f} MiB) holds no "
+                    f"sequence of {max_len} tokens ({per_slot / 2**20:.1f} MiB); raise "
+                    f"actor_rollout_ref.rollout.gpu_memory_utilization or lower "
+                    f"data.max_prompt_length / max_response_length"
+                )
+            self.slots = min(self.slots, int(fit))
+        self.cache = engine._get_cache(self.slots, max_len)
         self.device = engine.device
         for s in seqs:
             s.key = noise_key(seed, s.req, s.sample)
@@ -408,6 +430,19 @@ def _load_tokenizer(path: str) -> Any:
     from megarl.data.tokenizer import load_tokenizer
 
     return load_tokenizer(path)
+
+
+def _cache_budget(device: torch.device, fraction: float) -> int:
+    """fraction x the memory free on ``device`` now, in bytes."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(fraction * (total - torch.cuda.memory_allocated(device)))
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(fraction * int(info["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return int(fraction * 8 * 2**30)
 
 
 def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
