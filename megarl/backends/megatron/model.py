@@ -136,9 +136,10 @@ def transformer_config(
         # swapping activations and gradients). megatron's unbatched path orders them by rank.
         batch_p2p_comm=layout.vpp is None,
         use_cpu_initialization=not torch.cuda.is_available(),
-        # Every parameter is overwritten (HF weights or a checkpoint; weights.py checks that
-        # each one is covered), so megatron's random init would be wasted time.
-        perform_initialization=False,
+        # Kept on although every parameter is overwritten (HF weights or a checkpoint):
+        # megatron sets the `tensor_model_parallel` attributes of TP-sharded weights only in
+        # its init functions, and the grad norm and the optimizer rely on them.
+        perform_initialization=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
