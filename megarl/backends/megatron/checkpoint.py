@@ -116,12 +116,20 @@ def load(
 
 @torch.no_grad()
 def materialize_optimizer_state(optimizer) -> None:
-    """Give a never-stepped optimizer its (zero) Adam state: megatron's state_dict needs a
-    common ``step`` in it, both to save and to load into. A zero-gradient AdamW step with lr and
-    weight decay 0 leaves the parameters unchanged."""
+    """Give a never-stepped distributed optimizer over torch's AdamW (no Apex / TE, i.e. CPU)
+    its zero Adam state: megatron's state_dict needs a common ``step`` in it, both to save and
+    to load into. A zero-gradient AdamW step with lr and weight decay 0 leaves the parameters
+    unchanged; the step counter is then reset to 0 so a resumed run's bias correction is exact.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(sub, "optimizer", None)
-        if inner is None or len(inner.state) > 0:
+        if not isinstance(sub, distrib_optimizer.DistributedOptimizer) or inner is None:
+            continue
+        if len(inner.state) > 0:
             continue
         saved = [(g["lr"], g["weight_decay"]) for g in inner.param_groups]
         for g in inner.param_groups:
@@ -134,6 +142,8 @@ def materialize_optimizer_state(optimizer) -> None:
             g["lr"], g["weight_decay"] = lr, wd
             for p in g["params"]:
                 p.grad = None
+                if "step" in inner.state[p]:
+                    inner.state[p]["step"].zero_()
 
 
 def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:

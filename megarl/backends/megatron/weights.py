@@ -388,8 +388,9 @@ def export_hf(
     num_labels: int | None,
     grads: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) of the whole model on every rank, in HF order. Collective
-    over the TP and PP groups (every rank must iterate to the end). ``grads``: the accumulated
+    """Yield (HF name, full tensor) of the whole model on every rank, in HF state_dict order
+    (``hf_sort_key``). Collective over the TP and PP groups (every rank must iterate to the
+    end); at most one layer's full tensors are held at a time. ``grads``: the accumulated
     gradients (megatron's ``main_grad`` buffers, fp32) instead of the weights."""
     tp_group, tp_size = parallel.tp_group(), layout.tp
     my_pp = parallel.pp_rank()
@@ -410,28 +411,42 @@ def export_hf(
         return grad.detach()
 
     dtype = value(next(iter(mine.values()))[0]).dtype if mine else torch.float32
+    # One layer (or top-level tensor) at a time, its tensors yielded in HF state_dict order.
+    for group in _entry_groups(args, role):
+        ready: list[tuple[str, torch.Tensor]] = []
+        for entry in group:
+            owner = _owner_stage(entry, args, layout)
+            outputs = None
+            if owner == my_pp:
+                param, local_entry = mine[entry.hf]
+                shard = value(param)
+                if tp_size > 1 and local_entry.kind != "replicated":
+                    shards = [torch.empty_like(shard) for _ in range(tp_size)]
+                    dist.all_gather(shards, shard.contiguous(), group=tp_group)
+                else:
+                    shards = [shard]
+                outputs = hf_from_shards(local_entry, shards, args)
+            if layout.pp > 1:
+                shapes = hf_shapes(entry, args, num_labels)
+                if outputs is None:
+                    outputs = [
+                        (name, torch.empty(shape, dtype=dtype, device=_device()))
+                        for name, shape in zip(entry.hf, shapes)
+                    ]
+                for _, tensor in outputs:
+                    dist.broadcast(tensor, src=pp_ranks[owner], group=parallel.pp_group())
+            ready.extend(outputs)
+        yield from sorted(ready, key=lambda item: hf_sort_key(item[0]))
+
+def _entry_groups(args: ModelArgs, role: str) -> list[list[Entry]]:
+    """Entries of the full model grouped by layer (top-level tensors alone), in HF order."""
+    groups: list[list[Entry]] = []
     for entry in _all_entries(args, role):
-        owner = _owner_stage(entry, args, layout)
-        outputs = None
-        if owner == my_pp:
-            param, local_entry = mine[entry.hf]
-            shard = value(param)
-            if tp_size > 1 and local_entry.kind != "replicated":
-                shards = [torch.empty_like(shard) for _ in range(tp_size)]
-                dist.all_gather(shards, shard.contiguous(), group=tp_group)
-            else:
-                shards = [shard]
-            outputs = hf_from_shards(local_entry, shards, args)
-        if layout.pp > 1:
-            shapes = hf_shapes(entry, args, num_labels)
-            if outputs is None:
-                outputs = [
-                    (name, torch.empty(shape, dtype=dtype, device=_device()))
-                    for name, shape in zip(entry.hf, shapes)
-                ]
-            for _, tensor in outputs:
-                dist.broadcast(tensor, src=pp_ranks[owner], group=parallel.pp_group())
-        yield from outputs
+        if entry.layer is not None and groups and groups[-1][0].layer == entry.layer:
+            groups[-1].append(entry)
+        else:
+            groups.append([entry])
+    return groups
 
 
 def _all_entries(args: ModelArgs, role: str) -> list[Entry]:
