@@ -22,7 +22,7 @@ def conv_zoo(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def conv_dist():
     lib.ensure_dist()
     import megarl.backends.megatron  # noqa: F401

@@ -21,7 +21,7 @@ def zoo(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def mcore_dist():
     lib.ensure_dist()
     import megarl.backends.megatron  # noqa: F401

@@ -15,7 +15,7 @@ TOL = 1e-5
 LM_ZOO = ("llama_tied_gqa", "qwen2_bias", "qwen3_qknorm", "llama3_rope")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def backend_cls(mcore_dist):
     from megarl.backends.megatron import MegatronBackend
 

@@ -151,3 +151,17 @@ def test_all_roles_coexist_in_one_process(zoo, mcore_dist):
     assert torch.equal(ref.logprobs(batch)[0], lp_ref)  # the ref did not
     with pytest.raises(ValueError, match="same tensor_model_parallel_size"):
         MegatronBackend("ref", str(lib.zoo_model(zoo, "qwen2_bias")), tp=2)
+
+
+def test_a_new_process_group_gets_new_megatron_groups(zoo, mcore_dist):
+    """A second run in one process (the trainer destroys its process group at the end)."""
+    import torch.distributed as dist
+
+    from megarl.backends.megatron import MegatronBackend
+
+    path = str(lib.zoo_model(zoo, "qwen2_bias"))
+    batch = lib.make_batch(seed=21)
+    before = MegatronBackend("ref", path).logprobs(batch)[0]
+    dist.destroy_process_group()
+    lib.ensure_dist()
+    assert torch.equal(MegatronBackend("ref", path).logprobs(batch)[0], before)

@@ -20,12 +20,13 @@ from megatron.core import tensor_parallel
 from megarl.backends.megatron import cpu_compat
 
 _SEEDED: int | None = None
+_WORLD: object | None = None  # the default process group megatron's groups were built from
 
 
 def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
     """Initialise megatron's process groups for (tp, pp) unless already done with the same
     sizes; the caller must have called ``torch.distributed.init_process_group``."""
-    global _SEEDED
+    global _SEEDED, _WORLD
     if not dist.is_initialized():
         raise RuntimeError(
             "MegatronBackend needs torch.distributed: call "
@@ -36,6 +37,11 @@ def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world = dist.get_world_size()
+    if ps.model_parallel_is_initialized() and _WORLD is not None and _WORLD is not dist.group.WORLD:
+        # The process group was destroyed and created again (e.g. a second run in this
+        # process): megatron's groups belong to the old one.
+        ps.destroy_model_parallel()
+        _SEEDED = None
     if ps.model_parallel_is_initialized():
         have = (
             ps.get_tensor_model_parallel_world_size(),
@@ -58,6 +64,7 @@ def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
             )
+    _WORLD = dist.group.WORLD
     if _SEEDED is None:
         with cpu_compat.cuda_to_cpu():
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
