@@ -141,10 +141,13 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 240) -> str:
-    """Run ``tests/dist/<script>`` under ``torchrun --standalone`` (gloo on CPU, one thread per
-    process); return its output, raise AssertionError with it when it fails."""
+    """Run ``tests/dist/<script>`` under ``torchrun --standalone`` (NCCL with one GPU per rank,
+    else gloo on CPU; one thread per process); return its output, raise AssertionError with it
+    when it fails."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # not one GPU per rank: run the workers on gloo / CPU
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", str(DIST_DIR / script), *args,
