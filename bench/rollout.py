@@ -89,9 +89,13 @@ def bench_generate(path: Path, repeats: int) -> dict[str, object]:
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompts = chat_prompts(tok)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok.padding_side = "left"
-    enc = tok([tok.decode(p) for p in prompts], return_tensors="pt", padding=True,
-              add_special_tokens=False)
+    width = max(map(len, prompts))  # the same token ids, left-padded for HF
+    ids = torch.full((BATCH, width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((BATCH, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    enc = {"input_ids": ids, "attention_mask": mask}
     gen_kw = dict(do_sample=True, temperature=1.0, top_k=None, top_p=1.0, max_new_tokens=NEW,
                   min_new_tokens=NEW, pad_token_id=tok.pad_token_id, use_cache=True)
 

@@ -10,14 +10,17 @@ folder}. Results are keyed "<layout>.<check>".
 
 Per run: one optimizer step with a large LR (so the weights differ from the folder), then
 - ``hf_logprob_err``: the bucketed stream loaded into a transformers model (float64) gives the
-  trainer's ``logprobs`` on a ragged batch;
+  trainer's ``logprobs`` on a ragged batch (``hf_logits_err``: and its logits, where the
+  backend exposes them: megatron);
 - ``engine_logprob_err``: a `TorchRolloutEngine` built from the untrained folder, updated from
   the stream, generates; the trainer's ``logprobs`` of those completions equal the engine's
   (`logprob_diff_metrics`, T = 0.8);
 - ``shared_engine_err`` (torch, world of one): an engine wrapping ``backend.model`` itself;
 - ``peak_bytes.<B>``: the most bytes of streamed tensors alive at once while a consumer drops
   every bucket at once, for two bucket sizes B (tracked with weakref finalizers), with
-  ``max_tensor_bytes`` and ``max_bucket_bytes`` (the largest bucket handed out).
+  ``max_bucket_bytes`` (the largest bucket handed out), ``max_tensor_bytes``, and
+  ``stream_peak_bytes``: the same with every tensor in a bucket of its own, i.e. what the
+  backend's export holds by itself (torch: one tensor; megatron: one layer).
 Rank 0 writes the JSON (floats: max over ranks).
 """
 
@@ -43,7 +46,7 @@ from megarl.rollout.protocol import SamplingParams  # noqa: E402
 from megarl.rollout.reshard import tensor_bytes, weight_buckets  # noqa: E402
 from megarl.rollout.torch import TorchRolloutEngine  # noqa: E402
 
-BUCKETS = (40_000, 160_000)
+BUCKETS = (40_000, 200_000)
 
 
 def make_batch(seed: int = 0, b: int = 4, p: int = 6, r: int = 5) -> SequenceBatch:
@@ -74,7 +77,10 @@ def build(backend: str, layout: str, path: str):
                                                         "weight_decay": 0.0}, **kw)
 
 
-def hf_logprobs(state: dict[str, torch.Tensor], path: str, batch: SequenceBatch) -> torch.Tensor:
+def hf_logprobs(
+    state: dict[str, torch.Tensor], path: str, batch: SequenceBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob [B, L], logits [B, L, V]) of the response columns, float64, masked."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
@@ -90,7 +96,7 @@ def hf_logprobs(state: dict[str, torch.Tensor], path: str, batch: SequenceBatch)
         logits = model(batch.input_ids, attention_mask=batch.attention_mask,
                        position_ids=pos).logits[:, p - 1 : -1]
     lp = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None])[..., 0]
-    return lp * batch.response_mask
+    return lp * batch.response_mask, logits * batch.response_mask[..., None]
 
 
 def peak_live_bytes(backend, bucket: int) -> tuple[int, int, int]:
@@ -132,8 +138,10 @@ def run(backend_name: str, layout: str, model_dir: str) -> dict[str, object]:
     state = {}
     for bucket in weight_buckets(be.export_weights(), BUCKETS[0]):
         state.update({k: v.clone() for k, v in bucket})
-    res["hf_logprob_err"] = float((hf_logprobs(state, model_dir, batch) - trained.double())
-                                  .abs().max())
+    ref_lp, ref_logits = hf_logprobs(state, model_dir, batch)
+    res["hf_logprob_err"] = float((ref_lp - trained.double()).abs().max())
+    if hasattr(be, "logits"):  # megatron exposes the trainer's logits too
+        res["hf_logits_err"] = float((ref_logits - be.logits(batch).double()).abs().max())
     res["changed"] = float((trained - be_untrained_logprobs(model_dir, batch)).abs().max())
 
     engine = TorchRolloutEngine.from_pretrained(model_dir, max_num_seqs=4)
@@ -151,10 +159,10 @@ def run(backend_name: str, layout: str, model_dir: str) -> dict[str, object]:
         res["shared_engine_err"] = logprob_diff_metrics(engine_lp, old.float(),
                                                         cb.response_mask)[METRIC_MAX]
 
+    # what the backend's own stream holds (each tensor its own bucket), then with buckets
+    res["stream_peak_bytes"], res["max_tensor_bytes"], _ = peak_live_bytes(be, 1)
     for b in BUCKETS:
-        peak, max_t, max_b = peak_live_bytes(be, b)
-        res[f"peak_bytes.{b}"], res["max_tensor_bytes"], res[f"max_bucket_bytes.{b}"] = (
-            peak, max_t, max_b)
+        res[f"peak_bytes.{b}"], _, res[f"max_bucket_bytes.{b}"] = peak_live_bytes(be, b)
     res["total_bytes"] = sum(tensor_bytes(v) for v in state.values())
     return res
 

@@ -6,8 +6,9 @@ optimizer step:
 - a TorchRolloutEngine updated from it generates, and the trainer's recomputed logprobs of
   those completions equal the engine's (`rollout/logprob_abs_diff_max` < 1e-5); in a world of
   one also for an engine wrapping the trainer's model object;
-- the bytes of streamed tensors alive at once stay within one bucket + one tensor, for two
-  bucket sizes, and grow with the bucket size.
+- the bytes of streamed tensors alive at once stay within one bucket + what the backend's
+  export holds by itself (torch: one tensor; megatron: one layer), for two bucket sizes, and
+  grow with the bucket size.
 
 The four launches run concurrently (each is mostly start-up and gloo waits).
 """
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "dist" / "rollout_reshard_worker.py"
-BUCKETS = (40_000, 160_000)
+BUCKETS = (40_000, 200_000)
 TOL = 1e-5
 
 
@@ -94,11 +95,14 @@ def test_stream_matches_trainer(results, launch, layout):
     r = {k.split(".", 1)[1]: v for k, v in results[launch].items() if k.startswith(layout + ".")}
     assert r["changed"] > 0.1  # the optimizer step moved the weights away from the folder
     assert r["hf_logprob_err"] < TOL
+    if launch.startswith("megatron"):
+        assert r["hf_logits_err"] < TOL
     assert r["engine_logprob_err"] < TOL
     if layout == "one":
         assert r["shared_engine_err"] < TOL
     small, large = (r[f"peak_bytes.{b}"] for b in BUCKETS)
     for b in BUCKETS:
         assert r[f"max_bucket_bytes.{b}"] <= max(b, r["max_tensor_bytes"])
-        assert r[f"peak_bytes.{b}"] <= b + r["max_tensor_bytes"]
-    assert small < large < r["total_bytes"]
+        # bucketing adds at most one bucket to what the backend's stream holds itself
+        assert r[f"peak_bytes.{b}"] <= b + r["stream_peak_bytes"]
+    assert small < large and small < r["total_bytes"]
