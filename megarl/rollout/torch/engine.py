@@ -89,6 +89,14 @@ class TorchRolloutEngine:
                 "TorchRolloutEngine needs a whole LM model (head='lm', embeddings and final norm "
                 "present), not a token-classification model or a pipeline stage"
             )
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError(
+                "TorchRolloutEngine needs a plain, unsharded model; this one has DTensor "
+                "(FSDP / tensor-parallel) parameters. Build the engine with from_pretrained / "
+                "from_config and feed it backend.export_weights() through update_weights"
+            )
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.model = model
