@@ -25,7 +25,9 @@ def derived_seed(seed: int, *parts: int) -> int:
     return zlib.crc32(repr((int(seed), *parts)).encode()) & 0x7FFFFFFF
 
 
-def as_buckets(weights: Iterable[Any], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def as_buckets(
+    weights: Iterable[Any], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets from either a flat (name, tensor) stream or an iterable of buckets (kept as
     they come)."""
     it = iter(weights)

@@ -154,7 +154,8 @@ def check_sampling_params(sampling: SamplingParams, vocab_size: int) -> None:
         )
     if not (0.0 < sampling.top_p <= 1.0):
         raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {sampling.top_p!r}")
-    if not isinstance(sampling.top_k, int) or (sampling.top_k < 1 and sampling.top_k not in (0, -1)):
+    top_k = sampling.top_k
+    if not isinstance(top_k, int) or (top_k < 1 and top_k not in (0, -1)):
         raise ValueError(
             f"SamplingParams.top_k must be -1 (off) or a positive int, got {sampling.top_k!r}"
         )

@@ -162,7 +162,8 @@ class TorchRolloutEngine:
         dtype_name = arr.model.dtype
         if dtype_name not in _DTYPES:
             raise ValueError(
-                f"actor_rollout_ref.model.dtype must be one of {sorted(_DTYPES)}, got {dtype_name!r}"
+                f"actor_rollout_ref.model.dtype must be one of {sorted(_DTYPES)}, "
+                f"got {dtype_name!r}"
             )
         device = torch.device(device if device is not None else "cpu")
         return cls.from_pretrained(
@@ -206,7 +207,8 @@ class TorchRolloutEngine:
             Completion(
                 prompt_index=s.req,
                 token_ids=s.tokens,
-                logprobs=torch.tensor(s.logprobs, dtype=torch.float32) if sampling.logprobs else None,
+                logprobs=(torch.tensor(s.logprobs, dtype=torch.float32)
+                          if sampling.logprobs else None),
                 finish_reason=s.finish or "length",
             )
             for s in seqs
@@ -236,7 +238,8 @@ class TorchRolloutEngine:
         self._asleep = True
 
     def wake(self) -> None:
-        """Undo sleep(): weights back on the device (the cache is allocated at the next generate)."""
+        """Undo sleep(): weights back on the device (the cache comes back at the next
+        generate)."""
         if self._offloaded:
             for p in _unique_tensors(self.model):
                 p.data = p.data.to(self.device, non_blocking=True)
@@ -266,7 +269,8 @@ class TorchRolloutEngine:
     def _get_cache(self, slots: int, max_len: int) -> SlotKVCache:
         a = self.model.args
         layers = len(self.model.model.layers)
-        if self._cache is None or not self._cache.fits(layers, slots, max_len, self.dtype, self.device):
+        cache = self._cache
+        if cache is None or not cache.fits(layers, slots, max_len, self.dtype, self.device):
             self._cache = None  # free before allocating the new one
             self._cache = SlotKVCache(
                 layers, slots, a.num_key_value_heads, max_len, a.head_dim, self.dtype, self.device
@@ -367,7 +371,8 @@ class _Run:
         ids = ids.to(self.device)
         pos = torch.arange(t, device=self.device).expand(len(prompts), t)
         hidden = self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
-        last = hidden[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        rows = torch.arange(len(prompts), device=self.device)
+        last = hidden[rows, torch.tensor(lengths, device=self.device) - 1]
         logits = self.e._logits(last)
         self.sample_into(sids, logits[torch.tensor(src, device=self.device)])
 
@@ -376,7 +381,8 @@ class _Run:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=self.device)
         pos = torch.tensor([s.cached for s in seqs], dtype=torch.long, device=self.device)
         self.cache.begin_decode(pos)
-        hidden = self.e.model(tokens, position_ids=pos[:, None], kv_cache=self.cache, output="hidden")
+        hidden = self.e.model(tokens, position_ids=pos[:, None], kv_cache=self.cache,
+                              output="hidden")
         self.sample_into(active, self.e._logits(hidden[:, -1]))
 
     def sample_into(self, sids: list[int], logits: torch.Tensor) -> None:
