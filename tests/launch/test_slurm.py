@@ -156,5 +156,5 @@ def test_one_node_template_runs_the_demo_trainer(slurm, tmp_path):
                    OVERRIDES="trainer.total_training_steps=2")
     job, out = _submit(slurm, ONE_NODE, tmp_path, env, cpus=2)
     _finish(slurm, job, out, timeout=1100)
-    rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2], rows
+    rows = _metrics(run_dir)  # training rows carry actor/* metrics; validation-only rows do not
+    assert [r["step"] for r in rows if any(k.startswith("actor/") for k in r)] == [1, 2], rows

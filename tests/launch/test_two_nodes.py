@@ -192,7 +192,7 @@ def test_two_local_nodes_run_the_demo_trainer(tmp_path):
                  "--run-dir", str(run_dir), "trainer.total_training_steps=2"], timeout=1100)
     assert r.returncode == 0, r.stderr + "\n".join(
         (run_dir / f"logs/node{i}.log").read_text()[-3000:] for i in (0, 1))
-    rows = _metrics(run_dir)
-    assert [row["step"] for row in rows] == [1, 2]
+    rows = _metrics(run_dir)  # training rows carry actor/* metrics; validation-only rows do not
+    assert [row["step"] for row in rows if any(k.startswith("actor/") for k in row)] == [1, 2], rows
     logs = [(run_dir / f"logs/node{i}.log").read_text() for i in (0, 1)]
     assert sorted(_group_ranks(log) for log in logs) == [(0, 2), (1, 2)]
