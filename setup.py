@@ -31,7 +31,7 @@ EXTRAS = {
         "psutil",  # needed by dist_checkpointing's writer, not declared by megatron-core
     ],
     "kernels": ["triton>=3.2"],
-    "vllm": ["vllm>=0.8"],
+    "vllm": ["vllm>=0.10.2"],
     "sglang": ["sglang>=0.4.6"],
     "ray": ["ray>=2.9"],  # tested with 2.60.0
     "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff"],

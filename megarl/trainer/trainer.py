@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from megarl import algos
+from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import rollout as R
 from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages
@@ -146,9 +147,7 @@ class RLTrainer:
                 mask = batch.response_mask
                 metrics["actor/old_entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
         if "rollout_logprob" in t and arr.rollout.check_logprobs:
-            diff = (t["rollout_logprob"] - old).abs()[batch.response_mask.bool()]
-            metrics["rollout/logprob_abs_diff_mean"] = float(diff.mean()) if diff.numel() else 0.0
-            metrics["rollout/logprob_abs_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+            metrics.update(logprob_diff_metrics(t["rollout_logprob"], old, batch.response_mask))
         if p.ref is not None:
             with timer("ref"):
                 t["ref_logprob"], _ = p.ref.logprobs(seq, temperature=temperature)
