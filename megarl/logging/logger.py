@@ -13,10 +13,12 @@ SINKS = ("console", "tensorboard", "jsonl")
 
 
 class MetricLogger:
-    """``log(step, metrics)`` writes to every sink of ``sinks``; a no-op on ranks other than 0.
+    """``log(step, metrics)`` writes to every sink of ``sinks``.
 
-    run_dir/metrics.jsonl, run_dir/tensorboard/ (TensorBoard event files, verl's metric names),
-    and at ``close()`` run_dir/curves.png.
+    Files (written by global rank 0 only): run_dir/metrics.jsonl, run_dir/tensorboard/
+    (TensorBoard event files, verl's metric names), and at ``close()`` run_dir/curves.png.
+    The console shows on the first rank of every node (``local_rank == 0``), so each node's log
+    carries the step metrics (every rank holds the same metrics).
     """
 
     def __init__(
@@ -26,6 +28,7 @@ class MetricLogger:
         total_steps: int,
         *,
         rank: int = 0,
+        local_rank: int = 0,
         resume_step: int | None = None,
         title: str = "",
     ) -> None:
@@ -37,7 +40,7 @@ class MetricLogger:
         self.title = title
         self.jsonl = self.tb = None
         self.console = ConsoleProgress(total_steps, resume_step or 0,
-                                       enabled=self.active and "console" in sinks)
+                                       enabled=local_rank == 0 and "console" in sinks)
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +53,7 @@ class MetricLogger:
                                     purge_step=(resume_step + 1) if resume_step else None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.console.update(step, metrics)
         if not self.active:
             return
         self.jsonl.write(step, metrics)
@@ -58,16 +62,17 @@ class MetricLogger:
                 if isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, global_step=step)
             self.tb.flush()
-        self.console.update(step, metrics)
 
     def print(self, text: str) -> None:
-        if self.active:
-            self.console.write(text) if self.console.enabled else print(text, flush=True)
+        if self.console.enabled:
+            self.console.write(text)
+        elif self.active:
+            print(text, flush=True)
 
     def close(self, plot: bool = True) -> str | None:
+        self.console.close()
         if not self.active:
             return None
-        self.console.close()
         if self.tb is not None:
             self.tb.close()
         self.jsonl.close()

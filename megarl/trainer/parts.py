@@ -52,6 +52,7 @@ class RunParts:
     def make_logger(self, total_steps: int, resume_step: int | None) -> MetricLogger:
         t = self.cfg.trainer
         return MetricLogger(self.run_dir, list(t.logger), total_steps, rank=mdist.rank(),
+                            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                             resume_step=resume_step,
                             title=f"{t.project_name}/{t.experiment_name}")
 
