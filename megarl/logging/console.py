@@ -55,6 +55,8 @@ class ConsoleProgress:
             self.bar.update(step - self.bar.n)
             return
         done = step - self.start_step
+        if done <= 0:  # e.g. the validation before training: printed by the trainer itself
+            return
         elapsed = time.perf_counter() - self.start_time
         eta = elapsed / done * (self.total - step) if done > 0 else 0.0
         body = " ".join(f"{k}={v}" for k, v in shown.items())
