@@ -56,6 +56,9 @@ class ActorLossSettings:
     pacs_adv_estimator: str = "rloo"
     pacs_weight_mode: str | None = "question"
     pacs_norm_adv_by_std: bool = True
+    # One mini-batch and one epoch: the policy that sampled is the one being updated, so the
+    # ratio is exactly 1 (verl's on-policy rule: old_logprob = logprob.detach()).
+    on_policy: bool = False
 
     @property
     def needs_entropy(self) -> bool:
@@ -70,11 +73,12 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
         t = mb.tensors
         mask = t["response_mask"].to(torch.float32)
         logprob = out.logprob
+        old_logprob = logprob.detach() if s.on_policy else t["old_logprob"]
         share = norm.token_share(mask)
         metrics: dict[str, float] = {}
         if s.pacs:
             loss, m = algos.pacs_loss(
-                logprob=logprob, old_logprob=t["old_logprob"], response_mask=mask,
+                logprob=logprob, old_logprob=old_logprob, response_mask=mask,
                 scores=t["scores"], group_index=t["group_index"], beta=s.pacs_beta,
                 reward_method=s.pacs_reward_method, adv_estimator=s.pacs_adv_estimator,
                 weight_mode=s.pacs_weight_mode, norm_adv_by_std=s.pacs_norm_adv_by_std)
@@ -84,7 +88,7 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
             metrics["actor/pacs_loss"] = float(loss.detach())
         else:
             loss, m = algos.policy_loss(
-                s.loss_mode, logprob=logprob, old_logprob=t["old_logprob"],
+                s.loss_mode, logprob=logprob, old_logprob=old_logprob,
                 advantages=t["advantages"], response_mask=mask,
                 clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
                 clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode, **norm.kwargs())

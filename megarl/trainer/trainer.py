@@ -10,6 +10,7 @@ SPMD: every rank started by torchrun runs this same loop and holds the same step
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -187,7 +188,10 @@ class RLTrainer:
                     keys += ("ref_logprob",)
                 if cfg.pacs.enable:
                     t["scores"] = t["verifiable"]
-                settings = self.actor_settings
+                n_groups = len(set(batch.group_index.tolist()))
+                settings = dataclasses.replace(
+                    self.actor_settings,
+                    on_policy=a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups)
                 steps = run_update(
                     p.actor, batch, keys, lambda norm: actor_loss_fn(settings, norm),
                     prompts_per_mini=a.ppo_mini_batch_size, epochs=a.ppo_epochs,
