@@ -1,0 +1,117 @@
+"""Trainer-level checks: on-policy first step, engine vs trainer logprobs, both backends agree,
+and bad input gives a clear error or a counted, logged skip while the run goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from trainer_helpers import train, train_rows
+
+
+def test_first_step_on_policy_and_engine_logprobs(tmp_path, demo_assets):
+    train(tmp_path, "grpo", "trainer.total_training_steps=1",
+          "actor_rollout_ref.rollout.check_logprobs=true", "actor_rollout_ref.model.dtype=fp32")
+    (row,) = train_rows(tmp_path)
+    assert row["actor/ppo_kl"] == 0.0
+    assert row["actor/pg_clipfrac"] == 0.0 and row["actor/pg_clipfrac_lower"] == 0.0
+    # the torch engine's sampled-token logprobs equal the trainer's recomputation (fp32)
+    assert row["rollout/logprob_abs_diff_max"] < 1e-5
+    assert row["rollout/logprob_abs_diff_mean"] < 1e-6
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "pure_prm_vr"])
+def test_backends_agree_on_first_step(tmp_path, demo_assets, recipe):
+    rows = {}
+    for backend in ("torch", "megatron"):
+        train(tmp_path / backend, recipe, "trainer.total_training_steps=1",
+              f"actor_rollout_ref.actor.strategy={backend}")
+        (rows[backend],) = train_rows(tmp_path / backend)
+    a, b = rows["torch"], rows["megatron"]
+    # same engine, same seed, same initial weights: identical rollouts and rewards
+    for key in ("critic/score/mean", "critic/verifiable_reward/mean", "response_length/mean",
+                "critic/advantages/mean", "critic/advantages/max"):
+        assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    # the updates are computed by two different model implementations: equal to fp32 noise
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/old_entropy"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def _write_rows(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _row(content, gt="5", **kw):
+    row = {"data_source": "arith", "prompt": [{"role": "user", "content": content}],
+           "ability": "arith", "reward_model": {"style": "rule", "ground_truth": gt},
+           "extra_info": {}}
+    row.update(kw)
+    return row
+
+
+def test_malformed_row_is_a_clear_error(tmp_path, demo_assets):
+    data = tmp_path / "bad.jsonl"
+    _write_rows(data, [_row("Compute: 2+3"), {"data_source": "arith", "prompt": "not messages"}])
+    proc = train(tmp_path / "run", "grpo", f"data.train_files={data}",
+                 "trainer.total_training_steps=1", check=False)
+    assert proc.returncode != 0
+    assert "bad.jsonl" in proc.stderr and "row 1" in proc.stderr and "prompt" in proc.stderr
+
+
+def test_missing_ground_truth_and_overlong_prompt_are_counted(tmp_path, demo_assets):
+    data = tmp_path / "mixed.jsonl"
+    rows = [_row(f"Compute: {a}+{a}", str(2 * a)) for a in range(10, 18)]
+    rows[1]["reward_model"]["ground_truth"] = ""          # missing ground truth: scores 0, counted
+    rows.append(_row("Compute: " + "1+" * 200 + "1", "201"))  # over max_prompt_length: filtered
+    _write_rows(data, rows)
+    proc = train(tmp_path / "run", "grpo", f"data.train_files={data}", "data.shuffle=false",
+                 "data.truncation=filter", "trainer.total_training_steps=2")
+    assert "filtered" in proc.stderr or "filtered" in proc.stdout
+    got = train_rows(tmp_path / "run")
+    assert sum(r["reward/missing_ground_truth"] for r in got) == 4  # 1 prompt x n=4 responses
+
+
+def test_overlong_prompt_with_truncation_error(tmp_path, demo_assets):
+    data = tmp_path / "long.jsonl"
+    _write_rows(data, [_row("Compute: 1+1", "2")] * 4 + [_row("Compute: " + "1+" * 200 + "1")])
+    proc = train(tmp_path / "run", "grpo", f"data.train_files={data}", "data.truncation=error",
+                 "trainer.total_training_steps=1", check=False)
+    assert proc.returncode != 0 and "max_prompt_length" in proc.stderr
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("reward_model.reward_manager=fancy", "reward_model.reward_manager"),
+    ("actor_rollout_ref.rollout.nn=8", "did you mean n?"),
+])
+def test_config_mistakes_exit_cleanly(tmp_path, override, expected):
+    proc = train(tmp_path, "grpo", override, check=False, timeout=120)
+    assert proc.returncode == 2
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+
+
+HOSTILE_REWARD = '''
+import os, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    n = len(solution_str)
+    if n % 3 == 0:
+        while True:           # a pathological verifier call: must time out
+            time.sleep(1)
+    if n % 3 == 1:
+        os._exit(3)           # a crashing one: retried once, then scored 0
+    return 1.0
+'''
+
+
+def test_hostile_scoring_scores_zero_and_run_continues(tmp_path, demo_assets):
+    fn = tmp_path / "hostile.py"
+    fn.write_text(HOSTILE_REWARD)
+    train(tmp_path / "run", "grpo", f"custom_reward_function.path={fn}",
+          "reward_model.timeout_s=1.0", "trainer.total_training_steps=2")
+    got = train_rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2]
+    assert sum(r["reward/timeouts"] for r in got) > 0
+    assert sum(r["reward/errors"] for r in got) > 0
+    assert all(math.isfinite(r["critic/score/mean"]) for r in got)

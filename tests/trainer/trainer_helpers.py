@@ -1,0 +1,64 @@
+"""Run launch/train.py in a subprocess (1 process or torchrun) and read its outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small, fast settings on top of any recipe: 4 prompts x 4 responses, no validation.
+FAST = [
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "critic.ppo_mini_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "data.max_response_length=48",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.logger=[jsonl]",
+    "trainer.export_hf=false",
+]
+
+TIMING_PREFIXES = ("timing_s/", "perf/", "reward/time_s")
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+             PYTHONPATH=str(REPO))
+    e.pop("TRITON_INTERPRET", None)
+    return e
+
+
+def train(run_dir: Path, config: str, *overrides: str, nproc: int = 1, timeout: float = 600,
+          check: bool = True, fast: bool = True) -> subprocess.CompletedProcess:
+    args = [f"trainer.default_local_dir={run_dir}", *(FAST if fast else []), *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "launch/train.py", "--config", config, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "launch/train.py", "--config", config, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n"
+                             f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    """Metric rows of training steps (the step-0 validation row excluded)."""
+    return [r for r in metrics(run_dir) if r["step"] > 0]
+
+
+def strip_timing(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES)}
