@@ -130,7 +130,7 @@ def fused_ppo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    old_logprob: torch.Tensor,
+    old_logprob: torch.Tensor | None,
     advantages: torch.Tensor,
     *,
     loss_scale: torch.Tensor | float,
@@ -157,7 +157,9 @@ def fused_ppo_loss(
     Args:
         hidden ``[T, H]``, weight ``[V or V/tp, H]``, labels ``[T]``: as
             ``linear_logprob_entropy`` (T = the valid response tokens, packed).
-        old_logprob, advantages: ``[T]`` float.
+        old_logprob, advantages: ``[T]`` float. ``old_logprob=None`` is the on-policy case
+            (one mini-batch, one epoch): the old policy is the current one, so
+            ``old = logprob.detach()`` and the ratio is exactly 1 (verl's on-policy rule).
 
     Returns:
         ``(loss, metrics)``: loss is a 0-dim float32 tensor whose backward gives ``dL/dhidden`` and
@@ -165,7 +167,7 @@ def fused_ppo_loss(
         loss), ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (mean of ``-d``), ``entropy``.
     """
     n, dev = _num_tokens(hidden), hidden.device
-    old = _per_token("old_logprob", old_logprob, n, dev)
+    old = None if old_logprob is None else _per_token("old_logprob", old_logprob, n, dev)
     adv = _per_token("advantages", advantages, n, dev)
     if isinstance(loss_scale, torch.Tensor) and loss_scale.dim() > 0:
         scale = _per_token("loss_scale", loss_scale, n, dev)
@@ -176,7 +178,8 @@ def fused_ppo_loss(
 
     def token_loss(logprob, entropy, sl):
         a, w = adv[sl], scale[sl]
-        log_ratio = torch.clamp(logprob - old[sl], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        prev = logprob.detach() if old is None else old[sl]
+        log_ratio = torch.clamp(logprob - prev, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)
         loss1 = -a * ratio
         loss2 = -a * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+import megarl_kernels
 from megarl import algos
 from megarl.backends.protocol import SequenceBatch
 
@@ -59,6 +60,14 @@ class ActorLossSettings:
     # One mini-batch and one epoch: the policy that sampled is the one being updated, so the
     # ratio is exactly 1 (verl's on-policy rule: old_logprob = logprob.detach()).
     on_policy: bool = False
+    # Vanilla PPO straight from hidden states with megarl_kernels.fused_ppo_loss (one chunked
+    # pass computes loss and gradients; no [T, V] logits). Other losses use the kernels for
+    # logprob/entropy and compose with megarl.algos.
+    fused: bool = True
+
+    def use_fused(self, out) -> bool:
+        return (self.fused and not self.pacs and self.loss_mode == "vanilla"
+                and not self.use_kl_loss and getattr(out, "hidden", None) is not None)
 
     @property
     def needs_entropy(self) -> bool:
@@ -70,6 +79,8 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
     advantages (PPO family) or scores (PACS), ref_logprob (KL loss) and response_mask."""
 
     def loss_fn(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        if s.use_fused(out):
+            return fused_ppo(out, mb)
         t = mb.tensors
         mask = t["response_mask"].to(torch.float32)
         logprob = out.logprob
@@ -108,6 +119,22 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
             loss = loss + s.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_coef"] = s.kl_loss_coef * share
+        return loss, metrics
+
+    def fused_ppo(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        t = mb.tensors
+        rows, cols = out.flat_index
+        share = norm.token_share(t["response_mask"])
+        old = None if s.on_policy else t["old_logprob"][rows, cols]
+        scale = megarl_kernels.loss_scale_from_agg(s.agg_mode, rows, **norm.kwargs())
+        loss, m = megarl_kernels.fused_ppo_loss(
+            out.hidden, out.weight, out.labels, old, t["advantages"][rows, cols],
+            loss_scale=scale, clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
+            clip_ratio_c=s.clip_ratio_c, temperature=out.temperature,
+            entropy_coeff=s.entropy_coeff, tp_group=out.tp_group)
+        metrics = {"actor/pg_loss": m["pg_loss"]}
+        for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"):
+            metrics[f"actor/{key}"] = m[key] * share
         return loss, metrics
 
     return loss_fn

@@ -50,7 +50,8 @@ class RLTrainer:
             pacs_reward_method=str(cfg.pacs.reward_method),
             pacs_adv_estimator=cfg.pacs.adv_estimator,
             pacs_weight_mode=cfg.pacs.weight_mode if cfg.pacs.use_weight else None,
-            pacs_norm_adv_by_std=cfg.pacs.norm_adv_by_std_in_grpo)
+            pacs_norm_adv_by_std=cfg.pacs.norm_adv_by_std_in_grpo,
+            fused=arr.model.use_fused_kernels)
         alg = cfg.algorithm
         self.adv_settings = AdvantageSettings(
             estimator=alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
