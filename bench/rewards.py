@@ -13,7 +13,6 @@ Appends/replaces the "## Rewards" section of bench/RESULTS.md (other sections ar
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import platform
 import random
@@ -26,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.results import write_section  # noqa: E402
 from megarl.rewards import RewardRequest, compute_score, make_reward_pool  # noqa: E402
 from megarl.rewards.math_score import fast_equal  # noqa: E402
 
@@ -122,22 +122,7 @@ def machine() -> str:
 
 
 def write_results(section: str) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # other benches may write their sections concurrently
-        f.seek(0)
-        text = f.read() or "# megarl benchmark results\n"
-        lines = text.splitlines(keepends=True)
-        start = next((i for i, ln in enumerate(lines) if ln.strip() == "## Rewards"), None)
-        if start is None:
-            text = text.rstrip("\n") + "\n\n" + section
-        else:
-            end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-            text = "".join(lines[:start]) + section + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
-        f.seek(0)
-        f.truncate()
-        f.write(text)
-        fcntl.flock(f, fcntl.LOCK_UN)
+    write_section("Rewards", section)
 
 
 def reexec_in_netns() -> None:

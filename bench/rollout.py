@@ -21,7 +21,6 @@ Appends / replaces the "## Rollout" section of bench/RESULTS.md (other sections 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import platform
 import statistics
@@ -43,6 +42,8 @@ DATE = "2026-11-22"
 BATCH, NEW = 16, 64
 
 import torch  # noqa: E402
+
+from bench.results import write_section as _write_section  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -254,27 +255,7 @@ def render(gen: dict, sync: dict, repeats: int, load0: float) -> str:
 
 
 def write_section(section: str) -> None:
-    path = REPO / "bench" / "RESULTS.md"
-    path.touch(exist_ok=True)
-    with open(path, "r+", encoding="utf-8") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # other benches may write their sections concurrently
-        lines = f.read().splitlines(keepends=True)
-        text = "".join(lines)
-        if not text.strip():
-            text = "# megarl benchmark results\n"
-            lines = [text]
-        start = next((i for i, line in enumerate(lines) if line.rstrip() == "## Rollout"), None)
-        if start is None:
-            text = text.rstrip("\n") + "\n\n" + section
-        else:
-            end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                       len(lines))
-            tail = "\n" + "".join(lines[end:]) if end < len(lines) else ""
-            text = "".join(lines[:start]) + section + tail
-        f.seek(0)
-        f.write(text)
-        f.truncate()
-        fcntl.flock(f, fcntl.LOCK_UN)
+    _write_section("Rollout", section)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,7 @@ class RLTrainer:
         metrics["perf/total_num_tokens"] = n_tokens
         metrics["perf/time_per_step"] = step_time
         metrics["perf/throughput"] = n_tokens / step_time / max(mdist.world_size(), 1)
+        metrics.update(memory_metrics(p.device))
         metrics["training/global_step"] = self.step
         metrics["training/epoch"] = p.sampler.epoch
         metrics["actor/lr"] = metrics.get("actor/lr", float("nan"))
@@ -326,6 +328,15 @@ class _PromptView:
         self.data_source = batch.data_sources[row]
         self.ground_truth = batch.ground_truths[row]
         self.extra_info = batch.extra_infos[row]
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory so far: GPU allocator peak on CUDA, this process's peak RSS everywhere."""
+    out = {"perf/cpu_max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+    return out
 
 
 def _fmt(metrics: dict[str, float]) -> str:
