@@ -20,6 +20,7 @@ counts are read from tensor shapes, so TP-sharded projections work unchanged.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
@@ -139,6 +140,81 @@ def build_attention_mask(
     return allowed[:, None]
 
 
+@dataclass(frozen=True)
+class SegmentGrid:
+    """Packed rows laid out for attention as a padded grid of segments ``[S, Lmax]``.
+
+    The block-diagonal causal mask of `build_attention_mask` costs ``B x T x T`` per head; when
+    every segment is one contiguous run of its row, the same attention is causal attention
+    within each segment, ``S x Lmax x Lmax``: gather the tokens into the grid, run causal SDPA,
+    scatter back. Grid slots past a segment's end repeat its first token; causality keeps them
+    out of every real query, and their own outputs are dropped.
+
+    gather:  [S * Lmax] flat index (row * T + column) of each grid slot.
+    scatter: [B * T] grid slot of each flat position.
+    """
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    num_segments: int
+    max_len: int
+
+    @classmethod
+    def build(cls, segment_ids: torch.Tensor) -> SegmentGrid | None:
+        """The grid of ``segment_ids`` [B, T], or None when a segment id is split into several
+        runs of a row (the dense mask is exact there) or the grid would cost more than it."""
+        b, t = segment_ids.shape
+        seg = segment_ids.reshape(-1)
+        flat = torch.arange(b * t, device=seg.device)
+        start = torch.ones_like(seg, dtype=torch.bool)
+        start[1:] = seg[1:] != seg[:-1]
+        start[::t] = True  # a row always starts a run
+        starts = flat[start]  # [S] first flat index of each run
+        n = int(starts.numel())
+        keys = (flat[start] // t) * (int(seg.max()) - int(seg.min()) + 1) + seg[start] - seg.min()
+        if int(torch.unique(keys).numel()) != n:
+            return None
+        run = start.long().cumsum(0) - 1  # [B * T] run of each position
+        lengths = torch.diff(starts, append=torch.tensor([b * t], device=seg.device))
+        lmax = int(lengths.max())
+        if n * lmax * lmax > b * t * t:
+            return None
+        slot = torch.arange(lmax, device=seg.device)
+        gather = torch.where(slot[None] < lengths[:, None], starts[:, None] + slot[None],
+                             starts[:, None])
+        scatter = run * lmax + (flat - starts[run])
+        return cls(gather.reshape(-1), scatter, n, lmax)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+               ) -> torch.Tensor:
+        """q [B, n_heads, T, hd], k/v [B, n_kv_heads, T, hd] -> [B, n_heads, T, hd]."""
+        b, nh, t, hd = q.shape
+
+        def to_grid(x: torch.Tensor) -> torch.Tensor:
+            heads = x.shape[1]
+            x = x.transpose(1, 2).reshape(b * t, heads, hd)[self.gather]
+            return x.view(self.num_segments, self.max_len, heads, hd).transpose(1, 2)
+
+        qg, kg, vg = to_grid(q), to_grid(k), to_grid(v)
+        n_rep = nh // kg.shape[1]
+        kg, vg = repeat_kv(kg, n_rep), repeat_kv(vg, n_rep)
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
+        out = out.transpose(1, 2).reshape(-1, nh, hd)[self.scatter]
+        return out.view(b, t, nh, hd).transpose(1, 2)
+
+
+def attention_layout(
+    attention_mask: torch.Tensor | None, segment_ids: torch.Tensor | None, seq_len: int
+) -> torch.Tensor | SegmentGrid | None:
+    """What the attention layers get: a `SegmentGrid` for packed rows of contiguous segments
+    (no attention_mask), else `build_attention_mask`'s boolean mask (or None: causal)."""
+    if segment_ids is not None and attention_mask is None:
+        grid = SegmentGrid.build(segment_ids)
+        if grid is not None:
+            return grid
+    return build_attention_mask(attention_mask, segment_ids, seq_len)
+
+
 def default_position_ids(
     input_shape: tuple[int, int],
     device: torch.device,
@@ -201,10 +277,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | SegmentGrid | None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]. mask: bool [B, 1, T, T] or None (causal)."""
+        """x [B, T, H] -> [B, T, H]. mask: bool [B, 1, T, T], a `SegmentGrid` (packed rows) or
+        None (causal)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim)
         k = self.k_proj(x).view(b, t, -1, self.head_dim)
@@ -216,6 +293,8 @@ class Attention(nn.Module):
 
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v)
+        elif isinstance(mask, SegmentGrid):
+            out = mask.attend(q, k, v, self.scale)
         else:
             n_rep = q.shape[1] // k.shape[1]
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -256,7 +335,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | SegmentGrid | None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
@@ -395,7 +474,7 @@ class Transformer(nn.Module):
                 raise ValueError("position_ids are required when a kv_cache is given")
             mask = None
         else:
-            mask = build_attention_mask(attention_mask, segment_ids, seq_len)
+            mask = attention_layout(attention_mask, segment_ids, seq_len)
         if position_ids is None:
             position_ids = default_position_ids(
                 (batch, seq_len), h.device, attention_mask, segment_ids
