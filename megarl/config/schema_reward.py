@@ -103,7 +103,8 @@ class RewardModelConfig:
     credit_assignment: float | Literal["min", "sum"] = aliased(0.1, CREDIT_ALIASES)
     verifiable_reward_coef: float = 1.0  # weight of the verifiable reward next to PRM rewards
     step_separator: str = "\n\n"  # text that ends a step in a response
-    prm_step_token: str = "\n"  # text the PRM input puts at each step end
+    # text the PRM input puts at each step-end token (PURE: "\n"); null keeps the response as is
+    prm_step_token: str | None = "\n"
     pool: Literal["local", "ray"] = "local"  # where verifiable-reward functions run
     num_workers: int = 2  # reward worker processes
     timeout_s: float = 10.0  # per-response scoring timeout, seconds (timeout -> score 0)

@@ -184,9 +184,10 @@ def _check_ranges(cfg: Config, c: _Checker) -> None:
         c.positive(f"reward_model.{key}", getattr(rm, key))
     for key in ("num_workers", "timeout_s", "memory_mb"):
         c.positive(f"reward_model.ray.{key}", getattr(rm.ray, key))
-    for key in ("step_separator", "prm_step_token"):
-        if not getattr(rm, key):
-            c.fail(f"reward_model.{key}", "must not be empty")
+    if not rm.step_separator:
+        c.fail("reward_model.step_separator", "must not be empty")
+    if rm.prm_step_token == "":
+        c.fail("reward_model.prm_step_token", "must not be empty (null keeps step ends as is)")
     ob = rm.overlong_buffer
     if ob.enable and not 0 < ob.len < d.max_response_length:
         c.fail(("reward_model.overlong_buffer.len", "data.max_response_length"),

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megarl import algos
+from megarl.data.steps import step_end_token_ids
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import rollout as R
@@ -29,7 +30,7 @@ from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics
 from megarl.trainer.parts import RunParts, build_run
-from megarl.trainer.prm import score_steps, single_token_id, step_end_mask, step_end_token_table
+from megarl.trainer.prm import score_steps, single_token_id
 from megarl.trainer.update import mean_metrics, run_update
 from megarl.trainer.validation import validate
 from megarl.utils import dist as mdist
@@ -67,7 +68,7 @@ class RLTrainer:
         self.kl_ctrl = algos.build_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef,
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         if p.prm is not None:
-            self.step_table = step_end_token_table(p.tokenizer, cfg.reward_model.step_separator)
+            self.step_end_ids = step_end_token_ids(p.tokenizer, cfg.reward_model.step_separator)
             marker = cfg.reward_model.prm_step_token
             self.prm_marker = (single_token_id(p.tokenizer, marker, "reward_model.prm_step_token")
                                if marker else None)
@@ -140,9 +141,8 @@ class RLTrainer:
 
         if p.prm is not None:
             with timer("prm"):
-                t["step_mask"] = step_end_mask(batch.response_ids, batch.response_mask,
-                                               self.step_table)
-                t["step_rewards"] = score_steps(p.prm, batch, t["step_mask"], self.prm_marker)
+                t["step_rewards"], t["step_mask"] = score_steps(p.prm, batch, self.step_end_ids,
+                                                                self.prm_marker)
         with timer("old_log_prob"):
             old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
             t["old_logprob"] = old
