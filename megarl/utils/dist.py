@@ -1,25 +1,18 @@
 """Process-group setup and the few collectives the trainer needs, on gloo or NCCL.
 
 Works the same under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) and as a plain
-``python`` process (a world of one, initialised on a free local port so the same code paths,
-including DCP and megatron's parallel_state, run unchanged).
+``python`` process (a world of one on an in-memory store: no port to pick or race for, and the
+same code paths, including DCP and megatron's parallel_state, run unchanged).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -43,10 +36,13 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: int
         return
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" not in os.environ:  # plain `python`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:  # torchrun / megarl-launch / SLURM wrapper: env:// rendezvous
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)
 
 
 def rank() -> int:
