@@ -36,6 +36,21 @@ class PRMExample:
     response_ids: list[int]  # steps joined by "\n\n", then eos
     labels: list[int]  # one per step
     kind: str = "clean"
+    token_labels: list[int] | None = None  # one per response token (see prefix_labels)
+
+
+def prefix_labels(response_ids: Sequence[int], reference_ids: Sequence[int]) -> list[int]:
+    """1 at token t while ``response_ids[:t+1]`` is a prefix of the reference, then 0.
+
+    At a step end this equals the step label (all steps so far equal the reference steps,
+    separators included), so it is a dense version of the same target: the PRM is also told
+    at which token the solution left the correct path.
+    """
+    out, ok = [], True
+    for t, tok in enumerate(response_ids):
+        ok = ok and t < len(reference_ids) and int(tok) == int(reference_ids[t])
+        out.append(int(ok))
+    return out
 
 
 def step_texts(response_ids: Sequence[int], tokenizer, step_end_ids: Sequence[int]) -> list[str]:
@@ -55,8 +70,13 @@ def make_example(problem: Problem, steps: list[str], tokenizer, kind: str = "cle
                  ) -> PRMExample:
     prompt = render_prompt(tokenizer, [{"role": "user", "content": problem.prompt}])
     p_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    r_ids = tokenizer.encode(SEP.join(steps), add_special_tokens=False) + [tokenizer.eos_token_id]
-    return PRMExample(p_ids, r_ids, label_steps(problem, steps), kind)
+    r_ids = _response_ids(steps, tokenizer)
+    ref = _response_ids(problem.steps(), tokenizer)
+    return PRMExample(p_ids, r_ids, label_steps(problem, steps), kind, prefix_labels(r_ids, ref))
+
+
+def _response_ids(steps: list[str], tokenizer) -> list[int]:
+    return tokenizer.encode(SEP.join(steps), add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
 def make_examples(problems: Sequence[Problem], tokenizer, seed: int) -> list[PRMExample]:
@@ -69,9 +89,12 @@ def make_examples(problems: Sequence[Problem], tokenizer, seed: int) -> list[PRM
     return out
 
 
-def prm_batch(examples: Sequence[PRMExample], pad_id: int, step_end_ids: Sequence[int]):
+def prm_batch(examples: Sequence[PRMExample], pad_id: int, step_end_ids: Sequence[int],
+              dense: bool = False):
     """(input_ids [B, P+L], attention_mask [B, P+L], labels [B, L]) in the SequenceBatch layout;
-    labels hold the step label at each step end (from ``build_prm_inputs``), -100 elsewhere."""
+    labels hold the step label at each step end (from ``build_prm_inputs``), -100 elsewhere.
+    dense=True: labels hold ``token_labels`` on every response token instead (their values at
+    the step ends are checked to equal the step labels)."""
     p_ids, p_mask = pad_left([e.prompt_ids for e in examples], pad_id)
     r_ids, r_mask = pad_right([e.response_ids for e in examples], pad_id)
     ids, mask = torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1)
@@ -84,7 +107,12 @@ def prm_batch(examples: Sequence[PRMExample], pad_id: int, step_end_ids: Sequenc
             raise AssertionError(
                 f"example {i}: {len(pos)} step ends in tokens but {len(e.labels)} step labels"
             )
-        labels[i, pos] = torch.as_tensor(e.labels)
+        if dense:
+            if e.token_labels is None or [e.token_labels[j] for j in pos.tolist()] != e.labels:
+                raise AssertionError(f"example {i}: token labels disagree with step labels")
+            labels[i, : len(e.token_labels)] = torch.as_tensor(e.token_labels)
+        else:
+            labels[i, pos] = torch.as_tensor(e.labels)
     return ids, mask, labels
 
 
@@ -97,8 +125,10 @@ def train_prm(
     model, examples: Sequence[PRMExample], pad_id: int, step_end_ids: Sequence[int],
     steps: int, batch_size: int = 64, lr: float = 1e-3, warmup: int = 20, seed: int = 0,
     log: Callable[[str], None] | None = None,
+    eval_fn: Callable[[int], None] | None = None, eval_every: int = 100, dense: bool = True,
 ) -> float:
-    """AdamW on the mean step-end cross-entropy. Returns seconds spent."""
+    """AdamW on the mean cross-entropy over every response token's prefix label (dense=True)
+    or over the step ends only; ``eval_fn(step)`` every ``eval_every`` steps. Returns seconds."""
     rng = np.random.Generator(np.random.PCG64(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)))
@@ -106,7 +136,7 @@ def train_prm(
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         batch = [examples[i] for i in rng.integers(len(examples), size=batch_size)]
-        ids, mask, labels = prm_batch(batch, pad_id, step_end_ids)
+        ids, mask, labels = prm_batch(batch, pad_id, step_end_ids, dense)
         logits = prm_logits(model, ids, mask, labels.shape[1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
@@ -116,6 +146,9 @@ def train_prm(
         sched.step()
         if log and (step % 100 == 0 or step == steps):
             log(f"  prm step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)")
+        if eval_fn is not None and step % eval_every == 0:
+            eval_fn(step)
+            model.train()
     return time.perf_counter() - t0
 
 

@@ -149,3 +149,26 @@ def test_bucketed_batches_and_fine_eval(tok, model, monkeypatch):
     r = train_sft(m, ex, tok.pad_token_id, steps=6, batch_size=4, eval_fn=lambda: 0.5,
                   eval_every=5, fine_eval_every=2, fine_below_loss=100.0, stop_at=0.4)
     assert r.steps == 2  # fine cadence from the start, and the first eval >= stop_at stops
+
+
+def test_dense_prefix_labels(tok):
+    step_ids = step_end_token_ids(tok)
+    rng = np.random.Generator(np.random.PCG64(3))
+    examples = []
+    for p in arith.sample_problems(6, 30, (2, 3)):
+        steps, first, _ = arith.corrupt_solution(p, rng)
+        ex = prm_lib.make_example(p, steps, tok)
+        # independent: the first token where the response text stops matching the reference
+        resp_text = [tok.decode(ex.response_ids[: t + 1]) for t in range(len(ex.response_ids))]
+        ref = p.solution + "<|im_end|>"
+        expected = []
+        for t, text in enumerate(resp_text):
+            ok = ref.startswith(text) and (t == 0 or expected[-1] == 1)
+            expected.append(int(ok))
+        assert ex.token_labels == expected
+        examples.append(ex)
+    _, _, dense = prm_lib.prm_batch(examples, tok.pad_token_id, step_ids, dense=True)
+    _, _, sparse = prm_lib.prm_batch(examples, tok.pad_token_id, step_ids)
+    at = sparse != -100
+    assert torch.equal(dense[at], sparse[at])  # dense labels agree with step labels at step ends
+    assert int((dense != -100).sum()) == sum(len(e.response_ids) for e in examples)
