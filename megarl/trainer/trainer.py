@@ -143,14 +143,23 @@ class RLTrainer:
             with timer("prm"):
                 t["step_rewards"], t["step_mask"] = score_steps(p.prm, batch, self.step_end_ids,
                                                                 self.prm_marker)
-        with timer("old_log_prob"):
-            old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
-            t["old_logprob"] = old
-            if ent is not None:
-                mask = batch.response_mask
-                metrics["actor/old_entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
-        if "rollout_logprob" in t and arr.rollout.check_logprobs:
-            metrics.update(logprob_diff_metrics(t["rollout_logprob"], old, batch.response_mask))
+        a = arr.actor
+        n_groups = len(set(batch.group_index.tolist()))
+        on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups
+        check = "rollout_logprob" in t and arr.rollout.check_logprobs
+        # On-policy, the update's own forward gives old_logprob (= logprob.detach()), so the
+        # separate pass is only run when something else reads it before the update.
+        if not on_policy or check or cfg.algorithm.use_kl_in_reward:
+            with timer("old_log_prob"):
+                old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
+                t["old_logprob"] = old
+                if ent is not None:
+                    mask = batch.response_mask
+                    metrics["actor/old_entropy"] = float(
+                        (ent * mask).sum() / mask.sum().clamp(min=1))
+            if check:
+                metrics.update(logprob_diff_metrics(t["rollout_logprob"], old,
+                                                    batch.response_mask))
         if p.ref is not None:
             with timer("ref"):
                 t["ref_logprob"], _ = p.ref.logprobs(seq, temperature=temperature)
@@ -183,17 +192,14 @@ class RLTrainer:
                                 for k, v in mean_metrics(steps).items()})
         if self.step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                a = arr.actor
-                keys = (("old_logprob", "scores") if cfg.pacs.enable
-                        else ("old_logprob", "advantages"))
+                keys = ("scores",) if cfg.pacs.enable else ("advantages",)
+                if "old_logprob" in t:
+                    keys += ("old_logprob",)
                 if a.use_kl_loss:
                     keys += ("ref_logprob",)
                 if cfg.pacs.enable:
                     t["scores"] = t["verifiable"]
-                n_groups = len(set(batch.group_index.tolist()))
-                settings = dataclasses.replace(
-                    self.actor_settings,
-                    on_policy=a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups)
+                settings = dataclasses.replace(self.actor_settings, on_policy=on_policy)
                 steps = run_update(
                     p.actor, batch, keys, lambda norm: actor_loss_fn(settings, norm),
                     prompts_per_mini=a.ppo_mini_batch_size, epochs=a.ppo_epochs,

@@ -76,9 +76,9 @@ def test_demo_recipes_run_on_the_embedded_default(name):
     assert arr.model.path == "embedded://policy" and arr.model.dtype == "fp32"
     assert cfg.reward_model.model.path == "embedded://prm"
     assert cfg.critic.model.path == "embedded://critic"
-    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (32, 64, 64)
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (64, 64, 64)
     assert arr.actor.optim.lr == 3e-4 and arr.actor.optim.betas == [0.9, 0.98]
-    assert arr.rollout.temperature == 0.7 and arr.rollout.name == "torch"
+    assert arr.rollout.temperature == 1.0 and arr.rollout.name == "torch"
     assert arr.actor.strategy == "torch"
     assert cfg.launch.nnodes * cfg.launch.nproc_per_node == 1
     if name != "ppo":
