@@ -32,8 +32,9 @@ test-fast: install
 assets: install
 	$(PY) -m megarl.demo.assets
 
-demo: assets
-	$(PY) -m megarl.demo.run
+# Builds the assets it lacks (2 threads), then torchrun 2 ranks; ARGS='key=value ...' to override.
+demo: install
+	$(PY) -m megarl.demo.run $(ARGS)
 
 lint: install
 	$(PY) -m ruff check megarl megarl_kernels launch conversion tests bench

@@ -37,7 +37,7 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: int
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:  # torchrun / megarl-launch / SLURM wrapper: env:// rendezvous
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # torchrun, megarl-launch, SLURM
         dist.init_process_group(backend=backend, timeout=timeout)
         return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
