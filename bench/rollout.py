@@ -4,7 +4,8 @@ weight-sync time vs a plain copy of the model's bytes.
     .venv/bin/python bench/rollout.py [--repeats 5] [--no-write]
 
 Models are the tiny random Qwen2-architecture models of the CPU peer notes, built under the
-temp dir by /work/shared/bench/peers (make_tokenizers.py --qwen, create_tiny_model.py): the
+temp dir by the team's peer scripts ($MEGARL_PEER_SCRIPTS, default ../shared/bench/peers
+relative to the repository: make_tokenizers.py --qwen, create_tiny_model.py): the
 Qwen-vocabulary one (V = 151,680, 9.78M params, the real Qwen2.5 tokenizer rebuilt offline) and
 the tiny-vocabulary one (trained byte-level BPE). Settings as hf_generate_bench.py: batch 16
 chat prompts, exactly 64 new tokens (HF: min_new_tokens = max_new_tokens; ours: ignore_eos),
@@ -21,6 +22,7 @@ Appends / replaces the "## Rollout" section of bench/RESULTS.md (other sections 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import statistics
@@ -37,8 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-PEERS = Path("/work/shared/bench/peers")
-DATE = "2026-11-22"
+PEERS = Path(os.environ.get("MEGARL_PEER_SCRIPTS", REPO.parent / "shared" / "bench" / "peers"))
 BATCH, NEW = 16, 64
 
 import torch  # noqa: E402
@@ -202,7 +203,7 @@ def render(gen: dict, sync: dict, repeats: int, load0: float) -> str:
     lines = [
         "## Rollout",
         "",
-        f"`bench/rollout.py`, {DATE}. Machine: {machine()}; load avg {load0:.1f} at start "
+        f"`bench/rollout.py`, {datetime.date.today().isoformat()}. Machine: {machine()}; load avg {load0:.1f} at start "
         "(other helpers' tests running). 1 thread, fp32.",
         f"Batch {BATCH} chat prompts, exactly {NEW} new tokens, sampling T=1 (no top-k/top-p). "
         f"{repeats} timed calls each after one warm-up, HF and ours alternating; median.",

@@ -3,7 +3,7 @@ GRPOTrainer on the same tiny models, prompts, batch, generations and completion 
 
     .venv/bin/python bench/step.py [--models tiny,qvocab] [--rounds 2] [--no-write]
 
-Both sides (settings of the CPU peer notes, /work/shared/notes/cpu_peers.md section 2):
+Both sides (settings of the CPU peer notes, ../shared/notes/cpu_peers.md section 2):
   - model: the random Qwen2-architecture models built by the peer scripts (``--peers``, default
     ../shared/bench/peers relative to the repo, into ``--peers-dir``): tiny_qwen2 (0.10M params,
     V=448) and tiny_qwen2_qvocab (9.78M params, the Qwen2.5 vocabulary V=151,680); fp32.

@@ -37,10 +37,11 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: int
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # torchrun, megarl-launch, SLURM
+    if "RANK" in os.environ:  # torchrun, megarl-launch, SLURM: env:// rendezvous
         dist.init_process_group(backend=backend, timeout=timeout)
         return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    # A world of one leaves the environment alone: child processes (tests, a torchrun started
+    # from here) must not inherit a RANK that makes them take the env:// path.
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout)
 

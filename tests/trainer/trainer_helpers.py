@@ -31,8 +31,6 @@ def env() -> dict[str, str]:
     e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
              PYTHONPATH=str(REPO))
     e.pop("TRITON_INTERPRET", None)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(key, None)  # set in this process by an in-process world of one; not the child's
     return e
 
 

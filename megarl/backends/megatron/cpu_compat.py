@@ -1,7 +1,7 @@
 """Run megatron-core 0.16.1 on CPU / gloo: the patches it needs, and nothing else.
 
 megatron-core assumes CUDA in a few hundred places. Every patch below was needed to make a real
-code path work on a CPU-only torch (measured in ``/work/shared/notes/mcore_cpu.md``); none of
+code path work on a CPU-only torch (measured in the team notes, ``../shared/notes/mcore_cpu.md``); none of
 them changes numerics. They are applied only when ``torch.cuda.is_available()`` is False:
 on a GPU host `apply()` does nothing and the two context managers are null contexts.
 
