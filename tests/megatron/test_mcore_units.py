@@ -122,6 +122,7 @@ def test_warmup_style_alias_and_bad_scheduler():
     from megarl.backends.megatron.optim import OptimSettings
 
     assert OptimSettings.coerce({"warmup_style": "cosine"}).lr_scheduler_type == "cosine"
+    assert OptimSettings.coerce({"grad_clip": None}).grad_clip is None  # None = no clipping
     with pytest.raises(ValueError, match="lr_scheduler_type"):
         OptimSettings.coerce({"lr_scheduler_type": "linear"})
 

@@ -1,16 +1,8 @@
 """AdamW through megatron's optimizer (DistributedOptimizer = ZeRO-1 over DP), the LR schedule of
 the project config, and one optimizer step that skips on a non-finite grad norm.
 
-LR schedule (verl's ``optim`` semantics, as torch's LambdaLR applies them): update k (0-based)
-uses ``lr * f(k)`` with W warmup steps (``lr_warmup_steps`` if >= 0, else
-``int(lr_warmup_steps_ratio * total_training_steps)``):
-
-- ``f(k) = k / max(1, W)`` while k < W;
-- constant: 1 afterwards;
-- cosine: ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2`` with
-  ``p = (k - W) / max(1, T - W)`` (T = total_training_steps).
-
-A skipped step (non-finite grad norm) does not advance the schedule.
+The settings and the LR schedule (`OptimSettings.lr_at`) are shared with the torch backend
+(`megarl.backends.optim_settings`); a skipped step (non-finite grad norm) does not advance it.
 Weight decay applies to every parameter (as ``torch.optim.AdamW(model.parameters())``, the
 torch backend and verl's FSDP path), not megatron's default of skipping biases and norms.
 """
@@ -18,76 +10,15 @@ torch backend and verl's FSDP path), not megatron's default of skipping biases a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megarl.backends.megatron import cpu_compat
+from megarl.backends.optim_settings import OptimSettings
 
-
-@dataclass
-class OptimSettings:
-    """Optimizer + schedule settings of one backend (the project's ``optim`` block plus
-    ``grad_clip``)."""
-
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    grad_clip: float | None = 1.0  # None or 0: no clipping
-    lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
-    lr_warmup_steps_ratio: float = 0.0
-    lr_scheduler_type: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.0
-    total_training_steps: int = -1
-
-    @classmethod
-    def coerce(cls, value: OptimSettings | Mapping[str, Any] | Any | None) -> OptimSettings:
-        """From None, a mapping, or any object with (some of) these attributes."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        get = value.get if isinstance(value, Mapping) else lambda k, d: getattr(value, k, d)
-        kwargs = {}
-        for f in fields(cls):
-            v = get(f.name, None)
-            if v is None and f.name == "lr_scheduler_type":
-                v = get("warmup_style", None)  # verl's older name
-            if v is not None:
-                kwargs[f.name] = v
-        out = cls(**kwargs)
-        out.betas = tuple(float(b) for b in out.betas)
-        if out.lr_scheduler_type not in ("constant", "cosine"):
-            raise ValueError(
-                f"optim.lr_scheduler_type must be 'constant' or 'cosine', got "
-                f"{out.lr_scheduler_type!r}"
-            )
-        return out
-
-    def warmup_steps(self) -> int:
-        if self.lr_warmup_steps is not None and self.lr_warmup_steps >= 0:
-            return int(self.lr_warmup_steps)
-        return int(self.lr_warmup_steps_ratio * max(self.total_training_steps, 0))
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of update ``step`` (0-based)."""
-        warmup = self.warmup_steps()
-        if step < warmup:
-            return self.lr * step / max(1, warmup)
-        if self.lr_scheduler_type == "constant":
-            return self.lr
-        if self.total_training_steps <= 0:
-            raise ValueError(
-                "optim.total_training_steps must be set (> 0) for the cosine LR schedule"
-            )
-        progress = min(1.0, (step - warmup) / max(1, self.total_training_steps - warmup))
-        cos = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
+__all__ = ["OptimSettings", "build_optimizer", "optimizer_step", "set_lr"]
 
 
 def build_optimizer(chunks: list, settings: OptimSettings, *, bf16: bool, distributed: bool):
