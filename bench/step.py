@@ -144,6 +144,17 @@ def run_megarl(root: Path, model: Path, data: Path, reward: Path, steps: int, ou
             "wall_s": wall}
 
 
+def tree_label(root: Path) -> str:
+    """'this checkout at <commit>' (or the other tree's commit), never a machine path."""
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown commit"
+    where = "this checkout" if root.resolve() == REPO.resolve() else "another tree"
+    return f"{where} at {commit}"
+
+
 def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -250,7 +261,7 @@ def render(out: dict, models: list[str], steps: dict[str, int], rounds: int, war
         lines.append(f"megarl phases on {MODEL_INFO[m][0]} (median ms per step): {parts}.")
     lines.append("")
     lines.append(f"Steps per run: {', '.join(f'{MODEL_INFO[m][0]} {steps[m]}' for m in models)}; "
-                 f"megarl tree: {root}.")
+                 f"megarl tree: {tree_label(root)}.")
     return "\n".join(lines) + "\n", ratios
 
 
