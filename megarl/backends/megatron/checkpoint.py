@@ -10,7 +10,6 @@ Keys are those of megatron's local spec, which TransformerEngine layers map onto
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,10 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
+from megarl.backends import checkpoint_meta
+from megarl.backends.checkpoint_meta import META_NAME, write_meta
 from megarl.backends.megatron import cpu_compat
 
-META_NAME = "megarl_meta.json"
 FORMAT = "megarl-megatron-v1"
 
 
@@ -42,17 +42,7 @@ def model_sharded_state(chunks: list[torch.nn.Module], metadata: dict[str, Any])
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    file = Path(directory) / META_NAME
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{directory} is not a megarl megatron checkpoint (no {META_NAME}); write one with "
-            "MegatronBackend.save or `python -m conversion hf-to-megatron`"
-        )
-    with open(file, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{file}: unknown checkpoint format {meta.get('format')!r}")
-    return meta
+    return checkpoint_meta.read_meta(directory, FORMAT, "megatron", "MegatronBackend.save or `python -m conversion hf-to-megatron`")
 
 
 def save(
@@ -79,12 +69,7 @@ def save(
         dist_checkpointing.save(state, str(directory))
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, **meta, "has_optimizer": optimizer is not None}
-        tmp = directory / (META_NAME + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / META_NAME)
+        write_meta(directory, meta)
     dist.barrier()
 
 

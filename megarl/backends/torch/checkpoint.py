@@ -10,7 +10,6 @@ another (or in a single process).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,22 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-META_NAME = "megarl_meta.json"
+from megarl.backends import checkpoint_meta
+from megarl.backends.checkpoint_meta import write_meta
+
 FORMAT = "megarl-torch-dcp-v1"
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    file = Path(directory) / META_NAME
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{directory} is not a megarl torch-backend checkpoint (no {META_NAME}); write one "
-            "with TorchBackend.save"
-        )
-    with open(file, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{file}: unknown checkpoint format {meta.get('format')!r}")
-    return meta
+    return checkpoint_meta.read_meta(directory, FORMAT, "torch-backend", "TorchBackend.save")
 
 
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -71,12 +62,7 @@ def save(
     dcp.save(state, checkpoint_id=str(directory))
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, **meta, "step": step, "has_optimizer": optimizer is not None}
-        tmp = directory / (META_NAME + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / META_NAME)
+        write_meta(directory, meta)
     dist.barrier()
 
 
