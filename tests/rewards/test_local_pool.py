@@ -5,7 +5,7 @@ import sys
 import time
 
 import pytest
-from conftest import MIXED
+from reward_cases import MIXED
 
 from megarl.rewards import (
     RewardFnSpec,

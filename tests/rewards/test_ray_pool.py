@@ -7,14 +7,13 @@ saying why, where Ray is not installed or namespaces are not permitted.
 """
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import MIXED
+from netns_helpers import ray_netns_or_skip
+from reward_cases import MIXED
 
 from megarl.rewards import RewardFnSpec, RewardRequest, make_reward_pool
 
@@ -23,19 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 EXPECTED = [(m[3], m[4]) for m in MIXED] + [(0.0, "ok"), (1.0, "ok"), (0.0, "ok"), (0.0, "ok"), (1.0, "ok"), (1.0, "ok")]
-
-
-def _unshare_prefix() -> list[str] | None:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return None
-    candidates = [["unshare", "--net", "--map-root-user"]]
-    if os.geteuid() == 0:
-        candidates.append(["unshare", "--net"])
-    for prefix in candidates:
-        r = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True, timeout=30)
-        if r.returncode == 0:
-            return prefix
-    return None
 
 
 def _batch(hostile_path: str) -> list[RewardRequest]:
@@ -72,13 +58,10 @@ def _score_with_ray(hostile_path: str, out_path: str) -> None:
 
 
 def test_ray_matches_local(hostile_path, tmp_path):
-    pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'megarl[ray]'")
-    prefix = _unshare_prefix()
-    if prefix is None:
-        pytest.skip("network namespaces are not permitted here (unshare --net failed or no `ip`); "
-                    "a local Ray would bind the machine's external address")
+    prefix = ray_netns_or_skip()
     out = tmp_path / "ray.json"
-    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(Path(__file__).parent)!r}]; "
+    here = Path(__file__).parent
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(here)!r}, {str(here.parent)!r}]; "
             f"from test_ray_pool import _score_with_ray; _score_with_ray({hostile_path!r}, {str(out)!r})")
     child = subprocess.Popen([*prefix, "sh", "-c", f"ip link set lo up && exec {sys.executable} -c \"{code}\""],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

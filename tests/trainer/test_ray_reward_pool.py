@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from netns import ray_netns_or_skip
+from netns_helpers import ray_netns_or_skip
 from trainer_helpers import FAST, REPO, TIMING_PREFIXES, env, metrics, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
