@@ -88,6 +88,7 @@ class FilterGroupsConfig:
     generate more batches until train_batch_size prompts remain."""
 
     enable: bool = False
+    # verl also names acc / seq_reward / seq_final_reward; only score is implemented (validate.py)
     metric: Literal["score", "acc", "seq_reward", "seq_final_reward"] = "score"
     max_num_gen_batches: int = 0  # generation rounds per step at most; <= 0 = unlimited
 

@@ -258,6 +258,11 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
             c.fail(("actor_rollout_ref.rollout.n", "algorithm.filter_groups.enable"),
                    f"{rollout.n} < 2 but algorithm.filter_groups drops groups whose responses all "
                    f"agree, which every group of one does; set rollout.n >= 2")
+    if alg.filter_groups.enable and alg.filter_groups.metric != "score":
+        c.fail("algorithm.filter_groups.metric",
+               f"{alg.filter_groups.metric!r} is not implemented: dynamic sampling filters groups on "
+               f"'score' (the verifiable reward, overlong penalty included; equal to DAPO's 'acc' "
+               f"when the penalty is off); set algorithm.filter_groups.metric=score")
     if est == "gae" and not cfg.critic.enable:
         c.fail(("critic.enable", "algorithm.adv_estimator"),
                "false but algorithm.adv_estimator=gae needs a critic's values; set critic.enable=true "

@@ -325,3 +325,10 @@ def test_bad_override_syntax(minimal):
 def test_unresolvable_interpolation(minimal):
     msg = one_error(minimal, ["trainer.experiment_name=${trainer.nope}"])
     assert msg.startswith("trainer.experiment_name: cannot resolve interpolation")
+
+
+def test_filter_groups_metric_other_than_score_is_refused(minimal):
+    msg = one_error(minimal, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"])
+    assert msg.startswith("algorithm.filter_groups.metric: 'acc' is not implemented")
+    assert "algorithm.filter_groups.metric=score" in msg
+    load_config(minimal, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score"])
