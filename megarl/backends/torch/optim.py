@@ -17,7 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from megarl.backends.optim_settings import OptimSettings
 
-__all__ = ["OptimSettings", "align_grad_placements", "build_optimizer", "total_grad_norm"]
+__all__ = [
+    "OptimSettings", "align_grad_placements", "build_optimizer", "clip_grads_", "set_lr",
+    "total_grad_norm",
+]
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], s: OptimSettings) -> torch.optim.AdamW:
