@@ -124,11 +124,10 @@ def prm_logits(model, ids: torch.Tensor, mask: torch.Tensor, response_length: in
 def train_prm(
     model, examples: Sequence[PRMExample], pad_id: int, step_end_ids: Sequence[int],
     steps: int, batch_size: int = 64, lr: float = 1e-3, warmup: int = 20, seed: int = 0,
-    log: Callable[[str], None] | None = None,
-    eval_fn: Callable[[int], None] | None = None, eval_every: int = 100, dense: bool = True,
+    log: Callable[[str], None] | None = None, dense: bool = True,
 ) -> float:
     """AdamW on the mean cross-entropy over every response token's prefix label (dense=True)
-    or over the step ends only; ``eval_fn(step)`` every ``eval_every`` steps. Returns seconds."""
+    or over the step ends only. Returns seconds spent."""
     rng = np.random.Generator(np.random.PCG64(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)))
@@ -146,9 +145,6 @@ def train_prm(
         sched.step()
         if log and (step % 100 == 0 or step == steps):
             log(f"  prm step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)")
-        if eval_fn is not None and step % eval_every == 0:
-            eval_fn(step)
-            model.train()
     return time.perf_counter() - t0
 
 

@@ -106,11 +106,9 @@ def train_sft(
     fine_eval_every: int | None = None,
     fine_below_loss: float = 0.0,
     buckets: Sequence[int] | None = None,
-    schedule: str = "constant",
     log: Callable[[str], None] | None = None,
 ) -> SFTResult:
-    """AdamW on the response tokens (loss = mean token cross-entropy); linear lr warmup, then
-    constant (``schedule="constant"``) or cosine decay to 0 at ``steps`` ("cosine").
+    """AdamW on the response tokens (loss = mean token cross-entropy), lr warmup then constant.
 
     Evaluation: past ``eval_after`` steps, ``eval_fn`` runs every ``eval_every`` steps, or every
     ``fine_eval_every`` once the running training loss (EMA, 0.9) is below ``fine_below_loss``
@@ -127,7 +125,7 @@ def train_sft(
         weights = np.array([len(g) for g in groups], dtype=np.float64) / len(buckets)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98),
                             weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, steps, schedule))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)))
     model.train()
     result = SFTResult(0, 0.0)
     ema = None
@@ -164,18 +162,6 @@ def train_sft(
             log(f"  sft step {step}: loss {ema:.3f} ({time.perf_counter() - t0:.0f}s)")
     result.seconds = time.perf_counter() - t0
     return result
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the base lr at optimizer step ``step`` (0-based)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    if schedule == "cosine":
-        done = (step - warmup) / max(total - warmup, 1)
-        return 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
-    raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
 
 
 def boxed_answer(text: str) -> str | None:

@@ -2,9 +2,9 @@
 n1..nN, all on 127.0.0.1, free ports), everything in one temp folder. Used by test_slurm.py and
 handy for trying the sbatch templates on a laptop:
 
-    python tests/launch/slurm_cluster.py up /tmp/megarl-slurm --nodes 2   # prints export SLURM_CONF=...
-    SLURM_CONF=/tmp/megarl-slurm/slurm.conf sbatch --nodes=2 launch/slurm/train_multinode.sbatch
-    python tests/launch/slurm_cluster.py down /tmp/megarl-slurm
+    python tests/launch/slurm_cluster.py up runs/slurm-cluster --nodes 2   # prints export SLURM_CONF=...
+    SLURM_CONF="$PWD/runs/slurm-cluster/slurm.conf" sbatch --nodes=2 launch/slurm/train_multinode.sbatch
+    python tests/launch/slurm_cluster.py down runs/slurm-cluster
 
 Needs Debian/Ubuntu's slurmctld, slurmd, slurm-client and munge; ``ensure_installed`` runs
 ``apt-get install`` for them when they are missing and this user is root (set

@@ -20,7 +20,6 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
 from megarl.backends import checkpoint_meta
-from megarl.backends.checkpoint_meta import META_NAME, write_meta
 from megarl.backends.megatron import cpu_compat
 
 FORMAT = "megarl-megatron-v1"
@@ -42,7 +41,9 @@ def model_sharded_state(chunks: list[torch.nn.Module], metadata: dict[str, Any])
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    return checkpoint_meta.read_meta(directory, FORMAT, "megatron", "MegatronBackend.save or `python -m conversion hf-to-megatron`")
+    return checkpoint_meta.read_meta(
+        directory, FORMAT, "megatron",
+        how_to_write="MegatronBackend.save or `python -m conversion hf-to-megatron`")
 
 
 def save(
@@ -55,7 +56,7 @@ def save(
     directory = Path(directory)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        if any(p.name != META_NAME for p in directory.iterdir()):
+        if any(p.name != checkpoint_meta.META_NAME for p in directory.iterdir()):
             raise FileExistsError(f"checkpoint directory {directory} is not empty")
     dist.barrier()
     metadata = sharded_metadata()
@@ -69,7 +70,7 @@ def save(
         dist_checkpointing.save(state, str(directory))
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, **meta, "has_optimizer": optimizer is not None}
-        write_meta(directory, meta)
+        checkpoint_meta.write_meta(directory, meta)
     dist.barrier()
 
 

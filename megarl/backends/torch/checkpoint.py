@@ -26,13 +26,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from megarl.backends import checkpoint_meta
-from megarl.backends.checkpoint_meta import write_meta
 
 FORMAT = "megarl-torch-dcp-v1"
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    return checkpoint_meta.read_meta(directory, FORMAT, "torch-backend", "TorchBackend.save")
+    return checkpoint_meta.read_meta(directory, FORMAT, "torch-backend",
+                                     how_to_write="TorchBackend.save")
 
 
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def save(
     dcp.save(state, checkpoint_id=str(directory))
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, **meta, "step": step, "has_optimizer": optimizer is not None}
-        write_meta(directory, meta)
+        checkpoint_meta.write_meta(directory, meta)
     dist.barrier()
 
 
