@@ -85,12 +85,14 @@ class KLCtrlConfig:
 @dataclass
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose ``metric`` is equal for all their responses and
-    generate more batches until train_batch_size prompts remain."""
+    generate more batches until train_batch_size groups remain."""
 
     enable: bool = False
     # verl also names acc / seq_reward / seq_final_reward; only score is implemented (validate.py)
     metric: Literal["score", "acc", "seq_reward", "seq_final_reward"] = "score"
-    max_num_gen_batches: int = 0  # generation rounds per step at most; <= 0 = unlimited
+    # generation rounds per step at most (then train on the groups kept, at least one);
+    # <= 0 = until train_batch_size groups are kept (an error after one pass over the prompts)
+    max_num_gen_batches: int = 0
 
 
 @dataclass

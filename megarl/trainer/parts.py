@@ -99,7 +99,7 @@ def _resolve_all(cfg: Any) -> dict[str, str]:
 def _total_steps(cfg: Any, sampler: PromptSampler) -> int:
     if cfg.trainer.total_training_steps:
         return int(cfg.trainer.total_training_steps)
-    return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch()
+    return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch
 
 
 def build_run(cfg: Any) -> RunParts:

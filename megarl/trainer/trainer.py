@@ -92,15 +92,20 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def rollout_and_score(self, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generate and score; with dynamic sampling, keep only groups with reward signal and
-        draw more prompts until train_batch_size groups are collected."""
+        """Generate and score. With dynamic sampling (``algorithm.filter_groups``), keep only
+        groups whose scores differ and generate more batches until train_batch_size groups are
+        kept; ``max_num_gen_batches > 0`` caps the rounds (the step then trains on the groups
+        kept so far, at least one). One pass over the training prompts without enough groups
+        is an error."""
         cfg, p = self.cfg, self.parts
         fg = cfg.algorithm.filter_groups
         want = cfg.data.train_batch_size
-        kept, kept_scores, metrics = [], [], {}
-        rounds = max(1, fg.max_num_gen_batches) if fg.enable else 1
-        n_groups = 0
-        for rnd in range(rounds if fg.enable else 1):
+        cap = fg.max_num_gen_batches if fg.max_num_gen_batches > 0 else None
+        bound = max(p.sampler.batches_per_epoch, cap or 0)
+        kept: list = []
+        kept_scores: list[torch.Tensor] = []
+        n_groups, rnd, metrics = 0, 0, {}
+        while True:
             idx = p.sampler.next_batch()
             items = [p.train_ds[i] for i in idx]
             seed = R.sampling_seed(cfg.trainer.seed, self.step, rnd, self.rank)
@@ -109,22 +114,29 @@ class RLTrainer:
                                      group_offset=rnd * want)
             with timer("reward"):
                 scores, metrics = p.scorer(samples)
+            rnd += 1
             if not fg.enable:
                 kept, kept_scores = samples, [scores]
                 break
-            good = set(R.groups_with_signal(samples, scores))
-            keep = [i for i, s in enumerate(samples) if s.group in good]
+            keep = R.samples_of_groups(samples, R.groups_with_signal(samples, scores),
+                                       limit=want - n_groups)
             kept += [samples[i] for i in keep]
             kept_scores.append(scores[keep])
-            n_groups += len(good)
-            metrics["train/num_gen_batches"] = rnd + 1
-            if n_groups >= want:
+            n_groups += len({samples[i].group for i in keep})
+            if n_groups >= want or (cap is not None and rnd >= cap and n_groups > 0):
                 break
-        scores = torch.cat(kept_scores) if kept_scores else torch.zeros(0)
+            if rnd >= bound:
+                fix = ("algorithm.filter_groups.max_num_gen_batches=N trains on the groups kept "
+                       "after N rounds; " if cap is None and n_groups else "")
+                raise RuntimeError(
+                    f"algorithm.filter_groups: {rnd} generation rounds (every training prompt "
+                    f"once) kept {n_groups} of the {want} groups a step needs: every response of "
+                    f"the others scored the same. {fix}use prompts the policy sometimes solves "
+                    "and sometimes fails, or set algorithm.filter_groups.enable=false")
         if fg.enable:
-            groups = list(dict.fromkeys(s.group for s in kept))[:want]
-            sel = [i for i, s in enumerate(kept) if s.group in set(groups)]
-            kept, scores = [kept[i] for i in sel], scores[sel]
+            metrics["train/num_gen_batches"] = rnd
+            metrics["train/kept_groups"] = n_groups
+        scores = torch.cat(kept_scores) if kept_scores else torch.zeros(0)
         batch = RolloutBatch.from_samples(kept, p.pad_id)
         batch.tensors["verifiable"] = scores
         return batch, metrics

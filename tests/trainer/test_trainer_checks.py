@@ -115,3 +115,52 @@ def test_hostile_scoring_scores_zero_and_run_continues(tmp_path, demo_assets):
     assert sum(r["reward/timeouts"] for r in got) > 0
     assert sum(r["reward/errors"] for r in got) > 0
     assert all(math.isfinite(r["critic/score/mean"]) for r in got)
+
+
+# Dynamic sampling: "same" prompts score 0 on every response (no signal: dropped); "vary"
+# prompts score a fresh 0.1 + U(0, 1) per response (always signal).
+SIGNAL_REWARD = '''
+import random
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0 if ground_truth == "same" else 0.1 + random.random()
+'''
+
+
+def _dynamic_sampling_run(tmp_path, kinds, *overrides, check=True):
+    data, fn = tmp_path / "signal.jsonl", tmp_path / "signal.py"
+    _write_rows(data, [_row(f"Compute: {i}+{i}", kind) for i, kind in enumerate(kinds)])
+    fn.write_text(SIGNAL_REWARD)
+    return train(tmp_path / "run", "grpo", f"data.train_files={data}", "data.shuffle=false",
+                 f"custom_reward_function.path={fn}", "algorithm.filter_groups.enable=true",
+                 *overrides, check=check)
+
+
+@pytest.mark.parametrize("max_rounds, rounds, groups", [(0, 3, 4), (1, 2, 2)])
+def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path, demo_assets, max_rounds,
+                                                        rounds, groups):
+    # batches of 4 prompts: [same x4], [vary, vary, same, same], [vary x4]
+    kinds = ["same"] * 4 + ["vary", "vary", "same", "same"] + ["vary"] * 4
+    _dynamic_sampling_run(tmp_path, kinds, f"algorithm.filter_groups.max_num_gen_batches="
+                          f"{max_rounds}", "trainer.total_training_steps=1")
+    (row,) = train_rows(tmp_path / "run")
+    # uncapped: rounds until 4 groups are kept; capped at 1: the first round keeps none, so one
+    # more, then train on the 2 kept
+    assert row["train/num_gen_batches"] == rounds and row["train/kept_groups"] == groups
+    assert row["critic/score/min"] >= 0.1  # no response of a "same" group was trained on
+
+
+def test_dynamic_sampling_without_any_signal_is_a_clear_error(tmp_path, demo_assets):
+    proc = _dynamic_sampling_run(tmp_path, ["same"] * 8, "trainer.total_training_steps=1",
+                                 check=False)
+    assert proc.returncode != 0
+    assert "algorithm.filter_groups: 2 generation rounds" in proc.stderr
+    assert "kept 0 of the 4 groups" in proc.stderr
+
+
+def test_total_epochs_sets_the_steps_when_total_training_steps_is_unset(tmp_path, demo_assets):
+    data = tmp_path / "ten.jsonl"
+    _write_rows(data, [_row(f"Compute: {a}+1", str(a + 1)) for a in range(10)])
+    train(tmp_path / "run", "grpo", f"data.train_files={data}", "trainer.total_epochs=2",
+          "trainer.total_training_steps=null")
+    # 10 prompts in batches of 4, the short last batch dropped (as verl): 2 steps an epoch
+    assert [r["step"] for r in train_rows(tmp_path / "run")] == [1, 2, 3, 4]
