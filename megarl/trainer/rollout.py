@@ -98,9 +98,7 @@ def groups_with_signal(samples: list[RolloutSample], scores: torch.Tensor) -> li
     return [g for g, vals in by_group.items() if len(vals) > 1 and max(vals) > min(vals)]
 
 
-def samples_of_groups(samples: list[RolloutSample], groups: list[int],
-                      limit: int | None = None) -> list[int]:
-    """Indices (in order) of the samples that belong to the first ``limit`` of ``groups``
-    (all of them when ``limit`` is None)."""
-    chosen = set(groups if limit is None else groups[:max(0, limit)])
+def samples_of_groups(samples: list[RolloutSample], groups: list[int], limit: int) -> list[int]:
+    """Indices (in order) of the samples that belong to the first ``limit`` of ``groups``."""
+    chosen = set(groups[:limit])
     return [i for i, s in enumerate(samples) if s.group in chosen]

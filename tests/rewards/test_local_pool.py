@@ -41,16 +41,18 @@ def test_order_and_reuse_on_a_large_batch(pool2):
     assert [compute_score(r.data_source, r.solution_str, r.ground_truth) for r in reqs[:50]] == expected[:50]
 
 
-def test_hostile_model_outputs_score_zero_and_pool_survives(pool2):
+def test_hostile_model_outputs_score_zero_and_pool_survives(pool2, tmp_path):
     tower = "\\boxed{9^{9^{9^{9}}}}"
+    pwned = tmp_path / "pwned"  # created only if a scorer executed the model's code
+    inject = f"__import__('os').system('touch {pwned}')"
     hostile = [
         ("countdown", "<answer>10**10**10</answer>", {"target": 1, "numbers": [10, 10, 10]}),
         ("countdown", "<answer>9**9**9**9</answer>", {"target": 1, "numbers": [9, 9, 9, 9]}),
-        ("countdown", "<answer>__import__('os').system('touch /tmp/megarl_pwned')</answer>", {"target": 1, "numbers": [1]}),
+        ("countdown", f"<answer>{inject}</answer>", {"target": 1, "numbers": [1]}),
         ("countdown", "<answer>" + "(" * 10000 + "1" + ")" * 10000 + "</answer>", {"target": 1, "numbers": [1]}),
         ("math", "\\boxed{10^{10^{10}}}", "5"),
         ("math", tower, "5"),
-        ("math", "\\boxed{__import__('os').system('touch /tmp/megarl_pwned')}", "0"),
+        ("math", f"\\boxed{{{inject}}}", "0"),
         ("math", "\\boxed{" + "(" * 10000 + "1" + ")" * 10000 + "}", "1"),
         ("math", "x" * 2**20 + "\\boxed{" + "7" * 2**20 + "}", "5"),
         ("math", "\\boxed{" + "(" * 500 + "1" + ")" * 500 + "}", "2"),  # slow LaTeX parse
@@ -64,6 +66,7 @@ def test_hostile_model_outputs_score_zero_and_pool_survives(pool2):
     assert [r.score for r in res[:-1]] == [0.0] * len(hostile)
     assert all(r.status in ("ok", "timeout") for r in res)
     assert res[-1] == (1.0, {}, "ok")
+    assert not pwned.exists()
     # Slow cases are cut by math-verify's 2 s alarm or the pool's 3 s timeout, 2 workers.
     assert elapsed < 3.0 * len(hostile) / 2 + 10
     assert pool2.score([RewardRequest("arith", "\\boxed{3}", "3")])[0].score == 1.0
