@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from megarl.config import ConfigError, load_config
+    from megarl.errors import UserInputError
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -40,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megarl.trainer import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except UserInputError as err:  # bad data, model or checkpoint: the message names the fix
+        print(f"error ({type(err).__name__}):\n{err}", file=sys.stderr)
+        return 2
     return 0
 
 

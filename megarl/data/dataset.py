@@ -9,6 +9,7 @@ from typing import Any
 
 from megarl.data.rows import BadRowError, read_rows, resolve_path, validate_row
 from megarl.data.tokenizer import render_prompt
+from megarl.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class RLDataset:
                 self.num_truncated, max_prompt_length, truncation,
             )
         if not self.items:
-            raise ValueError(
+            raise UserInputError(
                 f"no usable prompts in {self.files} ({self.num_bad_rows} malformed, "
                 f"{self.num_filtered} over max_prompt_length={max_prompt_length})"
             )
@@ -136,7 +137,7 @@ class RLDataset:
             ids = list(ids)
             if len(ids) > limit:
                 if self.truncation == "error":
-                    raise ValueError(
+                    raise UserInputError(
                         f"{path}: row {i}: prompt is {len(ids)} tokens, over "
                         f"max_prompt_length={limit}. Raise data.max_prompt_length, or set "
                         f"data.truncation to 'filter' (drop), 'left' or 'right' (cut)"

@@ -19,11 +19,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from megarl.errors import UserInputError
+
 ON_BAD_ROW = ("error", "skip")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class BadRowError(ValueError):
+class BadRowError(UserInputError):
     """A row that does not follow the row format. ``str(err)`` names file, row and field."""
 
     def __init__(self, path: str, row: int, field: str, problem: str):
@@ -48,7 +50,7 @@ def _file_kind(path: str) -> str:
     for ext, kind in ((".parquet", "parquet"), (".jsonl", "jsonl"), (".json", "json")):
         if lower.endswith(ext):
             return kind
-    raise ValueError(
+    raise UserInputError(
         f"{path}: unknown data file type; use .parquet, .jsonl or .json (verl row format)"
     )
 
@@ -77,7 +79,7 @@ def read_rows(path: str, on_bad_row: str = "error") -> Iterator[tuple[int, dict 
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json data file must hold a list of row objects")
+            raise UserInputError(f"{path}: a .json data file must hold a list of row objects")
         for i, row in enumerate(data):
             yield i, row
         return

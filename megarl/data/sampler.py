@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from megarl.errors import UserInputError
+
 
 class PromptSampler:
     """Batches of dataset indices, epoch after epoch.
@@ -81,13 +83,13 @@ class PromptSampler:
             if key not in state:
                 raise KeyError(f"sampler state is missing {key!r} (got keys {sorted(state)})")
         if "n" in state and int(state["n"]) != self.n:
-            raise ValueError(
+            raise UserInputError(
                 f"sampler checkpoint was taken on {state['n']} prompts but the dataset now has "
                 f"{self.n}; resuming would not continue the same order (use the same data files "
                 f"and filters, or start a fresh run)"
             )
         if "shuffle" in state and bool(state["shuffle"]) != self.shuffle:
-            raise ValueError(f"sampler checkpoint has shuffle={state['shuffle']}, config has "
+            raise UserInputError(f"sampler checkpoint has shuffle={state['shuffle']}, config has "
                              f"shuffle={self.shuffle}")
         position = int(state["position"])
         if not 0 <= position <= self.n:

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from megarl.data.rows import resolve_path
+from megarl.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def load_tokenizer(path: str, **kwargs: Any):
         ) from e
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
-            raise ValueError(f"tokenizer at {local!r} has neither a pad nor an eos token")
+            raise UserInputError(f"tokenizer at {local!r} has neither a pad nor an eos token")
         logger.info("tokenizer %s has no pad token; using eos %r as pad", local, tok.eos_token)
         tok.pad_token = tok.eos_token
     return tok
@@ -68,7 +69,7 @@ def render_prompt(
         return "\n".join(m["content"] for m in messages)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
-        raise ValueError(
+        raise UserInputError(
             "the tokenizer has no chat template: set data.chat_template to a Jinja template, or "
             "data.apply_chat_template=false to feed the message text as is"
         )

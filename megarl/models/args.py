@@ -13,11 +13,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.errors import UserInputError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserInputError):
     """An HF config describes an architecture (or a feature of one) this model family lacks."""
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from megarl.errors import UserInputError
 from megarl.models.args import ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ _TOP_RANK = {
 }
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserInputError):
     """Checkpoint tensors do not match the model: lists missing, unexpected and mis-shaped keys."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,17 @@ def _total_steps(cfg: Any, sampler: PromptSampler) -> int:
     return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch
 
 
+def _default_schedule_length(cfg: Any, total_steps: int) -> None:
+    """``optim.total_training_steps <= 0`` means the run's length, so a warmup ratio or a cosine
+    schedule needs no second copy of the step count. The schedule advances once per optimizer
+    update: ppo_epochs x mini-batches per training step."""
+    prompts = cfg.data.train_batch_size
+    for role in (cfg.actor_rollout_ref.actor, cfg.critic):
+        if role.optim.total_training_steps <= 0:
+            updates = role.ppo_epochs * math.ceil(prompts / role.ppo_mini_batch_size)
+            role.optim.total_training_steps = total_steps * updates
+
+
 def build_run(cfg: Any) -> RunParts:
     rank = mdist.rank()
     device = mdist.resolve_device(cfg.trainer.device)
@@ -121,6 +133,8 @@ def build_run(cfg: Any) -> RunParts:
         val_ds = RLDataset(paths["val_files"], **ds_kwargs)
         val_items = [val_ds[i] for i in range(len(val_ds))]
 
+    total_steps = _total_steps(cfg, sampler)
+    _default_schedule_length(cfg, total_steps)
     torch.manual_seed(cfg.trainer.seed)  # fresh heads (critic) initialise identically everywhere
     actor = build_backend("actor", cfg, paths["actor"])
     a = cfg.actor_rollout_ref.actor
@@ -165,7 +179,7 @@ def build_run(cfg: Any) -> RunParts:
         cfg=cfg, run_dir=run_dir, device=device, tokenizer=tokenizer,
         pad_id=tokenizer.pad_token_id, eos_id=eos_id, train_ds=train_ds, sampler=sampler,
         val_items=val_items, actor=actor, ref=ref, critic=critic, prm=prm, engine=engine,
-        scorer=scorer, val_scorer=val_scorer, total_steps=_total_steps(cfg, sampler),
+        scorer=scorer, val_scorer=val_scorer, total_steps=total_steps,
         model_paths={k: v for k, v in paths.items() if isinstance(v, str)}, pool=pool,
     )
 

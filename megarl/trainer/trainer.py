@@ -21,6 +21,7 @@ import torch
 
 from megarl import algos
 from megarl.data.steps import step_end_token_ids
+from megarl.errors import UserInputError
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import rollout as R
@@ -128,7 +129,7 @@ class RLTrainer:
             if rnd >= bound:
                 fix = ("algorithm.filter_groups.max_num_gen_batches=N trains on the groups kept "
                        "after N rounds; " if cap is None and n_groups else "")
-                raise RuntimeError(
+                raise UserInputError(
                     f"algorithm.filter_groups: {rnd} generation rounds (every training prompt "
                     f"once) kept {n_groups} of the {want} groups a step needs: every response of "
                     f"the others scored the same. {fix}use prompts the policy sometimes solves "

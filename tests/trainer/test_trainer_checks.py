@@ -57,7 +57,7 @@ def test_malformed_row_is_a_clear_error(tmp_path, demo_assets):
     _write_rows(data, [_row("Compute: 2+3"), {"data_source": "arith", "prompt": "not messages"}])
     proc = train(tmp_path / "run", "grpo", f"data.train_files={data}",
                  "trainer.total_training_steps=1", check=False)
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "bad.jsonl" in proc.stderr and "row 1" in proc.stderr and "prompt" in proc.stderr
 
 
@@ -79,7 +79,8 @@ def test_overlong_prompt_with_truncation_error(tmp_path, demo_assets):
     _write_rows(data, [_row("Compute: 1+1", "2")] * 4 + [_row("Compute: " + "1+" * 200 + "1")])
     proc = train(tmp_path / "run", "grpo", f"data.train_files={data}", "data.truncation=error",
                  "trainer.total_training_steps=1", check=False)
-    assert proc.returncode != 0 and "max_prompt_length" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "max_prompt_length" in proc.stderr
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -152,7 +153,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path, demo_assets, m
 def test_dynamic_sampling_without_any_signal_is_a_clear_error(tmp_path, demo_assets):
     proc = _dynamic_sampling_run(tmp_path, ["same"] * 8, "trainer.total_training_steps=1",
                                  check=False)
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "algorithm.filter_groups: 2 generation rounds" in proc.stderr
     assert "kept 0 of the 4 groups" in proc.stderr
 
@@ -164,3 +165,21 @@ def test_total_epochs_sets_the_steps_when_total_training_steps_is_unset(tmp_path
           "trainer.total_training_steps=null")
     # 10 prompts in batches of 4, the short last batch dropped (as verl): 2 steps an epoch
     assert [r["step"] for r in train_rows(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_cosine_schedule_defaults_to_the_run_length(tmp_path, demo_assets):
+    # optim.total_training_steps unset (-1): the schedule spans the run, one position per
+    # optimizer update: 3 steps x 2 mini-batches (4 prompts, 2 per mini-batch) = 6 updates
+    lr, floor, updates = 3e-4, 0.2, 6
+    train(tmp_path, "grpo", "trainer.total_training_steps=3",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+          "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+          f"actor_rollout_ref.actor.optim.lr={lr}",
+          f"actor_rollout_ref.actor.optim.min_lr_ratio={floor}")
+
+    def lr_at(k):
+        return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * k / updates)))
+
+    got = [r["actor/lr"] for r in train_rows(tmp_path)]
+    want = [(lr_at(2 * s) + lr_at(2 * s + 1)) / 2 for s in range(3)]  # logged: mean per step
+    assert got == pytest.approx(want, rel=1e-6)
