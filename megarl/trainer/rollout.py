@@ -9,7 +9,7 @@ and the scores are broadcast.
 from __future__ import annotations
 
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,37 @@ class Scorer:
             result = (scores, metrics)
         scores, metrics = mdist.broadcast_object(result)
         return torch.tensor(scores, dtype=torch.float32), metrics
+
+
+# Reward metrics that count or time a call; every other one is a mean over responses.
+_SUMMED_METRICS = frozenset({"reward/timeouts", "reward/errors", "reward/missing_ground_truth",
+                             "reward/time_s"})
+
+
+def merge_round_metrics(rounds: list[tuple[list[str], dict[str, float]]]) -> dict[str, float]:
+    """One step's reward metrics over all its generation rounds (dynamic sampling's refills),
+    as if every response had been scored in one call.
+
+    ``rounds``: per round, the data source of each response scored and the Scorer's metrics.
+    Counts and seconds add up; ``reward/score/{source}`` is weighted by that source's responses,
+    every other metric (``reward/score/mean``, ``reward/overlong_penalty_mean``, ...) by the
+    round's responses.
+    """
+    if len(rounds) == 1:
+        return dict(rounds[0][1])
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for sources, metrics in rounds:
+        per_source = Counter(sources)
+        for key, value in metrics.items():
+            if key in _SUMMED_METRICS:
+                sums[key] = sums.get(key, 0.0) + value
+                continue
+            source = key.removeprefix("reward/score/")
+            w = per_source[source] if source != key and source in per_source else len(sources)
+            sums[key] = sums.get(key, 0.0) + value * w
+            weights[key] = weights.get(key, 0.0) + w
+    return {k: v if k in _SUMMED_METRICS else v / max(weights[k], 1) for k, v in sums.items()}
 
 
 def groups_with_signal(samples: list[RolloutSample], scores: torch.Tensor) -> list[int]:

@@ -105,7 +105,8 @@ class RLTrainer:
         bound = max(p.sampler.batches_per_epoch, cap or 0)
         kept: list = []
         kept_scores: list[torch.Tensor] = []
-        n_groups, rnd, metrics = 0, 0, {}
+        n_groups, rnd = 0, 0
+        rounds: list[tuple[list[str], dict[str, float]]] = []
         while True:
             idx = p.sampler.next_batch()
             items = [p.train_ds[i] for i in idx]
@@ -114,7 +115,8 @@ class RLTrainer:
                 samples = R.generate(p.engine, items, self._sampling(seed),
                                      group_offset=rnd * want)
             with timer("reward"):
-                scores, metrics = p.scorer(samples)
+                scores, round_metrics = p.scorer(samples)
+            rounds.append(([s.data_source for s in samples], round_metrics))
             rnd += 1
             if not fg.enable:
                 kept, kept_scores = samples, [scores]
@@ -134,6 +136,7 @@ class RLTrainer:
                     f"once) kept {n_groups} of the {want} groups a step needs: every response of "
                     f"the others scored the same. {fix}use prompts the policy sometimes solves "
                     "and sometimes fails, or set algorithm.filter_groups.enable=false")
+        metrics = R.merge_round_metrics(rounds)
         if fg.enable:
             metrics["train/num_gen_batches"] = rnd
             metrics["train/kept_groups"] = n_groups
