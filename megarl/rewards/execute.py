@@ -46,8 +46,9 @@ def _extra_value(v: Any) -> Any:
 
 
 def run_request(req: RewardRequest) -> tuple[float, dict[str, Any], str]:
-    """(score, extra, status) for one request. Ordinary exceptions become status "error";
-    MemoryError raises WorkerCrash (the caller exits so a fresh worker retries)."""
+    """(score, extra, status) for one request. A TimeoutError raised inside the call (math-verify
+    out of time) becomes status "timeout", other exceptions "error"; MemoryError raises
+    WorkerCrash (the caller exits so a fresh worker retries)."""
     try:
         out = resolve(req.fn)(
             data_source=req.data_source,
@@ -69,6 +70,8 @@ def run_request(req: RewardRequest) -> tuple[float, dict[str, Any], str]:
         return score, extra, "ok"
     except MemoryError as e:
         raise WorkerCrash(("MemoryError (memory bound hit)" + (f": {e}" if str(e) else ""))[:_MAX_MESSAGE]) from None
+    except TimeoutError as e:
+        return 0.0, {"error": f"{type(e).__name__}: {e}"[:_MAX_MESSAGE]}, "timeout"
     except Exception as e:  # noqa: BLE001 - any failure of one response scores 0
         return 0.0, {"error": f"{type(e).__name__}: {e}"[:_MAX_MESSAGE]}, "error"
 

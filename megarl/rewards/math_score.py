@@ -87,20 +87,37 @@ def _wrap_gold(gold: str) -> str:
     return f"${g}$"
 
 
+class AnswerCheckTimeout(TimeoutError):
+    """math-verify ran past MATH_VERIFY_TIMEOUT_S on one answer (the pool reports "timeout")."""
+
+
 def math_verify_equal(pred: str, gold: str) -> bool:
-    """math-verify's decision for a bare predicted answer and a bare gold answer."""
+    """math-verify's decision for a bare predicted answer and a bare gold answer.
+
+    A parse or comparison that math-verify cannot do is False; one that runs out of time raises
+    AnswerCheckTimeout instead of passing for a wrong answer (math-verify alone would return
+    False and only log a warning).
+    """
     from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
 
     timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     # LaTeX extraction only: math-verify's plain-expression mode goes through sympy.parse_expr.
     config = [LatexExtractionConfig()]
-    gold_parsed = parse(_wrap_gold(gold), extraction_config=config, parsing_timeout=timeout)
-    if not gold_parsed:
+    try:
+        gold_parsed = parse(_wrap_gold(gold), extraction_config=config, parsing_timeout=timeout,
+                            raise_on_error=True)
+        if not gold_parsed:
+            return False
+        pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=config,
+                            parsing_timeout=timeout, raise_on_error=True)
+        if not pred_parsed:
+            return False
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
+    except TimeoutException:  # a BaseException: it must not escape the worker's error handling
+        raise AnswerCheckTimeout(f"math-verify took over {timeout} s") from None
+    except Exception:  # noqa: BLE001 - unparsable or incomparable: not equal
         return False
-    pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=config, parsing_timeout=timeout)
-    if not pred_parsed:
-        return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
 
 
 def math_answer_equal(pred: str, gold: str) -> bool:

@@ -16,8 +16,11 @@ def test_first_step_on_policy_and_engine_logprobs(tmp_path, demo_assets):
     (row,) = train_rows(tmp_path)
     assert row["actor/ppo_kl"] == 0.0
     assert row["actor/pg_clipfrac"] == 0.0 and row["actor/pg_clipfrac_lower"] == 0.0
-    # the torch engine's sampled-token logprobs equal the trainer's recomputation (fp32)
-    assert row["rollout/logprob_abs_diff_max"] < 1e-5
+    # the torch engine's sampled-token logprobs equal the trainer's recomputation up to fp32
+    # reduction order (KV-cache decode vs one full forward; the BLAS picks kernels by shape and
+    # CPU): max 1.9e-5 measured on an Intel Xeon, under 1e-5 on an AMD EPYC. A real mismatch
+    # (positions, temperature, masking) is above 1e-2.
+    assert row["rollout/logprob_abs_diff_max"] < 1e-4
     assert row["rollout/logprob_abs_diff_mean"] < 1e-6
 
 
