@@ -125,7 +125,11 @@ def test_math_verify_timeout_is_reported_not_scored_as_wrong():
     # sympy evaluating 9^(9^9) outlasts math-verify's alarm; math-verify alone would return
     # False ("ok", a wrong answer) and only log a warning.
     from megarl.rewards.execute import run_request
-    from megarl.rewards.math_score import MATH_VERIFY_TIMEOUT_S, AnswerCheckTimeout, math_verify_equal
+    from megarl.rewards.math_score import (
+        MATH_VERIFY_TIMEOUT_S,
+        AnswerCheckTimeout,
+        math_verify_equal,
+    )
     from megarl.rewards.pool import RewardRequest
 
     t0 = time.perf_counter()
