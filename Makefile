@@ -23,7 +23,8 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e ".[megatron,kernels,ray,dev]"
 	touch $(STAMP)
 
-test: install
+# The demo assets first (2 threads, as make demo builds them: the same SFT policy and PRM).
+test: assets
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --timeout=1200 tests
 
 test-fast: install

@@ -107,7 +107,7 @@ def build_policy(staging: Path, base: Path, config: BuildConfig, log: Log) -> di
         eval_fn=(lambda: arith_accuracy(model, tok, dev)) if dev else None,
         eval_every=config.sft_eval_every, eval_after=config.sft_eval_after,
         stop_at=config.sft_stop_at, fine_eval_every=config.sft_fine_eval_every,
-        fine_below_loss=config.sft_fine_below_loss,
+        fine_below_loss=config.sft_fine_below_loss, fine_from_acc=config.sft_fine_from_acc,
         buckets=[r["extra_info"]["num_ops"] for r in sft_rows] if config.sft_bucket_by_ops
         else None,
         log=log,

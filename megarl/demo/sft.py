@@ -105,6 +105,7 @@ def train_sft(
     stop_at: float | None = None,
     fine_eval_every: int | None = None,
     fine_below_loss: float = 0.0,
+    fine_from_acc: float | None = None,
     buckets: Sequence[int] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> SFTResult:
@@ -112,8 +113,8 @@ def train_sft(
 
     Evaluation: past ``eval_after`` steps, ``eval_fn`` runs every ``eval_every`` steps, or every
     ``fine_eval_every`` once the running training loss (EMA, 0.9) is below ``fine_below_loss``
-    (the accuracy curve of this task is steep: it can go 8% -> 75% within 200 steps). Training
-    stops at the first eval result >= ``stop_at``.
+    or an eval result has reached ``fine_from_acc`` (the accuracy curve of this task is steep:
+    it can go 8% -> 75% within 200 steps). Training stops at the first eval result >= ``stop_at``.
     buckets: a bucket id per example (e.g. the number of operations); each batch is drawn from
     one bucket, chosen with probability proportional to its size (same mix, no padding waste).
     """
@@ -129,6 +130,7 @@ def train_sft(
     model.train()
     result = SFTResult(0, 0.0)
     ema = None
+    fine = False
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         if groups is None:
@@ -146,13 +148,15 @@ def train_sft(
         sched.step()
         result.steps = step
         ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
-        every = fine_eval_every if fine_eval_every and ema < fine_below_loss else eval_every
+        fine = fine or ema < fine_below_loss
+        every = fine_eval_every if fine_eval_every and fine else eval_every
         if eval_fn is not None and step > eval_after and step % every == 0:
             acc = eval_fn()
             model.train()
             entry = {"step": step, "loss": round(ema, 4), "acc": acc,
                      "seconds": round(time.perf_counter() - t0, 1)}
             result.history.append(entry)
+            fine = fine or (fine_from_acc is not None and acc >= fine_from_acc)
             if log:
                 log(f"  sft step {step}: loss {ema:.3f} dev acc {acc:.3f} "
                     f"({entry['seconds']:.0f}s)")

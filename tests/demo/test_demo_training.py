@@ -149,6 +149,12 @@ def test_bucketed_batches_and_fine_eval(tok, model, monkeypatch):
     r = train_sft(m, ex, tok.pad_token_id, steps=6, batch_size=4, eval_fn=lambda: 0.5,
                   eval_every=5, fine_eval_every=2, fine_below_loss=100.0, stop_at=0.4)
     assert r.steps == 2  # fine cadence from the start, and the first eval >= stop_at stops
+    accs = iter([0.0, 0.06, 0.1, 0.3])
+    r = train_sft(m, ex, tok.pad_token_id, steps=30, batch_size=4, eval_fn=lambda: next(accs),
+                  eval_every=5, fine_eval_every=2, fine_below_loss=-1.0, fine_from_acc=0.05,
+                  stop_at=0.25)
+    # coarse at 5 and 10; 0.06 >= fine_from_acc switches to every 2 steps: 12, then 14 stops
+    assert [h["step"] for h in r.history] == [5, 10, 12, 14] and r.steps == 14
 
 
 def test_dense_prefix_labels(tok):
