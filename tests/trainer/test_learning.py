@@ -3,7 +3,7 @@
 Each recipe runs as shipped (64 prompts x 8 responses, T=1.0; PURE-PRM+VR with its dynamic
 sampling, entropy bonus and cosine lr decay, here over 20 steps) for 20 steps in one process. The
 measure is the greedy accuracy on the 500 held-out problems (validation at steps 0, 10, 20),
-far less noisy than the sampled training reward; the SFT start is 23%. Trials on a 2-core box
+far less noisy than the sampled training reward; the SFT start is 23-24%. Trials on a 2-core box
 (one process each) gained at step 20: GRPO +11.2, PACS +14.8, PURE-PRM+VR +9.8; the bar here is
 5 points. The sampled training reward must rise too (mean of
 the first 10 steps vs the last 10).
