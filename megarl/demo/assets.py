@@ -59,7 +59,7 @@ class BuildConfig:
     sft_fine_eval_every: int = 20  # once the running loss is below sft_fine_below_loss
     sft_fine_below_loss: float = 0.12
     sft_fine_from_acc: float = 0.10  # ... or once a dev accuracy reaches this (the jump began;
-    # the plateau before it sits at 2-5%)
+    # the plateau before it reads 2-9%)
     # Stop at the first dev accuracy >= this: on the steep part of the curve, past the jump that
     # RL needs (RL from a start before it, ~11%, barely moves) with room left above it.
     sft_stop_at: float = 0.20

@@ -307,8 +307,7 @@ class LocalRewardPool(RewardPool):
                 head = w.inflight.popleft()
                 assert head == index, (head, index)
                 results[index] = RewardResult(float(score), extra, status)
-                if status == "error":
-                    self.stats["reward/errors"] += 1
+                self._count_status(status)
                 finished += 1
                 w.item_start = time.monotonic()
 

@@ -82,6 +82,11 @@ class RewardPool(abc.ABC):
             "reward/worker_restarts": 0,
         }
 
+    def _count_status(self, status: Status) -> None:
+        """Count a worker's result: "error" and "timeout" (math-verify out of time) ones."""
+        if status in ("error", "timeout"):
+            self.stats[f"reward/{status}s"] += 1
+
     @abc.abstractmethod
     def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
         """One result per request, in request order. Never raises for a bad response."""

@@ -241,8 +241,7 @@ class RayRewardPool(RewardPool):
         s.inflight.popleft()
         s.item_start = time.monotonic()
         results[index] = RewardResult(float(score), extra, status)
-        if status == "error":
-            self.stats["reward/errors"] += 1
+        self._count_status(status)
         return 1
 
     def _requeue_rest(self, s: _Slot, pending: deque[int]) -> None:

@@ -72,6 +72,17 @@ def test_hostile_model_outputs_score_zero_and_pool_survives(pool2, tmp_path):
     assert pool2.score([RewardRequest("arith", "\\boxed{3}", "3")])[0].score == 1.0
 
 
+def test_math_verify_timeout_counts_as_a_timeout(pool2):
+    # math-verify's own alarm (2 s) ends this before the pool's 3 s kill; either way the worker
+    # reports "timeout" and the pool counts it, and the worker keeps serving.
+    before = dict(pool2.stats)
+    res = pool2.score([RewardRequest("math", "\\boxed{9^{9^{9}}}", "1"),
+                       RewardRequest("math", "\\boxed{\\frac{2}{4}}", "0.5")])
+    assert [(r.score, r.status) for r in res] == [(0.0, "timeout"), (1.0, "ok")]
+    assert pool2.stats["reward/timeouts"] - before["reward/timeouts"] == 1
+    assert pool2.stats["reward/errors"] == before["reward/errors"]
+
+
 def test_hostile_functions_identical_for_one_and_two_workers(pool2, hostile_path):
     reqs = _mixed_requests(hostile_path)
     with make_reward_pool("local", num_workers=1, timeout_s=3.0, memory_mb=512) as pool1:

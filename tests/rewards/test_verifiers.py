@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import time
 from fractions import Fraction
 
 import pytest
@@ -120,7 +119,6 @@ def test_hostile_math_outputs_score_zero_in_process():
     assert compute_score("math", "x" * 2**20 + "\\boxed{" + "1+" * 400000 + "1}", "5") == 0.0
 
 
-
 def test_math_verify_timeout_is_reported_not_scored_as_wrong():
     # sympy evaluating 9^(9^9) outlasts math-verify's alarm; math-verify alone would return
     # False ("ok", a wrong answer) and only log a warning.
@@ -132,14 +130,13 @@ def test_math_verify_timeout_is_reported_not_scored_as_wrong():
     )
     from megarl.rewards.pool import RewardRequest
 
-    t0 = time.perf_counter()
-    with pytest.raises(AnswerCheckTimeout):
+    with pytest.raises(AnswerCheckTimeout, match=f"over {MATH_VERIFY_TIMEOUT_S} s"):
         math_verify_equal("9^{9^{9}}", "1")
-    assert time.perf_counter() - t0 < MATH_VERIFY_TIMEOUT_S + 1.5
     score, extra, status = run_request(RewardRequest("math", "\\boxed{9^{9^{9}}}", "1"))
     assert (score, status) == (0.0, "timeout") and "AnswerCheckTimeout" in extra["error"]
     # an answer math-verify can decide in time is unaffected
     assert run_request(RewardRequest("math", "\\boxed{\\frac{2}{4}}", "0.5")) == (1.0, {}, "ok")
+
 
 # -- gsm8k ---------------------------------------------------------------------------------
 
