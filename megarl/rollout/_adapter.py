@@ -16,7 +16,27 @@ DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 def missing_engine(name: str, extra: str) -> ImportError:
     return ImportError(
         f"actor_rollout_ref.rollout.name={name} needs the {name} package, which is not "
-        f"installed: pip install megarl[{extra}] (GPU only); or use rollout.name=torch"
+        f"installed: pip install megarl[{extra}]; or use rollout.name=torch"
+    )
+
+
+def check_engine_version(name: str, installed: str, supported: str, extra: str) -> None:
+    """Refuse an engine release outside the range megarl was tested with (its API moves
+    between minor releases). ``supported``: a PEP 440 specifier such as ">=0.32,<0.33"."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        version = None
+    # A local or dev build of a supported release (0.32.0+cpu, 0.32.1.dev3) counts as it.
+    if version is not None and SpecifierSet(supported).contains(version.public, prereleases=True):
+        return
+    raise ImportError(
+        f"actor_rollout_ref.rollout.name={name}: {name} {installed} is installed, but megarl "
+        f"supports {name}{supported} (the releases its adapter was checked against); install "
+        f"one with pip install 'megarl[{extra}]', or use rollout.name=torch"
     )
 
 

@@ -8,7 +8,7 @@ same stream `megarl.rollout.reshard` produces from either training backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -54,9 +54,20 @@ class Completion:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        prompt_keys: Sequence[int] | None = None,
+    ) -> list[Completion]:
         """``sampling.n`` completions per prompt, ordered prompt-major: the n completions of
-        prompt 0 first, then prompt 1, ..."""
+        prompt 0 first, then prompt 1, ...
+
+        prompt_keys: a stable integer per prompt (default: its position in ``prompts``). The
+        sampling noise of a prompt is a function of (sampling.seed, its key, sample index) only,
+        so with the same weights a prompt yields the same tokens whichever call, batch or rank
+        it is given in (up to float reassociation): the trainer passes the prompt's position
+        in the step's whole batch."""
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (HF name, full tensor) pairs into the engine's model."""
