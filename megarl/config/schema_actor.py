@@ -151,6 +151,9 @@ class RolloutConfig:
     top_p: float = 1.0
     do_sample: bool = True  # false = greedy
     max_num_seqs: int = 1024  # engine slots: sequences decoded at once
+    max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step (prefill chunks included)
+    enable_chunked_prefill: bool = True  # vLLM: split long prefills across engine steps
+    enforce_eager: bool = False  # vLLM: no torch.compile / CUDA graphs (faster start, slower decode)
     gpu_memory_utilization: float = 0.5  # vLLM/SGLang share of GPU memory (weights + KV cache)
     tensor_model_parallel_size: int = 1  # engine TP (vLLM/SGLang)
     free_cache_engine: bool = True  # engine.sleep() while training, wake() before generating

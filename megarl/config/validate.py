@@ -160,7 +160,12 @@ def _check_ranges(cfg: Config, c: _Checker) -> None:
     for key in ("n", "max_num_seqs", "tensor_model_parallel_size", "log_prob_micro_batch_size_per_gpu",
                 "log_prob_max_token_len_per_gpu", "update_weights_bucket_megabytes"):
         c.positive(f"{r}.{key}", getattr(rollout, key))
+    c.positive(f"{r}.max_num_batched_tokens", rollout.max_num_batched_tokens)
     c.unit(f"{r}.gpu_memory_utilization", rollout.gpu_memory_utilization, low_open=True)
+    if rollout.name == "torch" and rollout.tensor_model_parallel_size > 1:
+        c.fail((f"{r}.tensor_model_parallel_size", f"{r}.name"),
+               f"{rollout.tensor_model_parallel_size} > 1, but rollout.name=torch generates with "
+               "the whole model on every rank; set it to 1, or use rollout.name=vllm (or sglang)")
     for prefix, s in ((r, rollout), (f"{r}.val_kwargs", rollout.val_kwargs)):
         c.non_negative(f"{prefix}.temperature", s.temperature)
         c.unit(f"{prefix}.top_p", s.top_p, low_open=True)

@@ -49,6 +49,9 @@ class RunParts:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            close_engine()
 
     def make_logger(self, total_steps: int, resume_step: int | None) -> MetricLogger:
         t = self.cfg.trainer
@@ -135,6 +138,11 @@ def build_run(cfg: Any) -> RunParts:
 
     total_steps = _total_steps(cfg, sampler)
     _default_schedule_length(cfg, total_steps)
+    # The engine first: it sizes its memory from what is free, before the training backends
+    # hold theirs (asleep, it gives its memory back until the first weight sync).
+    engine = build_engine(cfg, paths["actor"], device)
+    if cfg.actor_rollout_ref.rollout.free_cache_engine:
+        engine.sleep()
     torch.manual_seed(cfg.trainer.seed)  # fresh heads (critic) initialise identically everywhere
     actor = build_backend("actor", cfg, paths["actor"])
     a = cfg.actor_rollout_ref.actor
@@ -142,8 +150,6 @@ def build_run(cfg: Any) -> RunParts:
     ref = build_backend("ref", cfg, paths["actor"]) if need_ref else None
     critic = build_backend("critic", cfg, paths["critic"]) if cfg.critic.enable else None
     prm = build_backend("prm", cfg, paths["prm"]) if cfg.reward_model.enable else None
-
-    engine = build_engine(cfg, paths["actor"], device)
     engine.update_weights(actor.export_weights())
 
     rm = cfg.reward_model

@@ -1,9 +1,10 @@
 """Generation and verifiable scoring of one step's prompts, across ranks.
 
-Each rank generates for its share of the prompts (every engine holds the full model, so the
-share is over all ranks, not only data-parallel ones), the samples are all-gathered so every
-rank holds the same ordered list, rank 0 scores them through the reward manager's bounded pool,
-and the scores are broadcast.
+Each engine generates for its share of the prompts (every engine holds the full model, so the
+share is over all engines, not only data-parallel ranks; an engine is one rank, or
+``rollout.tensor_model_parallel_size`` ranks for a tensor-parallel vLLM), the samples are
+all-gathered so every rank holds the same ordered list, rank 0 scores them through the reward
+manager's bounded pool, and the scores are broadcast.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from megarl.rollout.protocol import RolloutEngine, SamplingParams
 from megarl.trainer.batch import RolloutSample
 from megarl.utils import dist as mdist
 
+# Last part of a rollout seed: keeps (step, round, ROLLOUT_STREAM) apart from the mini-batch
+# shuffle seeds (step, 3) and (step, 7).
+ROLLOUT_STREAM = 0
+
 
 def sampling_seed(base: int, *parts: int) -> int:
     """A 31-bit seed from the run seed and (step, round, rank, ...): resumes reproduce it."""
@@ -30,18 +35,29 @@ def generate(
     items: list[Any],
     sampling: SamplingParams,
     group_offset: int,
+    tp_size: int = 1,
 ) -> list[RolloutSample]:
     """Generate ``sampling.n`` responses for each item on this rank's share; gather all.
 
     ``items`` are dataset items (prompt_ids, data_source, ground_truth, extra_info), the same
-    list on every rank. Group ids are ``group_offset + position in items``.
+    list on every rank. Group ids are ``group_offset + position in items``. The engines are
+    groups of ``tp_size`` consecutive ranks (one tensor-parallel engine each: its ranks submit
+    the same prompts); the items are dealt to the groups round-robin. Each prompt's sampling
+    noise is keyed by its group id, so a prompt yields the same tokens whichever engine, rank
+    or world size it lands on.
     """
     rank, world = mdist.rank(), mdist.world_size()
-    mine = list(range(rank, len(items), world))
-    completions = engine.generate([items[k].prompt_ids for k in mine], sampling) if mine else []
+    if world % tp_size:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} must "
+                         f"divide the number of ranks ({world})")
+    engines = world // tp_size
+    engine_index, member = divmod(rank, tp_size)
+    mine = list(range(engine_index, len(items), engines))
+    completions = engine.generate([items[k].prompt_ids for k in mine], sampling,
+                                  prompt_keys=[group_offset + k for k in mine]) if mine else []
     local: list[tuple[int, int, RolloutSample]] = []
     seen: dict[int, int] = defaultdict(int)
-    for c in completions:
+    for c in completions if member == 0 else []:  # one copy per engine group
         k = mine[c.prompt_index]
         item = items[k]
         local.append((k, seen[k], RolloutSample(

@@ -73,6 +73,7 @@ class RLTrainer:
             marker = cfg.reward_model.prm_step_token
             self.prm_marker = (single_token_id(p.tokenizer, marker, "reward_model.prm_step_token")
                                if marker else None)
+        self.rollout_tp = arr.rollout.tensor_model_parallel_size
         self.ckpt = CheckpointManager(Path(p.run_dir) / "checkpoints",
                                       cfg.trainer.max_ckpt_to_keep)
         self.step = 0
@@ -110,10 +111,10 @@ class RLTrainer:
         while True:
             idx = p.sampler.next_batch()
             items = [p.train_ds[i] for i in idx]
-            seed = R.sampling_seed(cfg.trainer.seed, self.step, rnd, self.rank)
+            seed = R.sampling_seed(cfg.trainer.seed, self.step, rnd, R.ROLLOUT_STREAM)
             with timer("gen"):
                 samples = R.generate(p.engine, items, self._sampling(seed),
-                                     group_offset=rnd * want)
+                                     group_offset=rnd * want, tp_size=self.rollout_tp)
             with timer("reward"):
                 scores, round_metrics = p.scorer(samples)
             rounds.append(([s.data_source for s in samples], round_metrics))
@@ -155,6 +156,14 @@ class RLTrainer:
         seq = batch.sequence_batch()
         temperature = arr.rollout.temperature
 
+        if self.adv_settings.estimator == "remax" and not cfg.pacs.enable:
+            with timer("gen"):
+                t["reward_baselines"] = self._greedy_baselines(batch)
+        if arr.rollout.free_cache_engine:  # the engine's memory goes to the training forwards
+            with timer("engine_sleep"):
+                p.engine.sleep()
+            metrics["rollout/engine_asleep"] = float(getattr(p.engine, "asleep", False))
+
         if p.prm is not None:
             with timer("prm"):
                 t["step_rewards"], t["step_mask"] = score_steps(p.prm, batch, self.step_end_ids,
@@ -162,7 +171,9 @@ class RLTrainer:
         a = arr.actor
         n_groups = len(set(batch.group_index.tolist()))
         on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups
-        check = "rollout_logprob" in t and arr.rollout.check_logprobs
+        # The engine/trainer logprob gap is always measured on the first step (a wrong weight
+        # sync or sampler shows at once), and on every step with rollout.check_logprobs.
+        check = "rollout_logprob" in t and (arr.rollout.check_logprobs or self.step == 1)
         # On-policy, the update's own forward gives old_logprob (= logprob.detach()), so the
         # separate pass is only run when something else reads it before the update.
         if not on_policy or check or cfg.algorithm.use_kl_in_reward:
@@ -182,9 +193,6 @@ class RLTrainer:
         if p.critic is not None:
             with timer("values"):
                 t["values"] = p.critic.values(seq)
-        if self.adv_settings.estimator == "remax" and not cfg.pacs.enable:
-            with timer("gen"):
-                t["reward_baselines"] = self._greedy_baselines(batch)
 
         with timer("adv"):
             adv_metrics = compute_step_advantages(batch, self.adv_settings, self.kl_ctrl.value)
@@ -226,8 +234,12 @@ class RLTrainer:
                     loss_scale_factor=cfg.data.max_response_length, temperature=temperature)
                 metrics.update({("actor/" + k if "/" not in k else k): v
                                 for k, v in mean_metrics(steps).items()})
-            with timer("weight_sync"):
+        if self.step > cfg.trainer.critic_warmup or getattr(p.engine, "asleep", False):
+            with timer("weight_sync"):  # an asleep engine may have dropped its weights
                 p.engine.update_weights(p.actor.export_weights())
+        if arr.rollout.free_cache_engine:
+            with timer("engine_wake"):
+                p.engine.wake()
 
         metrics.update(data_metrics(batch, cfg.data.max_response_length,
                                     cfg.data.max_prompt_length))
@@ -250,7 +262,8 @@ class RLTrainer:
         groups = list(dict.fromkeys(batch.group_index.tolist()))
         first = {g: batch.group_index.tolist().index(g) for g in groups}
         items = [_PromptView(batch, first[g]) for g in groups]
-        samples = R.generate(p.engine, items, self._sampling(0, greedy=True, n=1), 0)
+        samples = R.generate(p.engine, items, self._sampling(0, greedy=True, n=1), 0,
+                             tp_size=self.rollout_tp)
         scores, _ = p.scorer(samples)
         by_group = dict(zip(groups, scores.tolist()))
         return torch.tensor([by_group[g] for g in batch.group_index.tolist()])
@@ -267,7 +280,7 @@ class RLTrainer:
             sampled = self._sampling(R.sampling_seed(self.cfg.trainer.seed, self.step, 99),
                                      validation=True)
         return validate(p.engine, p.val_items, p.val_scorer, greedy, sampled,
-                        batch_size=self.cfg.data.val_batch_size)
+                        batch_size=self.cfg.data.val_batch_size, tp_size=self.rollout_tp)
 
     # ------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ def validate(
     greedy: SamplingParams,
     sampled: SamplingParams | None,
     batch_size: int | None = None,
+    tp_size: int = 1,
 ) -> dict[str, float]:
     metrics: dict[str, float] = {}
     runs = [("test_score", greedy)] + ([("mean", sampled)] if sampled is not None else [])
@@ -30,7 +31,7 @@ def validate(
         totals: dict[str, list[float]] = defaultdict(list)
         for start in range(0, len(items), bs):
             chunk = items[start:start + bs]
-            samples = generate(engine, chunk, params, group_offset=start)
+            samples = generate(engine, chunk, params, group_offset=start, tp_size=tp_size)
             scores, _ = scorer(samples)
             for s, v in zip(samples, scores.tolist()):
                 totals[s.data_source].append(float(v >= 0.5) if name == "test_score" else v)

@@ -3,8 +3,8 @@
 Continuous batching over a preallocated slot KV cache (`SlotKVCache`): up to ``max_num_seqs``
 sequences decode together; a finished sequence frees its slot at once and the next waiting
 (prompt, sample) is prefilled into it. The n samples of a prompt admitted together share one
-prefill. Sampling noise is a function of (seed, prompt index, sample index, token position)
-only (`megarl.rollout.sampling`), so outputs do not depend on ``max_num_seqs`` or on the order
+prefill. Sampling noise is a function of (seed, prompt key, sample index, token position)
+only (the key is the prompt's index unless ``prompt_keys`` are given) (`megarl.rollout.sampling`), so outputs do not depend on ``max_num_seqs`` or on the order
 sequences happen to be scheduled in: continuous batching equals one-by-one generation, for
 greedy and seeded sampling alike (up to float reassociation in batched matmuls).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,17 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class _Seq:
     """One (prompt, sample) being generated."""
 
-    __slots__ = ("req", "sample", "prompt", "max_new", "tokens", "logprobs", "finish", "key")
+    __slots__ = ("req", "sample", "prompt", "max_new", "prompt_key", "tokens", "logprobs",
+                 "finish", "key")
 
-    def __init__(self, req: int, sample: int, prompt: list[int], max_new: int) -> None:
+    def __init__(self, req: int, sample: int, prompt: list[int], max_new: int,
+                 prompt_key: int) -> None:
         self.req, self.sample, self.prompt, self.max_new = req, sample, prompt, max_new
+        self.prompt_key = prompt_key  # the request number of the sampling noise
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.finish: str | None = None
-        self.key = 0  # noise_key(seed, req, sample), set by the run
+        self.key = 0  # noise_key(seed, prompt_key, sample), set by the run
 
     @property
     def cached(self) -> int:
@@ -178,11 +181,16 @@ class TorchRolloutEngine:
 
     # ------------------------------------------------------------------------- protocol
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        prompt_keys: Sequence[int] | None = None,
+    ) -> list[Completion]:
         """``sampling.n`` completions per prompt, prompt-major (see RolloutEngine)."""
         vocab = self.model.args.vocab_size
         check_sampling_params(sampling, vocab)
-        seqs = self._make_seqs(prompts, sampling)
+        seqs = self._make_seqs(prompts, sampling, prompt_keys)
         if not seqs:
             return []
         if self._asleep:
@@ -246,10 +254,21 @@ class TorchRolloutEngine:
             self._offloaded = False
         self._asleep = False
 
+    @property
+    def asleep(self) -> bool:
+        """Between sleep() and the next wake() or generate()."""
+        return self._asleep
+
     # ------------------------------------------------------------------------- internals
 
-    def _make_seqs(self, prompts: list[list[int]], sampling: SamplingParams) -> list[_Seq]:
+    def _make_seqs(
+        self, prompts: list[list[int]], sampling: SamplingParams,
+        prompt_keys: Sequence[int] | None,
+    ) -> list[_Seq]:
         vocab = self.model.args.vocab_size
+        if prompt_keys is not None and len(prompt_keys) != len(prompts):
+            raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {len(prompts)} "
+                             "prompts; give one key per prompt")
         seqs = []
         for i, prompt in enumerate(prompts):
             prompt = [int(t) for t in prompt]
@@ -263,7 +282,8 @@ class TorchRolloutEngine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
             max_new = min(sampling.max_new_tokens, self.max_model_len - len(prompt))
-            seqs.extend(_Seq(i, s, prompt, max_new) for s in range(sampling.n))
+            key = i if prompt_keys is None else int(prompt_keys[i])
+            seqs.extend(_Seq(i, s, prompt, max_new, key) for s in range(sampling.n))
         return seqs
 
     def _get_cache(self, slots: int, max_len: int) -> SlotKVCache:
@@ -313,7 +333,7 @@ class _Run:
         self.cache = engine._get_cache(self.slots, max_len)
         self.device = engine.device
         for s in seqs:
-            s.key = noise_key(seed, s.req, s.sample)
+            s.key = noise_key(seed, s.prompt_key, s.sample)
 
     def loop(self) -> None:
         pending = deque(range(len(self.seqs)))
@@ -448,15 +468,10 @@ def _load_tokenizer(path: str) -> Any:
 
 def _cache_budget(device: torch.device, fraction: float) -> int:
     """fraction x the memory free on ``device`` now, in bytes."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return int(fraction * (total - torch.cuda.memory_allocated(device)))
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(fraction * int(info["MemAvailable"].split()[0]) * 1024)
-    except (OSError, KeyError, ValueError):
-        return int(fraction * 8 * 2**30)
+    from megarl.rollout.memory import device_memory
+
+    free, _ = device_memory(device)
+    return int(fraction * free)
 
 
 def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

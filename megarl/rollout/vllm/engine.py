@@ -1,17 +1,21 @@
-"""`VLLMEngine`: vLLM's offline ``LLM`` colocated with the trainer, behind RolloutEngine.
+"""`VLLMEngine`: vLLM's offline ``LLM`` in the training process, behind RolloutEngine.
 
-- built from the actor's HF folder with ``enable_sleep_mode=True`` and
-  ``logprobs_mode="processed_logprobs"`` (logprobs after temperature / top-k / top-p, the
-  distribution actually sampled from: the RolloutEngine contract; vLLM's default would be the
-  raw model distribution);
-- ``sleep()`` = ``llm.sleep(level=1)`` (weights offloaded to CPU, KV cache dropped), ``wake()``
-  = ``llm.wake_up()``; an `update_weights` while asleep first wakes the weights only
-  (``wake_up(tags=["weights"])``) and `wake` then restores the KV cache;
-- `update_weights` streams buckets (`megarl.rollout.reshard`) into every worker through
-  ``llm.collective_rpc("megarl_load_weights", args=(bucket,))`` (a method of
-  `megarl.rollout.vllm.worker.MegarlWorkerExtension`, which calls the model's own
-  ``load_weights``), then ``megarl_finish_weights`` and ``llm.reset_prefix_cache()``;
-- each prompt gets its own seed derived from SamplingParams.seed (vLLM seeds per request).
+- built from the actor's HF folder with ``logprobs_mode="processed_logprobs"`` (the logprob of
+  each sampled token after temperature / top-k / top-p, the distribution actually sampled from:
+  the RolloutEngine contract; vLLM's default is the raw model distribution);
+- each prompt's requests are seeded from (SamplingParams.seed, its prompt key); vLLM gives the
+  n samples of a request seeds ``seed + sample index``;
+- `update_weights` hands the (HF name, full tensor) stream to every worker's
+  ``reload_weights(weights_iterator=...)`` (vLLM's in-place reload: its own ``load_weights``
+  shards each tensor for the engine's TP rank and fuses q/k/v into ``qkv_proj`` and gate/up
+  into ``gate_up_proj``; the layer is then re-processed, e.g. re-packed for the CPU GEMM
+  kernels), then drops the prefix cache. The engine runs in this process, so the stream is
+  consumed lazily: one full tensor beyond the engine's own weights at a time;
+- ``sleep()`` = ``llm.sleep(level=2)``: weights and KV cache freed (the weights are always
+  replaced by the next update, so level 1's host copy would be wasted); an `update_weights`
+  while asleep first wakes the weights (``wake_up(tags=["weights"])``) and `wake` then the KV
+  cache. Where vLLM has no sleep mode (its CPU build), sleep / wake keep the engine resident
+  and say so once.
 
 Logprobs are parsed from vLLM's per-position ``{token_id: Logprob}`` dicts (``logprobs=0``:
 the sampled token only; ``flat_logprobs`` must stay off).
@@ -19,8 +23,9 @@ the sampled token only; ``flat_logprobs`` must stay off).
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,13 +33,15 @@ import torch
 from megarl.rollout._adapter import (
     DTYPE_NAMES,
     as_buckets,
+    check_engine_version,
     check_finish,
     derived_seed,
     missing_engine,
 )
 from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.vllm import launch
 
-WORKER_EXTENSION = "megarl.rollout.vllm.worker.MegarlWorkerExtension"
+log = logging.getLogger(__name__)
 
 
 def to_vllm_kwargs(sampling: SamplingParams, seed: int | None = None) -> dict[str, Any]:
@@ -43,7 +50,7 @@ def to_vllm_kwargs(sampling: SamplingParams, seed: int | None = None) -> dict[st
     return {
         "n": sampling.n,
         "temperature": 0.0 if greedy else float(sampling.temperature),
-        "top_k": -1 if greedy or sampling.top_k <= 0 else int(sampling.top_k),
+        "top_k": 0 if greedy or sampling.top_k <= 0 else int(sampling.top_k),  # 0: off
         "top_p": 1.0 if greedy else float(sampling.top_p),
         "max_tokens": int(sampling.max_new_tokens),
         "stop": list(sampling.stop) or None,
@@ -69,24 +76,29 @@ def parse_vllm_outputs(outputs: list[Any], want_logprobs: bool) -> list[Completi
                         f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob "
                         f"entries for {len(ids)} tokens (prompt {i}); was logprobs=0 passed?"
                     )
-                lps = torch.tensor([_logprob(step, t) for step, t in zip(c.logprobs, ids)],
+                lps = torch.tensor([float(step[t].logprob) for step, t in zip(c.logprobs, ids)],
                                    dtype=torch.float32)
             result.append(Completion(i, ids, lps, check_finish(c.finish_reason, "vLLM")))
     return result
 
 
-def _logprob(step: Any, token: int) -> float:
-    entry = step[token]
-    return float(getattr(entry, "logprob", entry))
+def flat_weights(weights: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from a flat stream or from the buckets of `megarl.rollout.reshard`,
+    releasing each pair once it has been handed on."""
+    for bucket in as_buckets(weights, bucket_bytes=1 << 62):
+        bucket.reverse()
+        while bucket:
+            yield bucket.pop()
 
 
 class VLLMEngine:
-    """RolloutEngine on vLLM (GPU). ``llm`` / ``sampling_params_cls`` may be given instead of
-    building them (tests use recording fakes; an integrator may pass its own ``vllm.LLM``).
+    """RolloutEngine on vLLM. ``llm`` may be given instead of building one (an ``vllm.LLM``
+    running in this process; integrators may pass their own).
 
-    model_path: the actor's HF folder. bucket_bytes: weight-update bucket size.
-    engine_kwargs: more ``vllm.LLM`` arguments (dtype, tensor_parallel_size,
-    gpu_memory_utilization, max_num_seqs, max_model_len, seed, ...).
+    model_path:    the actor's HF folder; tokenizer: its tokenizer folder (default the same).
+    sleep_mode:    free memory on sleep(); None = where vLLM supports it.
+    engine_kwargs: more ``vllm.LLM`` arguments (dtype, tensor_parallel_size, max_num_seqs,
+                   max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, seed, ...).
     """
 
     def __init__(
@@ -94,108 +106,162 @@ class VLLMEngine:
         model_path: str | None = None,
         *,
         tokenizer: str | None = None,
-        bucket_bytes: int = 512 * 2**20,
         llm: Any = None,
-        sampling_params_cls: Any = None,
+        sleep_mode: bool | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        if llm is None or sampling_params_cls is None:
-            try:
-                import vllm
-            except ImportError as e:
-                raise missing_engine("vllm", "vllm") from e
-            sampling_params_cls = sampling_params_cls or vllm.SamplingParams
-            if llm is None:
-                if model_path is None:
-                    raise ValueError("VLLMEngine needs model_path (the actor's HF folder)")
-                kwargs = {
-                    "enable_sleep_mode": True,
-                    "logprobs_mode": "processed_logprobs",
-                    "worker_extension_cls": WORKER_EXTENSION,
-                    **engine_kwargs,
-                }
-                llm = vllm.LLM(model=str(model_path), tokenizer=tokenizer or str(model_path),
-                               **kwargs)
+        vllm = import_vllm()
+        self.sampling_params_cls = vllm.SamplingParams
+        supported = launch.sleep_supported()
+        if sleep_mode and not supported:
+            log.warning("vLLM on %s has no sleep mode: the engine keeps its weights and KV "
+                        "cache while the trainer updates", launch.vllm_platform().device_name)
+        self.sleep_mode = supported if sleep_mode is None else bool(sleep_mode and supported)
+        if llm is None:
+            if model_path is None:
+                raise ValueError("VLLMEngine needs model_path (the actor's HF folder)")
+            llm = _build_llm(vllm, str(model_path), tokenizer or str(model_path), {
+                "logprobs_mode": "processed_logprobs",
+                "enable_sleep_mode": self.sleep_mode,
+                **engine_kwargs,
+            })
         self.llm = llm
-        self.sampling_params_cls = sampling_params_cls
-        self.bucket_bytes = int(bucket_bytes)
-        self.tokenizer = None
         self._asleep = False
-        self._weights_awake = False
+        self._weights_awake = True
+        self._weights_loaded = True  # False between a level-2 sleep and the next update
+        self._told_no_sleep = False
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str, **overrides: Any) -> VLLMEngine:
-        """Reads actor_rollout_ref.model.{dtype, tokenizer_path}, actor_rollout_ref.rollout.
-        {tensor_model_parallel_size, gpu_memory_utilization, max_num_seqs, seed,
-        update_weights_bucket_megabytes}, data.{max_prompt_length, max_response_length},
-        trainer.seed. Under torchrun each rank hosts its own engine in-process (vLLM's
-        ``external_launcher`` executor), so weight buckets pass by reference."""
-        import importlib.util
+        """The engine of a run, built before the training backends take their memory. Reads
+        actor_rollout_ref.model.{dtype, tokenizer_path, trust_remote_code}, actor_rollout_ref.
+        rollout.{tensor_model_parallel_size, gpu_memory_utilization, max_num_seqs,
+        max_num_batched_tokens, enable_chunked_prefill, enforce_eager, free_cache_engine, seed},
+        data.{max_prompt_length, max_response_length} and trainer.{seed, device}; see
+        `megarl.rollout.vllm.launch` for the process model and memory sizing."""
+        from megarl.data.rows import resolve_path
+        from megarl.models import read_hf_config
+        from megarl.utils.dist import resolve_device
 
-        import torch.distributed as dist
-
-        from megarl.rollout.reshard import bucket_bytes_from_config
-
-        if importlib.util.find_spec("vllm") is None:
-            raise missing_engine("vllm", "vllm")
-
+        import_vllm()
         arr, ro = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
-        seed = ro.seed if ro.seed is not None else cfg.trainer.seed
+        path = resolve_path(model_path)
+        max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+        dtype = DTYPE_NAMES[arr.model.dtype]
+        memory, note = launch.memory_kwargs(
+            ro.gpu_memory_utilization, resolve_device(cfg.trainer.device), read_hf_config(path),
+            getattr(torch, dtype), ro.max_num_seqs, max_model_len, ro.tensor_model_parallel_size)
+        log.info(note)
         kwargs: dict[str, Any] = {
-            "dtype": DTYPE_NAMES[arr.model.dtype],
+            "dtype": dtype,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
-            "gpu_memory_utilization": ro.gpu_memory_utilization,
+            "distributed_executor_backend": launch.executor_backend(
+                ro.tensor_model_parallel_size),
             "max_num_seqs": ro.max_num_seqs,
-            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
-            "seed": seed,
+            "max_model_len": max_model_len,
+            "max_num_batched_tokens": ro.max_num_batched_tokens,
+            "enable_chunked_prefill": ro.enable_chunked_prefill,
+            "enforce_eager": ro.enforce_eager,
+            "seed": ro.seed if ro.seed is not None else cfg.trainer.seed,
             "trust_remote_code": arr.model.trust_remote_code,
+            **memory,
+            **overrides,
         }
-        if dist.is_available() and dist.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        else:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        kwargs.update(overrides)
-        return cls(model_path, tokenizer=arr.model.tokenizer_path,
-                   bucket_bytes=bucket_bytes_from_config(cfg), **kwargs)
+        tokenizer = arr.model.tokenizer_path
+        return cls(path, tokenizer=resolve_path(tokenizer) if tokenizer else None,
+                   sleep_mode=ro.free_cache_engine, **kwargs)
 
     # ------------------------------------------------------------------------- protocol
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        prompt_keys: Sequence[int] | None = None,
+    ) -> list[Completion]:
         if not prompts:
             return []
+        if prompt_keys is not None and len(prompt_keys) != len(prompts):
+            raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {len(prompts)} "
+                             "prompts; give one key per prompt")
         if self._asleep:
             self.wake()
+        keys = range(len(prompts)) if prompt_keys is None else prompt_keys
         params = [
-            self.sampling_params_cls(
-                **to_vllm_kwargs(sampling, None if sampling.seed is None
-                                 else derived_seed(sampling.seed, i))
-            )
-            for i in range(len(prompts))
+            self.sampling_params_cls(**to_vllm_kwargs(
+                sampling, None if sampling.seed is None else derived_seed(sampling.seed, k)))
+            for k in keys
         ]
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         return parse_vllm_outputs(outputs, sampling.logprobs)
 
     def update_weights(self, weights: Iterable[Any]) -> None:
-        """Stream buckets (or a flat (name, tensor) stream, bucketed here) into the workers."""
+        """Load a (HF name, full tensor) stream, flat or in buckets, into every worker."""
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        for bucket in as_buckets(weights, self.bucket_bytes):
-            self.llm.collective_rpc("megarl_load_weights", args=(bucket,))
-            del bucket
-        self.llm.collective_rpc("megarl_finish_weights")
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": flat_weights(weights)})
         self.llm.reset_prefix_cache()
+        self._weights_loaded = True
 
     def sleep(self) -> None:
+        """Free weights and KV cache (level 2) until the next update and `wake`."""
+        if not self.sleep_mode:
+            if not self._told_no_sleep:
+                log.info("vLLM engine: sleep mode is off or unsupported here; it stays resident")
+                self._told_no_sleep = True
+            return
         if not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._asleep, self._weights_awake = True, False
+            self._weights_loaded = False
 
     def wake(self) -> None:
-        if self._asleep:
-            if self._weights_awake:
-                self.llm.wake_up(tags=["kv_cache"])
-            else:
-                self.llm.wake_up()
-            self._asleep, self._weights_awake = False, False
+        """Bring the KV cache back after `update_weights` refilled the weights."""
+        if not self._asleep:
+            return
+        if not self._weights_loaded:
+            raise RuntimeError(
+                "VLLMEngine.wake() after sleep() without update_weights(): a level-2 sleep "
+                "discarded the weights; load them first (the trainer syncs every step)"
+            )
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def close(self) -> None:
+        """Shut the engine down now, not at interpreter exit. vLLM's teardown also destroys
+        torch's default process group (it took it as its world): call this after the last
+        collective of the run."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+
+def import_vllm() -> Any:
+    """The installed vllm module, checked against `launch.SUPPORTED_VLLM`."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise missing_engine("vllm", "vllm") from e
+    check_engine_version("vllm", vllm.__version__, launch.SUPPORTED_VLLM, "vllm")
+    return vllm
+
+
+def _build_llm(vllm: Any, model: str, tokenizer: str, kwargs: dict[str, Any]) -> Any:
+    """``vllm.LLM`` in this process. vLLM's CPU worker replaces ``torch.set_num_threads`` with a
+    no-op for the whole process (its threads are pinned in a worker process of its own in
+    vLLM's serving mode); here the trainer shares the process, so it is put back."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    set_num_threads = torch.set_num_threads
+    threads = torch.get_num_threads()
+    try:
+        return vllm.LLM(model=model, tokenizer=tokenizer, **kwargs)
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
