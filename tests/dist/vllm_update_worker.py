@@ -1,0 +1,155 @@
+"""Worker of tests/rollout/test_vllm_update_dist.py: a real vLLM engine on every rank, updated
+from the weight stream of a trained backend layout, checked against transformers.
+
+    torchrun --standalone --nproc_per_node=2 tests/dist/vllm_update_worker.py \
+        BACKEND LAYOUT ENGINE_TP MODEL_DIR OUT_JSON
+
+BACKEND torch | megatron; LAYOUT tp2 | pp2 | fsdp (torch: FSDP2 over both ranks); ENGINE_TP 1
+(one engine per rank) or 2 (one engine over both ranks). As the trainer does, the engine is
+built first, then the backend; one optimizer step with a large LR moves the weights away from
+the folder, and `VLLMEngine.update_weights(backend.export_weights())` loads them (vLLM fuses
+q/k/v and gate/up itself and skips a tied lm_head).
+
+Rank 0 writes, from its engine's outputs on the updated weights:
+- ``greedy_equal``: greedy tokens equal transformers' float64 greedy decoding of the exported
+  weights (``min_gap``: the smallest top-1 / top-2 logit gap along the way, so a near tie is
+  visible), ``greedy_lp_err``: |vLLM logprob - float64 log_softmax| of those tokens;
+- ``sampled_lp_err``: the same for tokens sampled at T = 0.8 (vLLM's processed logprobs),
+  ``trainer_lp_err``: vLLM vs the backend's own recomputation (`logprob_diff_metrics`);
+- ``changed``: how far the step moved the float64 logprobs (so the update is not a no-op);
+- ``tokens``: every rank's sampled tokens (the ranks of one engine must agree).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megarl.rollout.consistency import (  # noqa: E402
+    METRIC_MAX,
+    completions_to_batch,
+    logprob_diff_metrics,
+)
+from megarl.rollout.protocol import SamplingParams  # noqa: E402
+from rollout_reshard_worker import make_batch, pg_loss  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 14], [1, 30, 31], [1, 77, 78, 79, 80, 81], [1, 40]]
+NEW = 8
+
+
+def build_backend(backend: str, layout: str, path: str):
+    kw = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "fsdp": {}}[layout]
+    if backend == "torch":
+        from megarl.backends.torch import TorchBackend
+
+        return TorchBackend("actor", path, lr=5e-2, grad_clip=None, weight_decay=0.0,
+                            device="cpu", **kw)
+    from megarl.backends.megatron import MegatronBackend
+
+    return MegatronBackend("actor", path, optim_config={"lr": 5e-2, "grad_clip": 0.0,
+                                                        "weight_decay": 0.0}, **kw)
+
+
+def hf_float64(state: dict[str, torch.Tensor], path: str):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    model.load_state_dict({k: v.double() for k, v in state.items()}, strict=False)
+    model.tie_weights()
+    return model
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float], float]:
+    """Float64 greedy tokens, their logprobs, and the smallest top-1 / top-2 gap."""
+    ids, lps, gap = list(prompt), [], float("inf")
+    for _ in range(NEW):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        gap = min(gap, float(top[0] - top[1]))
+        tok = int(logits.argmax())
+        lps.append(float(torch.log_softmax(logits, -1)[tok]))
+        ids.append(tok)
+    return ids[len(prompt):], lps, gap
+
+
+@torch.no_grad()
+def sequence_logprobs(model, prompt: list[int], tokens: list[int], temperature: float):
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    lp = torch.log_softmax(logits / temperature, -1)
+    return lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def main() -> None:
+    backend_name, layout, engine_tp, model_dir, out = sys.argv[1:6]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from megarl.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(model_dir, dtype="float32", tensor_parallel_size=int(engine_tp),
+                        distributed_executor_backend="external_launcher", max_num_seqs=8,
+                        max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
+                        enforce_eager=True, seed=0)
+    be = build_backend(backend_name, layout, model_dir)
+    batch = make_batch()
+    n = float(batch.response_mask.sum())
+    be.train_step([batch.select(slice(0, 2)), batch.select(slice(2, 4))],
+                  lambda o, mb: pg_loss(o, mb, n))
+
+    state = {}
+    for name, t in be.export_weights():
+        state[name] = t.clone()
+    engine.update_weights(be.export_weights())
+
+    greedy = engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=NEW,
+                                                     ignore_eos=True))
+    sp = SamplingParams(n=2, temperature=0.8, max_new_tokens=NEW, seed=3, ignore_eos=True)
+    sampled = engine.generate(PROMPTS, sp)
+    cb, engine_lp = completions_to_batch(PROMPTS, sampled)
+    old, _ = be.logprobs(cb, temperature=0.8)
+    trainer_err = logprob_diff_metrics(engine_lp, old.float(), cb.response_mask)[METRIC_MAX]
+    tokens = [c.token_ids for c in sampled]
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, tokens)
+    if dist.get_rank() == 0:
+        ref = hf_float64(state, model_dir)
+        res = {"greedy_equal": True, "min_gap": float("inf"), "greedy_lp_err": 0.0,
+               "sampled_lp_err": 0.0, "trainer_lp_err": trainer_err, "tokens": every_rank}
+        for prompt, c in zip(PROMPTS, greedy):
+            toks, lps, gap = greedy_reference(ref, prompt)
+            res["greedy_equal"] &= c.token_ids == toks
+            res["min_gap"] = min(res["min_gap"], gap)
+            res["greedy_lp_err"] = max(res["greedy_lp_err"], float(
+                (c.logprobs.double() - torch.tensor(lps, dtype=torch.float64)).abs().max()))
+        for c in sampled:
+            ref_lp = sequence_logprobs(ref, PROMPTS[c.prompt_index], c.token_ids, 0.8)
+            res["sampled_lp_err"] = max(res["sampled_lp_err"],
+                                        float((c.logprobs.double() - ref_lp).abs().max()))
+        untrained = hf_float64(_folder_state(model_dir), model_dir)
+        c = sampled[0]
+        res["changed"] = float((sequence_logprobs(ref, PROMPTS[0], c.token_ids, 0.8)
+                                - sequence_logprobs(untrained, PROMPTS[0], c.token_ids, 0.8))
+                               .abs().max())
+        Path(out).write_text(json.dumps(res))
+    dist.barrier()
+    engine.close()  # vLLM's teardown also destroys the default process group
+
+
+def _folder_state(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+if __name__ == "__main__":
+    main()
