@@ -15,19 +15,22 @@ weight stream without loading it (reading it keeps their collectives in step). A
 within one node, and every rank must see all of its node's GPUs (torchrun's default).
 
 Seeds: SGLang honours a request's ``sampling_seed`` only when the engine runs with
-``enable_deterministic_inference=True`` (which also switches the sampler to its pytorch
-backend and the kernels to batch-invariant ones: slower, but reproducible). The engine is
-started with it unless told otherwise; without it, seeds are ignored and said so once. The n
+``enable_deterministic_inference=True``. That mode also forces SGLang's pytorch sampling
+backend (its flashinfer sampler takes no seeds), batch-invariant kernels and an attention
+backend among fa3 / flashinfer / triton (SGLang picks one by GPU; pass ``attention_backend`` to
+choose): slower, but reproducible. The engine is started with it unless
+``enable_deterministic_inference=False`` is passed; then seeds are ignored, said so once. The n
 samples of a prompt are n requests (prompt-major), request (key, s) seeded with
 ``derived_seed(sampling.seed, key, s)``: the noise is a function of (seed, prompt key, sample
 index) only. With deterministic inference and no seed, SGLang would give every request the same
 default seed, so a fresh random seed is drawn for the call.
 
 Memory (``enable_memory_saver=True``): ``sleep()`` releases the tags ``weights``, ``kv_cache``
-and ``cuda_graph``. Released weights are not backed up, so after a sleep only `update_weights`
-may come next: it resumes the weights, loads the stream and flushes the prefix cache; `wake()`
-(or a `generate`) then resumes the KV cache and the CUDA graphs. `wake()` or `generate()` after
-a sleep without a weight update raises RuntimeError (the engine would run on freed memory).
+and ``cuda_graph``. Released weights are not backed up (SGLang's ``enable_weights_cpu_backup``
+stays off), so after a sleep only `update_weights` may come next: it resumes the weights, loads
+the stream and flushes the prefix cache; `wake()` (or a `generate`) then resumes the KV cache
+and the CUDA graphs. `wake()` or `generate()` after a sleep without a weight update raises
+RuntimeError (the engine would run on discarded weights).
 
 Weights are streamed in buckets (`megarl.rollout.reshard`) through
 ``update_weights_from_tensor(named_tensors=bucket, flush_cache=False)``, then one
