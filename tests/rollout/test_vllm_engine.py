@@ -327,3 +327,18 @@ def test_out_of_range_vllm_is_refused(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.31.1")
     with pytest.raises(ImportError, match=r"vllm 0.31.1 is installed.*vllm>=0.32,<0.33"):
         import_vllm()
+
+
+def test_seeded_batch_larger_than_the_token_budget(folders, engines):
+    """32 seeded sequences of 58-token prompts against a 128-token step budget: vLLM 0.32's CPU
+    build died here ("CPU Generator does not use offset") when a chunked prefill discarded a
+    seeded sample; the adapter prefills whole prompts on CPU. Each prompt's samples equal
+    those it gets alone (its seeds follow its key, not the batch)."""
+    engine = engines(folders["qwen3"], max_num_batched_tokens=128, max_model_len=128)
+    prompts = prompts_of([58] * 8, seed=12)
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=1, ignore_eos=True)
+    together = [c.token_ids for c in engine.generate(prompts, sp)]
+    assert len(together) == 32
+    alone = [c.token_ids for k in (0, 5) for c in engine.generate([prompts[k]], sp,
+                                                                  prompt_keys=[k])]
+    assert alone == together[0:4] + together[20:24]

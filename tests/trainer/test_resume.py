@@ -31,12 +31,13 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train_killed_after_checkpoint(run_dir: Path, step: int, config: str) -> None:
+def _train_killed_after_checkpoint(run_dir: Path, step: int, config: str,
+                                  extra: list[str]) -> None:
     """Start the 6-step run and SIGKILL the whole torchrun group once checkpoint ``step`` is
     complete (the run is then somewhere in the following steps)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "launch/train.py", "--config", config, f"trainer.default_local_dir={run_dir}",
-           *FAST, *COMMON]
+           *FAST, *COMMON, *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     marker = run_dir / "checkpoints" / f"global_step_{step}" / "COMPLETE"
@@ -51,13 +52,22 @@ def _train_killed_after_checkpoint(run_dir: Path, step: int, config: str) -> Non
         proc.wait()
 
 
-@pytest.mark.parametrize("config", ["grpo", "pure_prm_vr"])
-def test_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets, config):
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"]
+
+
+@pytest.mark.parametrize("config,extra", [
+    pytest.param("grpo", [], id="grpo"),
+    pytest.param("pure_prm_vr", [], id="pure_prm_vr"),
+    # vLLM rollouts: the resumed engine is rebuilt from the folder and synced from the
+    # checkpoint; seeded per prompt, its samples repeat bit for bit
+    pytest.param("grpo", VLLM, id="grpo-vllm", marks=pytest.mark.vllm),
+])
+def test_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets, config, extra):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(straight, config, *COMMON, nproc=2)
-    _train_killed_after_checkpoint(resumed, 3, config)
+    train(straight, config, *COMMON, *extra, nproc=2)
+    _train_killed_after_checkpoint(resumed, 3, config, extra)
     assert CheckpointManager(resumed / "checkpoints").complete_steps()[-1] >= 3
-    train(resumed, config, *COMMON, "trainer.resume=auto", nproc=2)
+    train(resumed, config, *COMMON, *extra, "trainer.resume=auto", nproc=2)
 
     a, b = train_rows(straight), train_rows(resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in b]

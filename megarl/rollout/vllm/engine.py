@@ -120,6 +120,10 @@ class VLLMEngine:
         if llm is None:
             if model_path is None:
                 raise ValueError("VLLMEngine needs model_path (the actor's HF folder)")
+            engine_kwargs, note = launch.scheduler_kwargs(engine_kwargs,
+                                                          launch.vllm_platform().is_cpu())
+            if note:
+                log.info(note)
             llm = _build_llm(vllm, str(model_path), tokenizer or str(model_path), {
                 "logprobs_mode": "processed_logprobs",
                 "enable_sleep_mode": self.sleep_mode,

@@ -107,3 +107,22 @@ def vllm_platform() -> Any:
 def sleep_supported() -> bool:
     """Whether this vLLM build can free its memory on sleep (CUDA / ROCm / XPU, not CPU)."""
     return bool(vllm_platform().is_sleep_mode_available())
+
+
+def scheduler_kwargs(kwargs: dict[str, Any], on_cpu: bool) -> tuple[dict[str, Any], str | None]:
+    """``vllm.LLM`` arguments with what vLLM's CPU build needs to serve seeded requests, and a
+    line saying what changed (None: nothing).
+
+    vLLM 0.32 rewinds a seeded request's generator when the tokens it sampled are discarded,
+    as after a partial (chunked) prefill; a CPU generator cannot be rewound, so the step dies
+    with "CPU Generator does not use offset" (gpu_model_runner._bookkeeping_sync). The trainer
+    always seeds, so on CPU prefills are not chunked: each prompt is prefilled whole, which
+    needs max_num_batched_tokens >= max_model_len."""
+    if not on_cpu or kwargs.get("enable_chunked_prefill") is False:
+        return kwargs, None
+    out = {**kwargs, "enable_chunked_prefill": False}
+    budget, model_len = out.get("max_num_batched_tokens"), out.get("max_model_len")
+    if budget is not None and model_len is not None and budget < model_len:
+        out["max_num_batched_tokens"] = model_len
+    return out, ("vLLM engine (CPU): chunked prefill off (a seeded request cannot be rewound on "
+                 "a CPU generator after a partial prefill)")
