@@ -319,6 +319,27 @@ def test_from_config_starts_with_a_tight_memory_share(demo_assets, engines):
         engine.close()
 
 
+PLAIN_VLLM = """
+import sys, vllm
+vllm.LLM(model=sys.argv[1], dtype="float32", gpu_memory_utilization=0.01, max_model_len=128,
+         max_num_seqs=16, enforce_eager=True)
+"""
+
+
+def test_vllm_alone_refuses_the_same_tight_share(demo_assets):
+    """The counterpart of the test above: vLLM sized by gpu_memory_utilization=0.01 itself
+    (what the adapter passed before) refuses to start in a process that holds torch."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", PLAIN_VLLM, str(demo_assets["policy"])],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "less than requested memory" in proc.stderr or "memory utilization" in proc.stderr
+
+
 def test_out_of_range_vllm_is_refused(monkeypatch):
     import vllm
 
