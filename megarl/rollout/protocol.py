@@ -76,3 +76,14 @@ class RolloutEngine(Protocol):
         """Free the engine's memory (weights / KV cache) while training runs (colocated)."""
 
     def wake(self) -> None: ...
+
+
+def resolve_prompt_keys(prompt_keys: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """The prompt keys of a `RolloutEngine.generate` call: one int per prompt, by default the
+    prompt's position."""
+    if prompt_keys is None:
+        return list(range(num_prompts))
+    if len(prompt_keys) != num_prompts:
+        raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {num_prompts} "
+                         "prompts; give one key per prompt")
+    return [int(k) for k in prompt_keys]

@@ -37,23 +37,10 @@ from megarl.rollout.consistency import (  # noqa: E402
     logprob_diff_metrics,
 )
 from megarl.rollout.protocol import SamplingParams  # noqa: E402
-from rollout_reshard_worker import make_batch, pg_loss  # noqa: E402
+from rollout_reshard_worker import build, make_batch, pg_loss  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 14], [1, 30, 31], [1, 77, 78, 79, 80, 81], [1, 40]]
 NEW = 8
-
-
-def build_backend(backend: str, layout: str, path: str):
-    kw = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "fsdp": {}}[layout]
-    if backend == "torch":
-        from megarl.backends.torch import TorchBackend
-
-        return TorchBackend("actor", path, lr=5e-2, grad_clip=None, weight_decay=0.0,
-                            device="cpu", **kw)
-    from megarl.backends.megatron import MegatronBackend
-
-    return MegatronBackend("actor", path, optim_config={"lr": 5e-2, "grad_clip": 0.0,
-                                                        "weight_decay": 0.0}, **kw)
 
 
 def hf_float64(state: dict[str, torch.Tensor], path: str):
@@ -97,7 +84,7 @@ def main() -> None:
                         distributed_executor_backend="external_launcher", max_num_seqs=8,
                         max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
                         enforce_eager=True, seed=0)
-    be = build_backend(backend_name, layout, model_dir)
+    be = build(backend_name, {"fsdp": "one"}.get(layout, layout), model_dir)  # one: FSDP2
     batch = make_batch()
     n = float(batch.response_mask.sum())
     be.train_step([batch.select(slice(0, 2)), batch.select(slice(2, 4))],

@@ -55,3 +55,17 @@ def target_distribution(logits, temperature: float, top_k: int = -1, top_p: floa
     keep[order[:kk][sel]] = True
     q = np.where(keep, p, 0.0)
     return q / q.sum()
+
+
+def assert_first_tokens_follow(completions, target, atol: float) -> None:
+    """The first tokens of ``completions`` (one prompt's samples) follow the float64 ``target``
+    distribution: none outside its support, chi-square p > 1e-3, and each reported logprob is
+    log(target probability) within ``atol``."""
+    import numpy as np
+
+    tokens = np.array([c.token_ids[0] for c in completions])
+    counts = np.bincount(tokens, minlength=len(target))
+    assert counts[target == 0].sum() == 0, "sampled a token outside the kept set"
+    assert chi2_pvalue(counts, target) > 1e-3
+    lps = np.array([float(c.logprobs[0]) for c in completions])
+    np.testing.assert_allclose(lps, np.log(target[tokens]), atol=atol)

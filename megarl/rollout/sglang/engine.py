@@ -62,7 +62,7 @@ from megarl.rollout._adapter import (
     derived_seed,
     missing_engine,
 )
-from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
 
 logger = logging.getLogger(__name__)
 
@@ -231,12 +231,9 @@ class SGLangEngine:
     ) -> list[Completion]:
         if not prompts:
             return []
-        if prompt_keys is not None and len(prompt_keys) != len(prompts):
-            raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {len(prompts)} "
-                             "prompts; give one key per prompt")
+        keys = resolve_prompt_keys(prompt_keys, len(prompts))
         self.wake()
         self._warn_once(sampling)
-        keys = range(len(prompts)) if prompt_keys is None else [int(k) for k in prompt_keys]
         n, base = sampling.n, self._base_seed(sampling)
         input_ids = [[int(t) for t in p] for p in prompts for _ in range(n)]
         params = [to_sglang_params(sampling, None if base is None else derived_seed(base, k, s))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from megarl.models import Transformer, load_model, read_hf_config
-from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
 from megarl.rollout.sampling import check_sampling_params, noise_key, sample_next, uniform_at
 from megarl.rollout.torch.kv_cache import SlotKVCache
 from megarl.rollout.torch.stopping import StopStrings
@@ -266,9 +266,7 @@ class TorchRolloutEngine:
         prompt_keys: Sequence[int] | None,
     ) -> list[_Seq]:
         vocab = self.model.args.vocab_size
-        if prompt_keys is not None and len(prompt_keys) != len(prompts):
-            raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {len(prompts)} "
-                             "prompts; give one key per prompt")
+        keys = resolve_prompt_keys(prompt_keys, len(prompts))
         seqs = []
         for i, prompt in enumerate(prompts):
             prompt = [int(t) for t in prompt]
@@ -282,8 +280,7 @@ class TorchRolloutEngine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
             max_new = min(sampling.max_new_tokens, self.max_model_len - len(prompt))
-            key = i if prompt_keys is None else int(prompt_keys[i])
-            seqs.extend(_Seq(i, s, prompt, max_new, key) for s in range(sampling.n))
+            seqs.extend(_Seq(i, s, prompt, max_new, keys[i]) for s in range(sampling.n))
         return seqs
 
     def _get_cache(self, slots: int, max_len: int) -> SlotKVCache:

@@ -38,7 +38,7 @@ from megarl.rollout._adapter import (
     derived_seed,
     missing_engine,
 )
-from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
 from megarl.rollout.vllm import launch
 
 log = logging.getLogger(__name__)
@@ -185,12 +185,9 @@ class VLLMEngine:
     ) -> list[Completion]:
         if not prompts:
             return []
-        if prompt_keys is not None and len(prompt_keys) != len(prompts):
-            raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {len(prompts)} "
-                             "prompts; give one key per prompt")
+        keys = resolve_prompt_keys(prompt_keys, len(prompts))
         if self._asleep:
             self.wake()
-        keys = range(len(prompts)) if prompt_keys is None else prompt_keys
         params = [
             self.sampling_params_cls(**to_vllm_kwargs(
                 sampling, None if sampling.seed is None else derived_seed(sampling.seed, k)))
