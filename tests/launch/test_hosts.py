@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from launch.hosts import LaunchError, expand_nodelist, parse_hosts, read_hostfile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slurm_cluster import SlurmUnavailable, ensure_installed  # noqa: E402
 
 CASES = {
     "node01": ["node01"],
@@ -30,9 +35,12 @@ def test_expand_nodelist(text, hosts):
 
 
 def test_matches_scontrol_show_hostnames(tmp_path):
+    """Against SLURM's own expansion; installs SLURM itself when it can (as test_slurm.py)."""
+    try:
+        ensure_installed()
+    except SlurmUnavailable as e:
+        pytest.skip(f"SLURM unavailable: {e}")
     scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        pytest.skip("scontrol not installed (test_slurm.py installs SLURM when it can)")
     conf = tmp_path / "slurm.conf"  # scontrol needs a config source, not a running controller
     conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nNodeName=n1\nPartitionName=p Nodes=n1\n")
     for text, hosts in CASES.items():

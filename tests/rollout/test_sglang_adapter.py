@@ -6,7 +6,6 @@ checked by test_sglang_contract.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
 import types
@@ -264,7 +263,7 @@ def test_sglang_release_outside_the_supported_range(fake_sglang):
     assert FakeEngineCls.built == []  # refused before any other sglang call
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
-def test_missing_sglang_error():
+def test_missing_sglang_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang raises, installed or not
     with pytest.raises(ImportError, match=r"pip install megarl\[sglang\]"):
         SGLangEngine("/nonexistent")

