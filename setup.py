@@ -51,6 +51,8 @@ setup(
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={
+        # embedded://NAME: the demo assets, built on first use (megarl.data.locations)
+        "megarl.path_schemes": ["embedded = megarl.demo.assets:resolve_uri"],
         "console_scripts": [
             "megarl-convert=conversion.__main__:main",
             "megarl-launch=launch.multinode:main",

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.data.rows import BadRowError, read_rows, resolve_path, validate_row
+from megarl.data.locations import resolve_path
+from megarl.data.rows import BadRowError, read_rows, validate_row
 from megarl.data.tokenizer import render_prompt
 from megarl.errors import UserInputError
 

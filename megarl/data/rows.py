@@ -36,15 +36,6 @@ class BadRowError(UserInputError):
         )
 
 
-def resolve_path(path: str) -> str:
-    """Plain paths pass through; ``embedded://...`` is built/resolved by megarl.demo.assets."""
-    if isinstance(path, str) and path.startswith("embedded://"):
-        from megarl.demo.assets import resolve_uri  # lazy: data/ needs no model unless asked
-
-        return resolve_uri(path)
-    return os.fspath(path)
-
-
 def _file_kind(path: str) -> str:
     lower = path.lower()
     for ext, kind in ((".parquet", "parquet"), (".jsonl", "jsonl"), (".json", "json")):

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from megarl.data.rows import resolve_path
+from megarl.data.locations import resolve_path
 from megarl.errors import UserInputError
 
 logger = logging.getLogger(__name__)

@@ -5,14 +5,9 @@ extra, imported only by `make_reward_pool("ray", ...)`); the managers load torch
 """
 
 from megarl.rewards.extract import extract_boxed
+from megarl.rewards.factory import make_reward_pool
 from megarl.rewards.overlong import overlong_penalty
-from megarl.rewards.pool import (
-    RewardFnSpec,
-    RewardPool,
-    RewardRequest,
-    RewardResult,
-    make_reward_pool,
-)
+from megarl.rewards.pool import RewardFnSpec, RewardPool, RewardRequest, RewardResult
 from megarl.rewards.scoring import (
     compute_score,
     load_custom_reward_fn,

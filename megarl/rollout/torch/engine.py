@@ -159,7 +159,7 @@ class TorchRolloutEngine:
         data.{max_prompt_length, max_response_length} (their sum is max_model_len). The KV
         cache gets at most gpu_memory_utilization x the device's free memory (CUDA: total
         minus allocated; CPU: MemAvailable) when the engine is built."""
-        from megarl.data.rows import resolve_path
+        from megarl.data.locations import resolve_path
 
         arr = cfg.actor_rollout_ref
         dtype_name = arr.model.dtype

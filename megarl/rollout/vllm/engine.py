@@ -143,7 +143,7 @@ class VLLMEngine:
         max_num_batched_tokens, enable_chunked_prefill, enforce_eager, free_cache_engine, seed},
         data.{max_prompt_length, max_response_length} and trainer.{seed, device}; see
         `megarl.rollout.vllm.launch` for the process model and memory sizing."""
-        from megarl.data.rows import resolve_path
+        from megarl.data.locations import resolve_path
         from megarl.models import read_hf_config
         from megarl.utils.dist import resolve_device
 
