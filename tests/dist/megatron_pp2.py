@@ -1,6 +1,7 @@
 """Worker (2 ranks, PP=2): the megatron backend against transformers (float64) with a 1F1B and
 an interleaved (virtual, vpp=2) pipeline, tied embeddings split across stages, a critic on the
-pipeline, and a TP=2 checkpoint loaded at PP=2.
+pipeline, and a TP=2 checkpoint loaded at PP=2 (its logprobs, and the HF weights after the next
+step beside the checkpoint: `mcore_testlib.next_step_path`).
 
 usage: torchrun --standalone --nproc_per_node=2 tests/dist/megatron_pp2.py ROOT RESULTS CKPT
 CKPT: the checkpoint written by megatron_tp2.py (its logprobs after training are in
@@ -49,8 +50,8 @@ def pipeline_checks(res, root, key, **layout):
 
 
 def main():
-    import torch
     import torch.distributed as dist
+    from safetensors.torch import save_file
 
     from megarl.backends.megatron import MegatronBackend
 
@@ -68,16 +69,16 @@ def main():
     del critic
 
     # the TP=2 checkpoint (after one Adam step) loaded at PP=2
-    actor = MegatronBackend("actor", str(lib.zoo_model(root, "qwen2_bias")), pp=2)
+    actor = MegatronBackend("actor", str(lib.zoo_model(root, "qwen2_bias")), pp=2,
+                            optim_config=lib.RESHARD_OPTIM)
     actor.load(str(ckpt))
     res["ckpt.step"] = actor.step
     res["ckpt.logprob"] = actor.logprobs(batch)[0].tolist()
-    # training goes on from the loaded optimizer state
-    n = float(batch.response_mask.sum())
-    metrics = actor.train_step([batch.select(slice(0, 2)), batch.select(slice(2, 4))],
-                               lambda o, mb: lib.pg_loss(o, mb, n))
-    res["ckpt.next_step_finite"] = bool(torch.isfinite(torch.tensor(metrics["grad_norm"])))
+    # training goes on from the loaded optimizer state: the weights after the next step
+    after = lib.reshard_next_step(actor)
     res["ckpt.step_after"] = actor.step
+    if dist.get_rank() == 0:
+        save_file(after, str(lib.next_step_path(ckpt, "pp2")))
 
     if dist.get_rank() == 0:
         lib.write_results(results, res)

@@ -1,6 +1,7 @@
 """Worker (2 ranks, TP=2): the megatron backend against transformers (float64) at tensor
 parallelism 2, with and without sequence parallelism, for every model family and head; then
-saves a trained TP=2 checkpoint for the resharding checks.
+saves a trained TP=2 checkpoint for the resharding checks, and the HF weights after one more
+step at TP=2 (the uninterrupted run) beside it (`mcore_testlib.next_step_path`).
 
 usage: torchrun --standalone --nproc_per_node=2 tests/dist/megatron_tp2.py ROOT RESULTS CKPT
 ROOT holds the zoo models (written by the test beforehand); RESULTS gets a JSON of measured
@@ -23,7 +24,7 @@ def lm_checks(res, root, name, **layout):
 
     path = lib.zoo_model(root, name)
     be = MegatronBackend(
-        "actor", str(path), **layout, optim_config={"lr": 1e-3, "grad_clip": 0.0}
+        "actor", str(path), **layout, optim_config=lib.RESHARD_OPTIM
     )
     hf = lib.hf_model(path)
     batch = lib.make_batch(seed=1)
@@ -60,6 +61,7 @@ def lm_checks(res, root, name, **layout):
 def main():
     import torch
     import torch.distributed as dist
+    from safetensors.torch import save_file
 
     from megarl.backends.megatron import MegatronBackend
 
@@ -74,6 +76,10 @@ def main():
     res["qwen2_bias.step"] = be.step
     res["qwen2_bias.trained_logprob"] = be.logprobs(batch)[0].tolist()
     be.save(str(ckpt))
+    # the uninterrupted run: the next step at TP=2, for the loads at PP=2 and TP=1
+    after = lib.reshard_next_step(be)
+    if dist.get_rank() == 0:
+        save_file(after, str(lib.next_step_path(ckpt, "tp2")))
     del be
 
     # critic: values and gradients of a value loss

@@ -248,3 +248,40 @@ def torch_adamw_reference(path: Path) -> dict[str, torch.Tensor]:
         opt.step()
         sched.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+# ------------------------------------------------- checkpoint resharding: the next Adam step
+
+# AdamW of the resharded TP=2 checkpoint (written by megatron_tp2.py, loaded at PP=2 and TP=1).
+# eps 1e-6 (not 1e-8): Adam divides by sqrt(v) + eps, so with 1e-8 an entry whose gradient is
+# itself ~1e-8 turns fp32 reduction-order noise into an O(lr) weight difference.
+RESHARD_OPTIM = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01, "grad_clip": 0.0}
+
+
+def next_step_path(ckpt: Path, layout: str) -> Path:
+    """Where a worker writes the HF weights after the step that follows loading ``ckpt``."""
+    return Path(ckpt).parent / f"{Path(ckpt).name}_next_step_{layout}.safetensors"
+
+
+def reshard_next_step(be) -> dict[str, torch.Tensor]:
+    """One more train_step (batch seed 5, two micro-batches, pg_loss) on ``be``; returns the
+    full HF-named weights afterwards (collective: every rank gets all of them)."""
+    batch = make_batch(seed=5)
+    n = float(batch.response_mask.sum())
+    be.train_step([batch.select(slice(0, 2)), batch.select(slice(2, 4))],
+                  lambda o, mb: pg_loss(o, mb, n))
+    return {k: v.detach().cpu().contiguous() for k, v in be.export_weights()}
+
+
+@torch.no_grad()
+def zero_adam_moments(be) -> int:
+    """Planted bug for the resharding check: zero every exp_avg / exp_avg_sq in ``be``'s
+    megatron optimizer (the step counters stay). Returns how many tensors were zeroed."""
+    count = 0
+    for sub in getattr(be.optimizer, "chained_optimizers", [be.optimizer]):
+        for state in sub.optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key].zero_()
+                    count += 1
+    return count
