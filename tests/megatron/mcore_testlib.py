@@ -285,3 +285,71 @@ def zero_adam_moments(be) -> int:
                     state[key].zero_()
                     count += 1
     return count
+
+
+# ----------------------------------------- megatron vs torch backend at the same layout
+
+# The AdamW run both backends take in tests/dist/megatron_vs_torch.py: keys both constructors
+# accept (MegatronBackend(optim_config=...), TorchBackend(**...)). eps 1e-4: each Adam entry's
+# update is lr * g / (|g| + eps), whose sensitivity to gradient noise is lr / eps at most, so
+# eps bounds how far fp32 reduction-order noise travels into the weights, and against the
+# clipped gradients (entries ~1e-4) both eps and the clipping change the update. grad_clip 0.5
+# is below the grad norms (8 to 16): the clipping acts on both steps.
+VS_OPTIM = {
+    "lr": 1e-2,
+    "betas": (0.9, 0.95),
+    "eps": 1e-4,
+    "weight_decay": 0.1,
+    "grad_clip": 0.5,
+    "lr_warmup_steps": 0,
+    "lr_scheduler_type": "cosine",
+    "min_lr_ratio": 0.1,
+    "total_training_steps": 2,
+}
+VS_TEMPERATURE = 0.7
+VS_ENT_COEF = 0.01
+
+
+def vs_batch(step: int):
+    """Step ``step``'s batch: make_batch(B=4) plus signed per-token advantages ``adv``."""
+    batch = make_batch(B=4, seed=20 + step)
+    g = torch.Generator().manual_seed(40 + step)
+    batch.tensors["adv"] = torch.randn(batch.response_mask.shape, generator=g)
+    return batch
+
+
+def vs_loss(outputs, mb, n_tokens: float):
+    """-(logprob * adv) - VS_ENT_COEF * entropy, summed over response tokens / n_tokens."""
+    m = mb.response_mask.to(outputs.logprob.device).float()
+    adv = mb.tensors["adv"].to(m.device)
+    per_token = -(outputs.logprob * adv) - VS_ENT_COEF * outputs.entropy
+    return (per_token * m).sum() / n_tokens, {"tokens": float(m.sum())}
+
+
+def vs_reference_loss(logprob: torch.Tensor, entropy: torch.Tensor, batch) -> torch.Tensor:
+    """`vs_loss` on the whole batch from float64 (logprob, entropy) [B, L] (zero off-mask)."""
+    m = batch.response_mask.double()
+    adv = batch.tensors["adv"].double()
+    return ((-(logprob * adv) - VS_ENT_COEF * entropy) * m).sum() / m.sum()
+
+
+def vs_step_inputs(step: int):
+    """(micro-batches of rows [0] and [1, 2, 3] of `vs_batch`, loss_fn(outputs, mb))."""
+    batch = vs_batch(step)
+    n = float(batch.response_mask.sum())
+    mbs = [batch.select(slice(0, 1)), batch.select(slice(1, 4))]
+    return mbs, lambda o, mb: vs_loss(o, mb, n)
+
+
+def hf_weights(path: Path):
+    """(HF name, tensor) of the HF folder's safetensors."""
+    from megarl.models.hf_io import load_hf_state_dict
+
+    return load_hf_state_dict(path).items()
+
+
+def clipped(grads: dict[str, torch.Tensor], norm: float) -> dict[str, torch.Tensor]:
+    """``grads`` scaled as clipping to VS_OPTIM's grad_clip does with total norm ``norm``:
+    by min(1, grad_clip / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s rule)."""
+    coef = min(1.0, VS_OPTIM["grad_clip"] / (norm + 1e-6))
+    return {k: g * coef for k, g in grads.items()}

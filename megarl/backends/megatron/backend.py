@@ -375,7 +375,9 @@ class MegatronBackend:
     @torch.no_grad()
     def export_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Debug / test aid: (HF name, full fp32 gradient) accumulated by the last train_step,
-        as DDP reduced it (before clipping by the distributed optimizer). Collective. Needs
+        as DDP reduced it and as the update applied it: with ``grad_clip`` active, already
+        scaled by the clipping (the optimizer's fp32 main grads are views of these buffers and
+        are clipped in place). Collective. Needs
         dp_size == 1 or the non-distributed optimizer (the distributed one reduce-scatters:
         each DP rank then holds only its shard of the reduced gradient)."""
         if self.optimizer is None:
