@@ -47,9 +47,11 @@ class RLDataset:
     Args:
         files: one path or a list of paths (.parquet / .jsonl / .json) or ``embedded://...``
         tokenizer: an HF tokenizer (see ``load_tokenizer``)
-        max_prompt_length: prompts longer than this (in tokens) are handled by ``truncation``:
-            "error" raises naming file and row, "filter" drops them (``num_filtered``, logged),
+        max_prompt_length: prompts longer than this (in tokens) are dropped when
+            ``filter_overlong_prompts`` (``num_filtered``, logged), else handled by
+            ``truncation``: "error" raises naming file and row, "filter" drops them too,
             "left" keeps the last max_prompt_length tokens, "right" keeps the first.
+        filter_overlong_prompts: drop over-long prompts at load (verl's data key)
         prompt_key: the row field holding the chat messages
         chat_template: a Jinja template used instead of the tokenizer's own
         apply_chat_template: False feeds the message text without any template
@@ -66,6 +68,7 @@ class RLDataset:
         chat_template: str | None = None,
         apply_chat_template: bool = True,
         on_bad_row: str = "error",
+        filter_overlong_prompts: bool = False,
     ):
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
@@ -80,6 +83,7 @@ class RLDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
         self.num_filtered = 0
         self.num_bad_rows = 0
         self.num_truncated = 0
@@ -111,8 +115,9 @@ class RLDataset:
             )
         if self.num_filtered:
             logger.warning(
-                "filtered %d prompts longer than max_prompt_length=%d tokens (truncation=filter)",
+                "filtered %d prompts longer than max_prompt_length=%d tokens (%s)",
                 self.num_filtered, max_prompt_length,
+                "filter_overlong_prompts" if filter_overlong_prompts else "truncation=filter",
             )
         if self.num_truncated:
             logger.info(
@@ -137,15 +142,16 @@ class RLDataset:
         for r, i, text, ids in zip(rows, where, texts, ids_list):
             ids = list(ids)
             if len(ids) > limit:
+                if self.filter_overlong_prompts or self.truncation == "filter":
+                    self.num_filtered += 1
+                    continue
                 if self.truncation == "error":
                     raise UserInputError(
                         f"{path}: row {i}: prompt is {len(ids)} tokens, over "
-                        f"max_prompt_length={limit}. Raise data.max_prompt_length, or set "
-                        f"data.truncation to 'filter' (drop), 'left' or 'right' (cut)"
+                        f"max_prompt_length={limit}. Raise data.max_prompt_length, set "
+                        f"data.filter_overlong_prompts=true (drop), or data.truncation to "
+                        f"'left' or 'right' (cut)"
                     )
-                if self.truncation == "filter":
-                    self.num_filtered += 1
-                    continue
                 self.num_truncated += 1
                 ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
             self.items.append(

@@ -43,6 +43,7 @@ def data_metrics(batch: RolloutBatch, max_response_length: int,
     lengths = mask.sum(-1)
     m.update(_stats("response_length", lengths))
     m["response_length/clip_ratio"] = float((lengths >= max_response_length).float().mean())
+    m["response/aborted_ratio"] = float((~valid).float().mean())
     correct = t["verifiable"] > 0.5
     if correct.any():
         m["response_length/correct_mean"] = float(lengths[correct].float().mean())
@@ -75,3 +76,19 @@ class Timer:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+
+# Phases whose cost scales with the generated tokens; the others scale with all tokens (verl).
+_PER_RESPONSE_TOKEN = ("gen",)
+
+
+def per_token_timing(times: dict[str, float], prompt_tokens: int,
+                     response_tokens: int) -> dict[str, float]:
+    """timing_per_token_ms/{phase}: ms of each timed phase per token it processed (verl's
+    names): generation per response token, every other phase per prompt + response token."""
+    out = {}
+    for name, seconds in times.items():
+        tokens = response_tokens if name in _PER_RESPONSE_TOKEN else prompt_tokens + response_tokens
+        if tokens > 0:
+            out[f"timing_per_token_ms/{name}"] = 1e3 * seconds / tokens
+    return out

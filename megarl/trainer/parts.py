@@ -125,6 +125,7 @@ def build_run(cfg: Any) -> RunParts:
     d = cfg.data
     ds_kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
                      prompt_key=d.prompt_key, truncation=d.truncation,
+                     filter_overlong_prompts=d.filter_overlong_prompts,
                      chat_template=d.chat_template, apply_chat_template=d.apply_chat_template)
     train_ds = RLDataset(paths["train_files"], **ds_kwargs)
     if train_ds.num_filtered and rank == 0:

@@ -29,8 +29,9 @@ from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.dump import dump_generations
+from megarl.trainer.flops import mfu, peak_flops
 from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
-from megarl.trainer.metrics import Timer, data_metrics
+from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
 from megarl.trainer.parts import RunParts, build_run
 from megarl.trainer.prm import score_steps, single_token_id
 from megarl.trainer.update import mean_metrics, run_update
@@ -75,6 +76,12 @@ class RLTrainer:
             self.prm_marker = (single_token_id(p.tokenizer, marker, "reward_model.prm_step_token")
                                if marker else None)
         self.rollout_tp = arr.rollout.tensor_model_parallel_size
+        self.peak_flops = peak_flops(p.device)
+        self.actor_hf_config = None
+        if self.peak_flops is not None:
+            from megarl.models import read_hf_config
+
+            self.actor_hf_config = read_hf_config(p.model_paths["actor"])
         self.ckpt = CheckpointManager(Path(p.run_dir) / "checkpoints",
                                       cfg.trainer.max_ckpt_to_keep)
         self.step = 0
@@ -239,7 +246,7 @@ class RLTrainer:
                 metrics.update({("actor/" + k if "/" not in k else k): v
                                 for k, v in mean_metrics(steps).items()})
         if self.step > cfg.trainer.critic_warmup or getattr(p.engine, "asleep", False):
-            with timer("weight_sync"):  # an asleep engine may have dropped its weights
+            with timer("update_weights"):  # an asleep engine may have dropped its weights
                 p.engine.update_weights(p.actor.export_weights())
         if arr.rollout.free_cache_engine:
             with timer("engine_wake"):
@@ -247,10 +254,19 @@ class RLTrainer:
 
         metrics.update(data_metrics(batch, cfg.data.max_response_length,
                                     cfg.data.max_prompt_length))
+        metrics["data/num_filtered_prompts"] = float(p.train_ds.num_filtered)
         metrics.update(timer.metrics())
         step_time = time.perf_counter() - t0
         metrics["timing_s/step"] = step_time
-        n_tokens = int(batch.response_mask.sum() + batch.prompt_mask.sum())
+        n_response, n_prompt = int(batch.response_mask.sum()), int(batch.prompt_mask.sum())
+        metrics.update(per_token_timing(timer.times, n_prompt, n_response))
+        if self.actor_hf_config is not None and "update_actor" in timer.times:
+            lens = (batch.response_mask.sum(-1) + batch.prompt_mask.sum(-1)).tolist()
+            util = mfu(self.actor_hf_config, lens, a.ppo_epochs, timer.times["update_actor"],
+                       mdist.world_size(), self.peak_flops)
+            if util is not None:
+                metrics["perf/mfu/actor"] = util
+        n_tokens = n_prompt + n_response
         metrics["perf/total_num_tokens"] = n_tokens
         metrics["perf/time_per_step"] = step_time
         metrics["perf/throughput"] = n_tokens / step_time / max(mdist.world_size(), 1)
@@ -278,13 +294,16 @@ class RLTrainer:
         if p.val_items is None:
             return {}
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        greedy = self._sampling(0, validation=True, n=1, greedy=True)
-        sampled = None
-        if vk.n > 1 and vk.do_sample:
-            sampled = self._sampling(R.sampling_seed(self.cfg.trainer.seed, self.step, 99),
-                                     validation=True)
-        return validate(p.engine, p.val_items, p.val_scorer, greedy, sampled,
-                        batch_size=self.cfg.data.val_batch_size, tp_size=self.rollout_tp)
+        if vk.do_sample:
+            params = self._sampling(R.sampling_seed(self.cfg.trainer.seed, self.step, 99),
+                                    validation=True)
+        else:
+            params = self._sampling(0, validation=True, n=1, greedy=True)
+        t0 = time.perf_counter()
+        out = validate(p.engine, p.val_items, p.val_scorer, params,
+                       batch_size=self.cfg.data.val_batch_size, tp_size=self.rollout_tp)
+        out["timing_s/testing"] = time.perf_counter() - t0
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict[str, Any]:
@@ -345,10 +364,12 @@ class RLTrainer:
             if freq and freq > 0 and (self.step % freq == 0 or self.step == total):
                 last_val = self.validate()
                 metrics.update(last_val)
-            logger.log(self.step, metrics)
             sf = cfg.trainer.save_freq
             if sf and sf > 0 and (self.step % sf == 0 or self.step == total):
+                t0 = time.perf_counter()
                 self.save()
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
+            logger.log(self.step, metrics)
         if last_val:
             summary["val_after"] = last_val
             logger.print("validation after training: " + _fmt(last_val))

@@ -101,6 +101,17 @@ def test_overlong_error_filter_and_truncation(tmp_path, tok, caplog):
     assert right[1].prompt_ids == full[:limit]
 
 
+@pytest.mark.parametrize("truncation", ["error", "left", "right"])
+def test_filter_overlong_prompts_drops_before_truncation(tmp_path, tok, truncation):
+    """verl's data.filter_overlong_prompts: an over-long prompt is dropped at load (counted),
+    whatever data.truncation says; the short one is kept unchanged."""
+    path = str(tmp_path / "d.jsonl")
+    write_rows([row("2+2", "4"), row("1+" * 40 + "1", "41")], path)
+    ds = RLDataset(path, tok, 50, truncation=truncation, filter_overlong_prompts=True)
+    assert len(ds) == 1 and ds.num_filtered == 1 and ds.num_truncated == 0
+    assert ds[0].prompt_ids == tok.encode(chatml("2+2"), add_special_tokens=False)
+
+
 BAD = [
     ("missing prompt", lambda r: r.pop("prompt"), "prompt"),
     ("prompt is a string", lambda r: r.update(prompt="1+2"), "prompt"),

@@ -71,17 +71,20 @@ def test_missing_ground_truth_and_overlong_prompt_are_counted(tmp_path, demo_ass
     rows.append(_row("Compute: " + "1+" * 200 + "1", "201"))  # over max_prompt_length: filtered
     _write_rows(data, rows)
     proc = train(tmp_path / "run", "grpo", f"data.train_files={data}", "data.shuffle=false",
-                 "data.truncation=filter", "trainer.total_training_steps=2")
+                 "data.truncation=error", "data.filter_overlong_prompts=true",
+                 "trainer.total_training_steps=2")
     assert "filtered" in proc.stderr or "filtered" in proc.stdout
     got = train_rows(tmp_path / "run")
     assert sum(r["reward/missing_ground_truth"] for r in got) == 4  # 1 prompt x n=4 responses
+    assert all(r["data/num_filtered_prompts"] == 1 for r in got)
 
 
 def test_overlong_prompt_with_truncation_error(tmp_path, demo_assets):
     data = tmp_path / "long.jsonl"
     _write_rows(data, [_row("Compute: 1+1", "2")] * 4 + [_row("Compute: " + "1+" * 200 + "1")])
     proc = train(tmp_path / "run", "grpo", f"data.train_files={data}", "data.truncation=error",
-                 "trainer.total_training_steps=1", check=False)
+                 "data.filter_overlong_prompts=false", "trainer.total_training_steps=1",
+                 check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "max_prompt_length" in proc.stderr
 

@@ -51,7 +51,7 @@ def test_free_cache_engine_sleeps_around_every_update(tmp_path, demo_assets):
         assert len(rows) == 3
         for row in rows:
             assert "timing_s/engine_sleep" in row and "timing_s/engine_wake" in row
-            assert "timing_s/weight_sync" in row
+            assert "timing_s/update_weights" in row
             assert row["rollout/engine_asleep"] == asleep, (name, row["step"])
     off = tmp_path / "off"
     train(off, "grpo", *VLLM, "trainer.total_training_steps=1",
