@@ -97,6 +97,45 @@ def gspo(
     return loss, _metrics(loss, clipfrac, 0.0, ppo_kl)
 
 
+@register_policy_loss("geo_mean")
+def geo_mean(
+    *, logprob, old_logprob, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    rollout_is_weights, norm, **_,
+):
+    """GMPO: the geometric mean of the token ratios, clipped token-wise on the side that can
+    only shrink the objective's improvement.
+
+    With `s = sign(A)`: `d_c = s * min(s d, s clip(d, -eps_low, eps_high))`; per sequence
+    `r_i = exp(sum_t m d_c / (|y_i| + 1e-8))`, `A_i = sum_t m A / (|y_i| + 1e-8)` (sequence-level
+    advantage) and `q_i = -A_i r_i` (times the geometric mean of the rollout IS weights when
+    given). The loss is the mean of `q_i` over sequences (`agg_mode` is ignored; with the
+    global normaliser, over the global batch). pg_clipfrac = frac(d clipped and A > 0),
+    pg_clipfrac_lower = frac(d clipped and A < 0).
+    """
+    mask = response_mask
+    log_ratio = logprob - old_logprob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
+    d_min = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    m = mask.to(logprob.dtype)
+    lengths = m.sum(dim=-1)
+    ratio = torch.exp((d_min * m).sum(dim=-1) / (lengths + 1e-8))
+    seq_adv = (advantages * m).sum(dim=-1) / (lengths + 1e-8)
+    seq_loss = -seq_adv * ratio
+    if rollout_is_weights is not None:
+        seq_loss = seq_loss * torch.exp(
+            (torch.log(rollout_is_weights.clamp_min(1e-10)) * m).sum(dim=-1) / (lengths + 1e-8))
+    # One value per sequence, spread over its tokens so that a token sum gives it back.
+    loss_mat = (seq_loss / lengths.clamp_min(1)).unsqueeze(-1).expand_as(logprob)
+    loss = agg_loss(loss_mat, mask, "seq-mean-token-sum", **norm)
+    with torch.no_grad():
+        clipped = (log_ratio != clamped).to(logprob.dtype)
+        clipfrac = masked_mean(clipped * (advantages > 0), mask)
+        clipfrac_lower = masked_mean(clipped * (advantages < 0), mask)
+        ppo_kl = masked_mean(-log_ratio, mask)
+    return loss, _metrics(loss, clipfrac, clipfrac_lower, ppo_kl)
+
+
 @register_policy_loss("cispo")
 def cispo(
     *, logprob, old_logprob, advantages, response_mask, clip_ratio_low, clip_ratio_high,

@@ -98,7 +98,7 @@ class CheckpointConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: Literal["vanilla", "gspo", "cispo", "reinforce"] = "vanilla"
+    loss_mode: Literal["vanilla", "gspo", "geo_mean", "cispo", "reinforce"] = "vanilla"
 
 
 @dataclass

@@ -142,6 +142,45 @@ def test_gspo_sequence_log_ratio_clamped_at_10():
     assert met["ppo_kl"] == pytest.approx(-12.0)
 
 
+def _geo_mean_loop(lp, old, adv, m, eps_low, eps_high, w=None):
+    """GMPO from its definition, one sequence and one token at a time (float64 scalars)."""
+    total, rows = 0.0, 0
+    for i in range(lp.shape[0]):
+        idx = [j for j in range(lp.shape[1]) if m[i, j]]
+        if not idx:
+            continue
+        rows += 1
+        log_r, a_sum, log_w = 0.0, 0.0, 0.0
+        for j in idx:
+            d, a = float(lp[i, j] - old[i, j]), float(adv[i, j])
+            c = min(max(d, -eps_low), eps_high)
+            log_r += min(d, c) if a > 0 else (max(d, c) if a < 0 else 0.0)
+            a_sum += a
+            log_w += math.log(max(float(w[i, j]), 1e-10)) if w is not None else 0.0
+        n = len(idx)
+        total += -(a_sum / n) * math.exp(log_r / n) * math.exp(log_w / n)
+    return total / rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_geo_mean_against_a_loop(seed, weighted):
+    """GMPO (verl's geo_mean) against its definition. A sign-blind clip (min for every A) or an
+    arithmetic instead of geometric mean of the ratios changes the loss by > 1e-2 here."""
+    lp, old, adv, m = rand_case(seed, batch=4, width=6)
+    m[3] = 0  # an empty response does not count
+    w = torch.rand(lp.shape, dtype=D, generator=torch.Generator().manual_seed(seed)) + 0.5 if weighted else None
+    loss, met = policy_loss("geo_mean", logprob=lp, old_logprob=old, advantages=adv, response_mask=m,
+                            clip_ratio_low=0.1, clip_ratio_high=0.15, agg_mode="token-mean",
+                            rollout_is_weights=w)
+    assert loss.item() == pytest.approx(_geo_mean_loop(lp, old, adv, m, 0.1, 0.15, w), rel=1e-7)  # +1e-8 in |y|
+    d = (lp - old)[m.bool()]
+    clipped = (d < -0.1) | (d > 0.15)
+    a = adv[m.bool()]
+    assert met["pg_clipfrac"] == pytest.approx(float((clipped & (a > 0)).double().mean()))
+    assert met["pg_clipfrac_lower"] == pytest.approx(float((clipped & (a < 0)).double().mean()))
+
+
 def test_cispo_hand():
     old = t([[-1.0, -2.0, -0.3]])
     ratio = [1.5, 0.5, 1.0]

@@ -189,3 +189,14 @@ def test_cosine_schedule_defaults_to_the_run_length(tmp_path, demo_assets):
     got = [r["actor/lr"] for r in train_rows(tmp_path)]
     want = [(lr_at(2 * s) + lr_at(2 * s + 1)) / 2 for s in range(3)]  # logged: mean per step
     assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["geo_mean", "gspo", "cispo"])
+def test_policy_loss_modes_train(tmp_path, demo_assets, mode):
+    """Every registered policy loss reaches the update through the config (GMPO is DAPO users'
+    policy_loss.loss_mode=geo_mean): 2 steps, finite losses, the PPO metrics reported."""
+    train(tmp_path / "run", "grpo", f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.total_training_steps=2")
+    rows = train_rows(tmp_path / "run")
+    assert len(rows) == 2
+    assert all(math.isfinite(r["actor/pg_loss"]) and "actor/pg_clipfrac" in r for r in rows)
