@@ -150,6 +150,7 @@ class TrainerConfig:
     val_only: bool = False  # validate once and exit
     log_val_generations: int = 0  # sample validation generations printed per validation
     rollout_data_dir: str | None = None  # write each step's generations to {dir}/{step}.jsonl
+    validation_data_dir: str | None = None  # each validation's generations to {dir}/{step}.jsonl
     # "auto": latest checkpoint in default_local_dir if any | "disable" | a checkpoint path.
     # verl's resume_mode / resume_from_path are read into this key.
     resume: str = "auto"

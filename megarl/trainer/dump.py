@@ -1,4 +1,5 @@
-"""``trainer.rollout_data_dir``: each step's generations as ``{step}.jsonl`` (verl's format:
+"""``trainer.rollout_data_dir`` / ``validation_data_dir``: each step's training or validation
+generations as ``{step}.jsonl`` (verl's format:
 one line per response with ``input``, ``output``, ``gts``, ``score`` and ``step``), written by
 rank 0 for reading and diffing runs."""
 

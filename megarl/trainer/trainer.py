@@ -300,8 +300,14 @@ class RLTrainer:
         else:
             params = self._sampling(0, validation=True, n=1, greedy=True)
         t0 = time.perf_counter()
+        dump_dir = self.cfg.trainer.validation_data_dir
+        on_scored = None
+        if dump_dir and self.rank == 0:
+            def on_scored(samples, scores):
+                dump_generations(dump_dir, self.step, samples, scores, p.tokenizer)
         out = validate(p.engine, p.val_items, p.val_scorer, params,
-                       batch_size=self.cfg.data.val_batch_size, tp_size=self.rollout_tp)
+                       batch_size=self.cfg.data.val_batch_size, tp_size=self.rollout_tp,
+                       on_scored=on_scored)
         out["timing_s/testing"] = time.perf_counter() - t0
         return out
 

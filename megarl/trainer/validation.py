@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.protocol import RolloutEngine, SamplingParams
@@ -31,18 +32,27 @@ def validate(
     params: SamplingParams,
     batch_size: int | None = None,
     tp_size: int = 1,
+    on_scored: Callable[[list[Any], list[float]], None] | None = None,
 ) -> dict[str, float]:
     """Generate ``params.n`` responses per item (``batch_size`` prompts at a time) and score them.
 
-    Returns the metrics above; ``n`` in their names is ``params.n``."""
+    Returns the metrics above; ``n`` in their names is ``params.n``. ``on_scored(samples,
+    scores)`` receives every response and its reward at the end (to dump them)."""
     by_prompt: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     bs = batch_size or len(items)
+    all_samples: list[Any] = []
+    all_scores: list[float] = []
     for start in range(0, len(items), bs):
         chunk = items[start:start + bs]
         samples = generate(engine, chunk, params, group_offset=start, tp_size=tp_size)
         scores, _ = scorer(samples)
         for s, v in zip(samples, scores.tolist()):
             by_prompt[s.data_source][s.group].append(float(v))
+        if on_scored is not None:
+            all_samples += samples
+            all_scores += scores.tolist()
+    if on_scored is not None:
+        on_scored(all_samples, all_scores)
     return reward_metrics(by_prompt, params.n)
 
 

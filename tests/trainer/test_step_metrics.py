@@ -31,7 +31,7 @@ def val_runs(tmp_path_factory, demo_assets):
                          "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
                          "actor_rollout_ref.rollout.val_kwargs.n=2"]}
     for name, extra in runs.items():
-        train(d / name, "grpo", *VAL, *extra)
+        train(d / name, "grpo", *VAL, *extra, f"trainer.validation_data_dir={d / name}_val")
     return {name: d / name for name in runs}
 
 
@@ -57,6 +57,21 @@ def test_validation_n2_reports_verl_aux_metrics(val_runs):
     assert worst <= mean <= best and worst < best
     assert 0 <= row["val-aux/arith/reward/std@2"] <= 0.5
     assert "val-core/arith/reward/mean@1" not in row
+
+
+@pytest.mark.parametrize("name, n", [("greedy", 1), ("sampled2", 2)])
+def test_validation_generations_are_dumped(val_runs, name, n):
+    """trainer.validation_data_dir (PACS / verl): every validation response with its score;
+    the scores are the ones behind val-core."""
+    import json
+
+    rows = [json.loads(x) for x in
+            (val_runs[name].parent / f"{name}_val" / "0.jsonl").read_text().splitlines()]
+    row = _val_row(val_runs[name])
+    assert len(rows) == 500 * n and {r["step"] for r in rows} == {0}
+    assert all(r["input"] and isinstance(r["output"], str) and r["gts"] for r in rows)
+    assert statistics.fmean(r["score"] for r in rows) == pytest.approx(
+        row[f"val-core/arith/reward/mean@{n}"], rel=1e-12)
 
 
 def test_step_timing_names(val_runs):
