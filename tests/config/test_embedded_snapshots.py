@@ -1,0 +1,39 @@
+"""Runs on the embedded demo resolve to the config pinned in ``snapshots/`` (written by
+``embedded_cases.py`` before the recipes became real-scale): ``make demo``, the trainer tests and
+every recipe loaded without a model path keep exactly the settings they were measured with.
+
+Keys added to the schema since the snapshots were taken are listed in ``ADDED`` with the value
+every pinned run must hold. A planted change (the demo lr in configs/demo/base.yaml 3e-4 ->
+3e-5, or the demo overlay skipped) fails with the differing keys listed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from embedded_cases import SNAPSHOTS, cases, resolve
+
+# schema keys added after the snapshots: dotted key -> the value every pinned run resolves to
+ADDED: dict[str, object] = {}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_embedded_run_resolves_as_pinned(case):
+    name, overrides = cases()[case]
+    now = _flatten(resolve(name, overrides))
+    pinned = _flatten(yaml.safe_load((SNAPSHOTS / f"{case}.yaml").read_text()))
+    for key, value in ADDED.items():
+        assert now.pop(key, value) == value, key
+    diff = {k: (pinned.get(k, "<absent>"), now.get(k, "<absent>"))
+            for k in sorted(set(now) | set(pinned)) if now.get(k, "<absent>") != pinned.get(k, "<absent>")}
+    assert not diff, f"{case}: pinned -> now: {diff}"
