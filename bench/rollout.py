@@ -307,6 +307,15 @@ def render(gen: dict, sync: dict, repeats: int, load0: float) -> str:
         "The `TorchBackend.export_weights()` row includes the backend's export, which clones "
         "every tensor into fresh memory (page faults dominate); the engine side of the sync is "
         "the first row.",
+        "vLLM's sync on a CPU is dominated by its CPU build's weight processing, not by the "
+        "stream: its in-place `reload_weights` re-runs `process_weights_after_loading` on every "
+        "layer, which repacks each linear weight into a oneDNN matmul handle, and the adapter "
+        "then repacks the tied lm_head (V x H) the same way (cProfile of one sync: "
+        "`create_onednn_mm_handler` and the copies are nearly all of it). The CUDA build keeps "
+        "the weights as they are loaded.",
+        "vLLM runs after HF and ours, in its own process, so it sees a different moment of the "
+        "machine's load; on a shared box compare tok/CPU-s (each process single-threaded) as "
+        "well as tok/s, and rerun when the load avg differs much between rows.",
     ]
     return "\n".join(lines) + "\n"
 

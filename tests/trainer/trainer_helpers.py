@@ -23,7 +23,7 @@ FAST = [
     "trainer.export_hf=false",
 ]
 
-TIMING_PREFIXES = ("timing_s/", "perf/", "reward/time_s")
+TIMING_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "reward/time_s")
 
 
 def env() -> dict[str, str]:
