@@ -1,14 +1,23 @@
 """Load a config: YAML files (with ``extends:`` chains) + verl/Hydra ``key=value`` overrides ->
 a validated, filled ``Config``.
 
-Order of layers, later wins: schema defaults < base file < ... < the named file < overrides.
-Mappings merge key by key; any other value (scalar, list) replaces the earlier one.
-``${a.b}`` interpolations are resolved over the merged tree (defaults included) by OmegaConf.
+Order of layers, later wins: schema defaults < recipe files (base first) < the demo overlay <
+the user's own files < overrides. Mappings merge key by key; any other value (scalar, list)
+replaces the earlier one. ``${a.b}`` interpolations are resolved over the merged tree (defaults
+included) by OmegaConf; ``${megarl.not:${a.b}}`` negates a boolean.
+
+The recipes (``config_dir()``) carry settings for real models. The embedded CPU demo's
+small-scale settings live in ``config_dir()/demo/NAME.yaml``, one overlay per recipe NAME; they
+are applied, for every recipe of the ``extends:`` chain that has one, right after the last such
+recipe, when the policy is the embedded one (``actor_rollout_ref.model.path`` unset or
+``embedded://...`` once every file and override is read), or when asked (``demo=True``).
+``resolve_config`` also returns where each value came from (``megarl.config.provenance``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import typing
 from collections.abc import Sequence
@@ -21,23 +30,81 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.aliases import canonical_keys
 from megarl.config.errors import ConfigError
+from megarl.config.provenance import Resolved, Sources, walk
 from megarl.config.schema import Config
 from megarl.config.typecheck import build, unknown_key_message
 from megarl.config.validate import check, fill_derived
 
 _YAML_SUFFIXES = (".yaml", ".yml")
+DEMO_DIR = "demo"  # config_dir()/demo/NAME.yaml: the embedded demo's overlay of recipe NAME
+EMBEDDED = "embedded://"
+
+
+def _not(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"megarl.not takes true or false, got {value!r}")
+    return not value
+
+
+if not OmegaConf.has_resolver("megarl.not"):
+    try:  # omegaconf >= 2.4 (register_resolver took strings before 2.4)
+        from omegaconf.version import __version__ as _oc_version
+
+        _new_api = tuple(int(x) for x in _oc_version.split(".")[:2]) >= (2, 4)
+    except (ImportError, ValueError):
+        _new_api = False
+    if _new_api:
+        OmegaConf.register_resolver("megarl.not", _not)
+    else:
+        OmegaConf.register_new_resolver("megarl.not", _not)
 
 
 def config_dir() -> Path:
-    """The recipes folder: ``$MEGARL_CONFIG_DIR`` if set, else ``configs/`` of the repository."""
+    """The recipes folder: ``$MEGARL_CONFIG_DIR`` if set, else ``configs/`` of the source tree
+    (a checkout or an editable install), else the copy packaged as ``megarl/configs`` (a
+    non-editable install: ``pip install .``)."""
     env = os.environ.get("MEGARL_CONFIG_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
+    if env:
+        return Path(env)
+    source = Path(__file__).resolve().parents[2] / "configs"
+    if (source / "base.yaml").is_file():
+        return source
+    return Path(str(importlib.resources.files("megarl") / "configs"))
 
 
 def available_configs() -> list[str]:
-    """Names (relative to ``config_dir()``, no suffix) of the recipe files."""
+    """Names (relative to ``config_dir()``, no suffix) of the recipe files (the demo overlays
+    in ``demo/`` are not recipes)."""
     root = config_dir()
-    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+    names = (p.relative_to(root) for p in root.rglob("*.yaml"))
+    return sorted(str(p.with_suffix("")) for p in names if p.parts[0] != DEMO_DIR)
+
+
+def _recipe_name(path: Path) -> str | None:
+    """``path``'s name relative to ``config_dir()`` (no suffix), None outside it."""
+    try:
+        rel = Path(path).resolve().relative_to(config_dir().resolve())
+    except ValueError:
+        return None
+    return str(rel.with_suffix(""))
+
+
+def demo_overlay(path: Path) -> Path | None:
+    """The demo overlay of recipe file ``path`` (``config_dir()/demo/NAME.yaml``), if any."""
+    name = _recipe_name(path)
+    if name is None or Path(name).parts[0] == DEMO_DIR:
+        return None
+    cand = config_dir() / DEMO_DIR / (name + ".yaml")
+    return cand.resolve() if cand.is_file() else None
+
+
+def _label(path: Path) -> str:
+    name = _recipe_name(path)
+    if name is None:
+        return f"file {_show(path)}"
+    if Path(name).parts[0] == DEMO_DIR:
+        return f"demo overlay {name}"
+    return f"recipe {name}"
 
 
 def _find(name: str, dirs: Sequence[Path]) -> Path | None:
@@ -70,8 +137,8 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _file_layers(path: Path, stack: tuple[Path, ...] = ()) -> list[tuple[str, dict]]:
-    """[(source name, layer)] for ``path`` and the files it extends, base first."""
+def _file_layers(path: Path, stack: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """[(file, layer)] for ``path`` and the files it extends, base first."""
     if path in stack:
         chain = " -> ".join(_show(p) for p in (*stack, path))
         raise ConfigError(f"extends: cycle {chain}")
@@ -81,7 +148,7 @@ def _file_layers(path: Path, stack: tuple[Path, ...] = ()) -> list[tuple[str, di
         bases = [bases]
     if bases is not None and not (isinstance(bases, list) and all(isinstance(b, str) for b in bases)):
         raise ConfigError(f"extends: expected a file name or a list of them, got {bases!r} ({_show(path)})")
-    layers: list[tuple[str, dict]] = []
+    layers: list[tuple[Path, dict]] = []
     for base in bases or []:
         found = _find(base, [path.parent, config_dir()])
         if found is None:
@@ -90,7 +157,7 @@ def _file_layers(path: Path, stack: tuple[Path, ...] = ()) -> list[tuple[str, di
                 f"{_show(config_dir())}; available: {', '.join(available_configs())}"
             )
         layers += _file_layers(found, (*stack, path))
-    layers.append((_show(path), data))
+    layers.append((path, data))
     return layers
 
 
@@ -135,14 +202,6 @@ def _merge(base: Any, top: Any) -> Any:
     return top
 
 
-def _walk(tree: dict, prefix: str = ""):
-    for k, v in tree.items():
-        path = f"{prefix}.{k}" if prefix else str(k)
-        yield path, v
-        if isinstance(v, dict):
-            yield from _walk(v, path)
-
-
 def _schema_problem(dotted: str) -> str | None:
     """An unknown-key message if ``dotted`` is not a key of the schema."""
     cls: Any = Config
@@ -169,26 +228,7 @@ def _canonical_path(dotted: str) -> str:
         canon = canonical_keys(single, "override")
     except ConfigError:
         return dotted
-    return next((p for p, v in _walk(canon) if v == _MARK), dotted)
-
-
-class _Provenance:
-    """Which file or override set each key, for " (from ...)" in messages."""
-
-    def __init__(self) -> None:
-        self.source: dict[str, str] = {}
-
-    def record(self, layer: dict, source: str) -> None:
-        for path, _ in _walk(layer):
-            self.source[path] = source
-
-    def __call__(self, key: str) -> str:
-        key = key.split("[", 1)[0]
-        while key:
-            if key in self.source:
-                return f" (from {self.source[key]})"
-            key = key.rpartition(".")[0]
-        return ""
+    return next((p for p, v in walk(canon) if v == _MARK), dotted)
 
 
 def _resolve(tree: dict) -> dict:
@@ -200,16 +240,45 @@ def _resolve(tree: dict) -> dict:
         raise ConfigError(f"{key}: cannot resolve interpolation: {first}") from None
 
 
-def _pipeline(file_layers: list[tuple[str, dict]], overrides: Sequence[str]) -> Config:
-    prov = _Provenance()
-    raw: dict = {}
-    for source, layer in file_layers:
-        layer = canonical_keys(layer, source)
-        prov.record(layer, source)
-        raw = _merge(raw, layer)
+def _lookup(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
+
+def _demo_decision(files: list[tuple[str, dict]], over: dict, deletions: list[str],
+                   demo: bool | None, have_overlay: bool) -> tuple[bool, str]:
+    """(apply the demo overlay?, why) from the policy path every file and override gives."""
+    key = "actor_rollout_ref.model.path"
+    if not have_overlay:
+        return False, "no recipe of the chain has one"
+    if demo is not None:
+        return demo, "asked for" if demo else "turned off"
+    raw: dict = {}
+    for _, layer in files:
+        raw = _merge(raw, layer)
+    if key in deletions:
+        _delete(raw, key)
+    path = _lookup(_merge(raw, over), key)
+    if path is None:
+        return True, f"{key} is not set: the embedded CPU demo"
+    if isinstance(path, str) and path.startswith(EMBEDDED):
+        return True, f"{key} is {path}: the embedded CPU demo"
+    return False, f"{key} is {path}: the recipes' real-model settings"
+
+
+def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
+              overlays: Sequence[tuple[int, str, dict]] = (), demo: bool | None = None,
+              name: str = "") -> Resolved:
+    """``files``: [(layer name, raw layer)], base first. ``overlays``: [(position, name, layer)],
+    inserted before files[position] when the demo overlay applies."""
+    files = [(source, canonical_keys(layer, source)) for source, layer in files]
     over: dict = {}
     deletions: list[str] = []
+    over_sources: list[tuple[dict, str]] = []
     for text in overrides:
         op, key, value = parse_override(text)
         if op == "del":
@@ -219,30 +288,48 @@ def _pipeline(file_layers: list[tuple[str, dict]], overrides: Sequence[str]) -> 
         try:
             single: dict = {}
             _set_path(single, key, value)
-            prov.record(canonical_keys(single, "override"), f"override {text.strip()}")
+            over_sources.append((canonical_keys(single, "override"), f"override {text.strip()}"))
         except ConfigError:
             pass  # reported below, when the whole override layer is read
-    problems: list[str] = []
-    for key in deletions:
-        canon = _canonical_path(key)
-        msg = _schema_problem(canon)
-        if msg:
-            problems.append(msg + f" (from override ~{key})")
-        _delete(raw, canon)
     over = canonical_keys(over, "overrides")
+    deletions = [_canonical_path(key) for key in deletions]
+
+    use_demo, reason = _demo_decision(files, over, deletions, demo, bool(overlays))
+    if use_demo:
+        at = overlays[-1][0]
+        demo_layers = [(source, canonical_keys(layer, source)) for _, source, layer in overlays]
+        files = files[:at] + demo_layers + files[at:]
+
+    prov = Sources()
+    raw: dict = {}
+    for source, layer in files:
+        prov.record(layer, source)
+        raw = _merge(raw, layer)
+    problems: list[str] = []
+    for key, text in zip(deletions, [o for o in overrides if o.strip().startswith("~")]):
+        msg = _schema_problem(key)
+        if msg:
+            problems.append(msg + f" (from override {text.strip()})")
+        _delete(raw, key)
+        prov.source[key] = f"override {text.strip()}"
+    for layer, source in over_sources:
+        prov.record(layer, source)
     raw = _merge(raw, over)
 
     defaults = dataclasses.asdict(Config())
     resolved = _resolve(_merge(defaults, raw))
     cfg = build(Config, resolved, "", problems, prov)
     bad = {p.split(":", 1)[0].split("[", 1)[0] for p in problems}
-    explicit = {path for path, _ in _walk(raw)}
+    explicit = {path for path, _ in walk(raw)}
     cfg, sync = fill_derived(cfg, explicit)
     problems += [f"{keys[0]}: {text}" for keys, text in sync]
     problems += check(cfg, bad)
     if problems:
         raise ConfigError(problems)
-    return cfg
+    layers = ["schema defaults", *(source for source, _ in files)]
+    if overrides:
+        layers.append("overrides")
+    return Resolved(cfg, prov, layers, use_demo, reason, name)
 
 
 def _delete(tree: dict, dotted: str) -> None:
@@ -256,14 +343,11 @@ def _delete(tree: dict, dotted: str) -> None:
         node.pop(last, None)
 
 
-def load_config(path_or_name: str | os.PathLike, overrides: Sequence[str] = ()) -> Config:
-    """Load, merge, override, resolve, type-check, fill and validate a config.
-
-    ``path_or_name``: a YAML path, or a name in ``config_dir()`` ("pure_prm_vr",
-    "pure_prm_vr.yaml", "real/grpo_qwen25_7b"). ``overrides``: verl/Hydra ``key=value`` strings
-    (also ``+key=value``; ``~key`` resets a key to its default). Raises ``ConfigError`` listing
-    every problem, one per line.
-    """
+def resolve_config(path_or_name: str | os.PathLike, overrides: Sequence[str] = (),
+                   demo: bool | None = None) -> Resolved:
+    """``load_config`` that also returns where each value came from (``Resolved.report()`` is
+    the startup report). ``demo``: None = apply the demo overlay iff the policy is embedded
+    (``actor_rollout_ref.model.path`` unset or ``embedded://...``); True / False forces it."""
     name = os.fspath(path_or_name)
     path = _find(name, [Path.cwd(), config_dir()])
     if path is None:
@@ -271,12 +355,35 @@ def load_config(path_or_name: str | os.PathLike, overrides: Sequence[str] = ()) 
             f"config: no file {name!r} (looked in {_show(Path.cwd())} and {_show(config_dir())}); "
             f"available: {', '.join(available_configs())}"
         )
-    return _pipeline(_file_layers(path), overrides)
+    chain = _file_layers(path)
+    files = [(_label(p), data) for p, data in chain]
+    overlays = []
+    for i, (p, _) in enumerate(chain):
+        ov = demo_overlay(p)
+        if ov is not None:
+            overlays.append((i, _label(ov), _read_yaml(ov)))
+    if overlays:  # all overlays go right after the last recipe that has one
+        at = overlays[-1][0] + 1
+        overlays = [(at, source, layer) for _, source, layer in overlays]
+    return _pipeline(files, overrides, overlays, demo, _recipe_name(path) or _show(path))
+
+
+def load_config(path_or_name: str | os.PathLike, overrides: Sequence[str] = (),
+                demo: bool | None = None) -> Config:
+    """Load, merge, override, resolve, type-check, fill and validate a config.
+
+    ``path_or_name``: a YAML path, or a name in ``config_dir()`` ("pure_prm_vr",
+    "pure_prm_vr.yaml", "real/grpo_qwen25_7b"). ``overrides``: verl/Hydra ``key=value`` strings
+    (also ``+key=value``; ``~key`` resets a key to its default). ``demo``: see
+    ``resolve_config`` (default: the demo overlay iff the policy is the embedded one). Raises
+    ``ConfigError`` listing every problem, one per line.
+    """
+    return resolve_config(path_or_name, overrides, demo).config
 
 
 def validate(cfg: Config, overrides: Sequence[str] = ()) -> Config:
     """Run a Config built in Python through the same checks (and filling) as ``load_config``."""
-    return _pipeline([("Config object", to_dict(cfg))], overrides)
+    return _pipeline([("Config object", to_dict(cfg))], overrides).config
 
 
 def to_dict(cfg: Config) -> dict:

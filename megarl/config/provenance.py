@@ -1,0 +1,114 @@
+"""Where each value of a loaded config came from, and the startup report that says so.
+
+The loader stacks layers, later wins: schema defaults < recipe files (``extends:`` chain, base
+first) < the demo overlay (``configs/demo/NAME.yaml`` for each recipe NAME in the chain, only on
+the embedded demo) < the user's own files < ``key=value`` overrides. ``Sources`` records, for
+every dotted key, the last layer that wrote it; ``report`` lists every value that differs from
+the schema default with that layer's name (or "derived" for the documented "None = X" fills and
+interpolated defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+DERIVED = "derived (schema rule: filled from other keys)"
+
+
+def walk(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every node of a nested dict, parents before children."""
+    for k, v in tree.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        yield path, v
+        if isinstance(v, dict):
+            yield from walk(v, path)
+
+
+def leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of the leaves (lists and empty mappings are leaves)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(leaves(v, path))
+        else:
+            out[path] = v
+    return out
+
+
+class Sources:
+    """Which layer set each key: ``record`` the layers in order (later wins); calling an instance
+    with a key gives " (from LAYER)" for error messages, ``of`` gives the layer name."""
+
+    def __init__(self) -> None:
+        self.source: dict[str, str] = {}
+
+    def record(self, layer: dict, source: str) -> None:
+        for path, _ in walk(layer):
+            self.source[path] = source
+
+    def of(self, key: str) -> str | None:
+        """The layer that set ``key`` or its closest enclosing mapping; None if none did."""
+        key = key.split("[", 1)[0]
+        while key:
+            if key in self.source:
+                return self.source[key]
+            key = key.rpartition(".")[0]
+        return None
+
+    def __call__(self, key: str) -> str:
+        src = self.of(key)
+        return f" (from {src})" if src else ""
+
+
+@dataclass
+class Resolved:
+    """A loaded config with its provenance.
+
+    config:      the validated, filled ``Config``.
+    sources:     dotted key -> the layer that set it (only keys some layer wrote).
+    layers:      layer names in the order applied (schema defaults first, overrides last).
+    demo:        whether the demo overlay was applied; demo_reason says why (or why not).
+    """
+
+    config: Any
+    sources: Sources
+    layers: list[str] = field(default_factory=list)
+    demo: bool = False
+    demo_reason: str = ""
+    name: str = ""
+
+    def non_defaults(self) -> list[tuple[str, Any, str]]:
+        """(dotted key, value, source) of every leaf whose value differs from the schema's."""
+        from megarl.config.schema import Config
+
+        now = leaves(dataclasses.asdict(self.config))
+        default = leaves(dataclasses.asdict(Config()))
+        out = []
+        for key, value in now.items():
+            if key in default and default[key] == value:
+                continue
+            out.append((key, value, self.sources.of(key) or DERIVED))
+        return out
+
+    def report(self) -> str:
+        """The startup report: the layers, whether the demo overlay applies, and every value that
+        differs from the schema default with the layer it came from."""
+        rows = self.non_defaults()
+        width = min(max((len(k) for k, _, _ in rows), default=0), 60)
+        lines = [
+            f"config {self.name}: layers, later wins: " + " < ".join(self.layers),
+            f"demo overlay: {'applied' if self.demo else 'not applied'} ({self.demo_reason})",
+            f"{len(rows)} values differ from the schema defaults (key = value  <- source):",
+        ]
+        for key, value, src in rows:
+            lines.append(f"  {key.ljust(width)} = {_fmt(value)}  <- {src}")
+        return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
