@@ -23,11 +23,7 @@ test_engine_methods_take_the_adapters_keywords (both planted once, by hand, whil
 from __future__ import annotations
 
 import ast
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import types
 import zipfile
 from pathlib import Path
@@ -36,6 +32,7 @@ import pytest
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from released_wheels import cache_folder, released_wheel
 
 from megarl.config import Config
 from megarl.rollout.protocol import SamplingParams
@@ -43,36 +40,12 @@ from megarl.rollout.sglang import engine as adapter
 
 PINNED = "0.5.23"  # the newest release; the adapter is checked against it
 LOWER = "0.5.5"  # the lower bound of SUPPORTED_SGLANG
-WHEEL_CACHE = Path(__file__).resolve().parents[2] / ".venv" / "engine-wheels"
 # One wheel for every machine (the Python source is the same in each platform's wheel).
 PIP_ARGS = ["--no-deps", "--only-binary=:all:", "--platform", "manylinux_2_34_x86_64",
             "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311"]
 
 
 # ----------------------------------------------------------------------------- the wheel
-
-
-def sglang_wheel(version: str, download_dir: Path) -> Path:
-    """The wheel of sglang ``version``: from the install cache, else downloaded (no deps)."""
-    for folder in (WHEEL_CACHE, download_dir):
-        found = sorted(folder.glob(f"sglang-{version}-*.whl"))
-        if found:
-            return found[0]
-    # Download beside the cache and move in whole, so a parallel worker never reads half.
-    partial = Path(tempfile.mkdtemp(dir=download_dir))
-    cmd = [sys.executable, "-m", "pip", "download", "-q", f"sglang=={version}", *PIP_ARGS,
-           "-d", str(partial)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        got = sorted(partial.glob(f"sglang-{version}-*.whl"))
-        if proc.returncode or not got:
-            pytest.skip(f"sglang {version} wheel neither in {WHEEL_CACHE} nor downloadable: "
-                        f"{proc.stderr.strip()[-500:]}")
-        target = download_dir / got[0].name
-        os.replace(got[0], target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return target
 
 
 class Source:
@@ -268,10 +241,8 @@ def adapter_calls() -> tuple[list[tuple[str, tuple, dict]], dict[str, set[str]]]
 
 @pytest.fixture(scope="module", params=[PINNED, LOWER])
 def src(request, tmp_path_factory) -> Source:
-    cache_dir = getattr(request.config, "cache", None)
-    folder = (cache_dir.mkdir("sglang-wheels") if cache_dir is not None
-              else tmp_path_factory.mktemp("sglang-wheels"))
-    return Source(sglang_wheel(request.param, Path(folder)))
+    folder = cache_folder(request, tmp_path_factory, "sglang-wheels")
+    return Source(released_wheel("sglang", request.param, folder, PIP_ARGS))
 
 
 # ----------------------------------------------------------------------------- the contract

@@ -1,0 +1,508 @@
+"""verl's configuration surface, key by key: how megarl reads each key of a pinned verl release.
+
+Every key of verl's trainer configs (``_generated_ppo_trainer.yaml`` and
+``_generated_ppo_megatron_trainer.yaml`` of the wheel) has one of four statuses:
+
+- ``implemented``: a megarl key of the same name and meaning;
+- ``mapped``: read as another megarl key (``note`` names it);
+- ``inert``: accepted without effect, because it has no meaning for megarl's results (a Ray,
+  profiler or memory option, a key only read by a feature that is off); set to anything but
+  verl's default, the run prints one notice line saying so;
+- ``rejected``: a feature megarl does not have; accepted at verl's default, an error naming the
+  reason and what to use instead otherwise.
+
+The keys and their verl defaults live in ``verl_keys.yaml`` (written from the wheel by
+``python -m megarl.config.verl_compat --wheel verl-X-py3-none-any.whl``, which also writes
+``docs/verl_compat.md``); ``tests/config/test_verl_contract.py`` checks both against the wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import io
+import zipfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+VERL_RELEASE = "0.9.1"
+VERL_CONFIG_FILES = (
+    "verl/trainer/config/_generated_ppo_trainer.yaml",
+    "verl/trainer/config/_generated_ppo_megatron_trainer.yaml",
+)
+KEYS_FILE = Path(__file__).with_name("verl_keys.yaml")
+
+# Keys verl's example scripts still set that the pinned release's configs no longer list (older
+# spellings), with the default verl gave them.
+OLDER_KEYS: dict[str, Any] = {
+    "critic.model.fsdp_config.param_offload": False,
+    "critic.model.fsdp_config.optimizer_offload": False,
+    "critic.model.fsdp_config.fsdp_size": -1,
+    "actor_rollout_ref.actor.megatron.grad_offload": False,
+    "actor_rollout_ref.ref.megatron.grad_offload": False,
+    "critic.megatron.grad_offload": False,
+    "actor_rollout_ref.actor.router_replay.mode": "disabled",
+    "trainer.use_legacy_worker_impl": "auto",
+    "reward_model.use_reward_loop": True,
+    "reward_model.model.use_remove_padding": False,
+    "reward_model.model.fsdp_config.param_offload": False,
+}
+
+Status = Literal["implemented", "mapped", "inert", "rejected"]
+STATUSES: tuple[Status, ...] = ("implemented", "mapped", "inert", "rejected")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``pattern`` (fnmatch over the dotted key; ``*`` crosses dots) -> status and note.
+    ``mapped``: note = the megarl key; ``inert`` / ``rejected``: note = why (and what instead)."""
+
+    pattern: str
+    status: Status
+    note: str
+
+
+def _each(prefixes: tuple[str, ...], suffix: str, status: Status, note: str) -> list[Rule]:
+    return [Rule(f"{p}.{suffix}", status, note.replace("{p}", p)) for p in prefixes]
+
+
+_ARR = "actor_rollout_ref"
+_ACTOR, _REF, _ROLLOUT = f"{_ARR}.actor", f"{_ARR}.ref", f"{_ARR}.rollout"
+_TRAINED = (_ACTOR, "critic")
+_ROLES = (_ACTOR, _REF, "critic")
+_FSDP = (f"{_ACTOR}.fsdp_config", f"{_REF}.fsdp_config", "critic.fsdp", "critic.model.fsdp_config")
+_MEGATRON = (f"{_ACTOR}.megatron", f"{_REF}.megatron", "critic.megatron")
+_MODELS = (f"{_ARR}.model", "critic.model")
+
+_NO_RAY = "megarl runs as one torchrun job, without Ray (reward workers on Ray: reward_model.pool=ray)"
+_MEMORY = "a memory/speed option of verl's workers; megarl's results do not depend on it"
+_TEXT = "megarl trains text-only language models"
+_OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer states stay on the "
+            "device (memory differs, results do not)")
+_LORA = "LoRA is not implemented: megarl trains all parameters; drop the LoRA keys"
+_MULTI_TURN = "multi-turn / tool rollouts are not implemented; rollouts are single-turn"
+_ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
+_MOE = "mixture-of-experts models are not supported yet"
+_ONLY_WHEN = "only read by {what}, which is rejected unless off"
+
+RULES: tuple[Rule, ...] = (
+    # verl's structured-config plumbing and tooling with no megarl counterpart
+    Rule("*._target_", "inert", "verl's dataclass target; megarl's schema is typed itself"),
+    Rule("*profiler*", "inert", "verl's profiler hooks; profile megarl with torch.profiler"),
+    Rule("ray_kwargs.*", "inert", _NO_RAY),
+    Rule("trainer.ray_wait_register_center_timeout", "inert", _NO_RAY),
+    Rule("*.nccl_timeout", "inert", "megarl sets its process-group timeout itself"),
+    Rule("transfer_queue.enable", "rejected", "TransferQueue is not implemented: batches move "
+         "between roles inside each rank's process"),
+    Rule("transfer_queue.*", "inert", _ONLY_WHEN.format(what="transfer_queue.enable")),
+    Rule("skip.*.enable", "rejected", "rollout skipping/replay from dumps is not implemented; "
+         "trainer.rollout_data_dir dumps generations"),
+    Rule("skip.*", "inert", _ONLY_WHEN.format(what="skip.*.enable")),
+    Rule("distillation.enabled", "rejected", "on-policy distillation is not implemented"),
+    Rule("distillation.*", "inert", _ONLY_WHEN.format(what="distillation.enabled")),
+    Rule("trainer.v1.trainer_mode", "rejected", _ASYNC),
+    Rule("trainer.v1.*", "inert", _ONLY_WHEN.format(what="trainer.v1.trainer_mode (async modes)")),
+    Rule("trainer.use_v1", "inert", "megarl has one trainer implementation"),
+    Rule("trainer.use_legacy_worker_impl", "inert", "megarl has one worker implementation"),
+    # trainer
+    Rule("trainer.resume_mode", "mapped", "trainer.resume"),
+    Rule("trainer.default_hdfs_dir", "rejected", "HDFS upload is not implemented; copy "
+         "trainer.default_local_dir"),
+    Rule("trainer.del_local_ckpt_after_load", "inert", "megarl keeps the checkpoints it resumed "
+         "from; trainer.max_ckpt_to_keep bounds how many stay"),
+    Rule("trainer.esi_redundant_time", "inert", "cloud ESI checkpoint timing; save with "
+         "trainer.save_freq"),
+    Rule("trainer.checkpoint_callback_class", "rejected", "checkpoint callbacks are not "
+         "implemented"),
+    # data
+    *[Rule(f"data.{k}", "inert", _TEXT) for k in (
+        "audio_key", "image_key", "video_key", "image_patch_size", "mm_processor_kwargs",
+        "return_multi_modal_inputs")],
+    Rule("data.custom_cls.*", "rejected", "custom dataset classes are not supported; write "
+         "verl-format parquet/jsonl rows"),
+    Rule("data.filter_overlong_prompts_workers", "inert", "prompts are tokenized once at load"),
+    Rule("data.function_tool_path", "inert", _ONLY_WHEN.format(what="multi-turn rollouts")),
+    Rule("data.tool_config_path", "inert", _ONLY_WHEN.format(what="multi-turn rollouts")),
+    Rule("data.return_raw_chat", "inert", "megarl's engines always receive the chat messages"),
+    Rule("data.return_full_prompt", "inert", "the rollout dump always holds the full prompt text"),
+    Rule("data.return_raw_input_ids", "inert", "megarl's batch always carries the prompt ids"),
+    Rule("data.tokenizer", "mapped", f"{_ARR}.model.tokenizer_path"),
+    Rule("data.trust_remote_code", "mapped", f"{_ARR}.model.trust_remote_code"),
+    Rule("data.use_shm", "inert", _MEMORY),
+    Rule("data.validation_shuffle", "inert", "validation runs over the whole set; its order "
+         "does not change the metrics"),
+    Rule("data.apply_chat_template_kwargs", "rejected", "extra chat-template arguments are not "
+         "passed yet; set data.chat_template to a template of your own"),
+    Rule("data.train_max_samples", "rejected", "subsample the parquet file instead"),
+    Rule("data.val_max_samples", "rejected", "subsample the parquet file instead"),
+    Rule("data.reward_fn_key", "rejected", "rewards are chosen by each row's data_source"),
+    # models of the actor/ref and the critic
+    *_each(_MODELS, "custom_chat_template", "mapped", "data.chat_template"),
+    *_each(_MODELS, "enable_activation_offload", "inert", _OFFLOAD),
+    *_each(_MODELS, "external_lib", "rejected", "megarl builds its own model from the HF "
+           "config; external model libraries are not imported"),
+    *_each(_MODELS, "hf_config_path", "rejected", "the HF config is read from model.path"),
+    *_each(_MODELS, "override_config*", "rejected", "HF config overrides are not applied; edit "
+           "config.json of a copy of the model"),
+    *_each(_MODELS, "lora_rank", "rejected", _LORA),
+    *_each(_MODELS, "lora.rank", "rejected", _LORA),
+    *_each(_MODELS, "lora*", "inert", _ONLY_WHEN.format(what="LoRA (lora_rank / lora.rank)")),
+    *_each(_MODELS, "exclude_modules", "inert", _ONLY_WHEN.format(what="LoRA")),
+    *_each(_MODELS, "target_modules", "inert", _ONLY_WHEN.format(what="LoRA")),
+    *_each(_MODELS, "mtp.enable*", "rejected", "multi-token prediction is not implemented"),
+    *_each(_MODELS, "mtp*", "inert", _ONLY_WHEN.format(what="mtp.enable")),
+    *_each(_MODELS, "tiled_mlp.*", "inert", _MEMORY),
+    *_each(_MODELS, "use_liger", "inert", "megarl's fused kernels compute logprobs and entropy "
+           "without the full logits (model.use_fused_kernels)"),
+    *_each(_MODELS, "use_shm", "inert", _MEMORY),
+    Rule("critic.model.fused_kernel_options.impl_backend", "inert", "the critic's value head "
+         "reads hidden states; no vocabulary projection to fuse"),
+    Rule("critic.model.trust_remote_code", "mapped", f"{_ARR}.model.trust_remote_code"),
+    Rule("critic.model.use_fused_kernels", "inert", "the critic's value head reads hidden "
+         "states; no vocabulary projection to fuse"),
+    Rule("critic.model.use_remove_padding", "mapped", f"{_ARR}.model.use_remove_padding"),
+    Rule(f"{_ARR}.hybrid_engine", "rejected", "rollouts always share the training ranks "
+         "(colocated); separate rollout workers are not implemented"),
+    # FSDP options (megarl's torch backend shards with FSDP2)
+    *_each(_FSDP, "param_offload", "inert", _OFFLOAD),
+    *_each(_FSDP, "optimizer_offload", "inert", _OFFLOAD),
+    *_each(_FSDP, "offload_policy", "inert", _OFFLOAD),
+    Rule(f"{_ACTOR}.fsdp_config.fsdp_size", "mapped",
+         f"{_ACTOR}.parallel.data_parallel_shard"),
+    Rule("critic.fsdp.fsdp_size", "mapped", "critic.parallel.data_parallel_shard"),
+    Rule("critic.model.fsdp_config.fsdp_size", "mapped", "critic.parallel.data_parallel_shard"),
+    Rule(f"{_REF}.fsdp_config.fsdp_size", "inert", "the reference model is sharded like the "
+         "actor"),
+    Rule(f"{_ACTOR}.fsdp_config.dtype", "mapped", f"{_ARR}.model.dtype"),
+    Rule("critic.fsdp.dtype", "mapped", "critic.model.dtype"),
+    Rule("critic.model.fsdp_config.dtype", "mapped", "critic.model.dtype"),
+    Rule(f"{_REF}.fsdp_config.dtype", "inert", "the reference model computes in "
+         "actor_rollout_ref.model.dtype"),
+    *_each(_FSDP, "model_dtype", "rejected", "megarl keeps the parameters the optimizer "
+           "updates in fp32"),
+    *_each(_FSDP, "ulysses_sequence_parallel_size", "rejected",
+           "Ulysses sequence parallelism is not implemented; long responses: megatron with "
+           "sequence_parallel, or dynamic batching"),
+    *_each(_FSDP, "qat.enable", "rejected", "quantization-aware training is not implemented"),
+    *_each(_FSDP, "qat.*", "inert", _ONLY_WHEN.format(what="qat.enable")),
+    *_each(_FSDP, "turbo_config.*", "inert", "verl's FSDP-turbo plan; megarl's torch backend "
+           "lays out FSDP2 / TP / PP from each role's parallel.* keys"),
+    *_each(_FSDP[:3], "*", "inert", "FSDP1 / wrapping detail; megarl's torch backend shards each "
+           "decoder layer with FSDP2"),
+    # megatron options
+    *[Rule(f"{m}.override_transformer_config.recompute_{k}", "mapped",
+           f"{m}.recompute_{k}") for m in (f"{_ACTOR}.megatron", "critic.megatron")
+      for k in ("granularity", "method", "num_layers")],
+    *_each(_MEGATRON, "override_transformer_config*", "inert", "megarl builds the "
+           "TransformerConfig from the HF config; attention backend and fusions are its choice"),
+    *_each(_MEGATRON, "context_parallel_size", "rejected", "context parallelism is not "
+           "implemented; use TP with sequence_parallel"),
+    *_each(_MEGATRON, "expert_*", "rejected", _MOE),
+    *_each(_MEGATRON, "router_replay.mode", "rejected", _MOE),
+    *_each(_MEGATRON, "router_replay.*", "inert", _ONLY_WHEN.format(what="router_replay.mode")),
+    *_each(_MEGATRON, "param_offload", "inert", _OFFLOAD),
+    *_each(_MEGATRON, "grad_offload", "inert", _OFFLOAD),
+    *_each(_MEGATRON, "optimizer_offload", "inert", _OFFLOAD),
+    *_each(_MEGATRON, "use_dist_checkpointing", "rejected", "initial weights load from HF "
+           "safetensors (model.path); convert megatron checkpoints with conversion/ first"),
+    *_each(_MEGATRON, "dist_checkpointing_*", "inert",
+           _ONLY_WHEN.format(what="use_dist_checkpointing")),
+    *_each(_MEGATRON, "use_megatron_fsdp", "rejected", "megatron FSDP is not wired; use "
+           "strategy=torch for FSDP2"),
+    *_each(_MEGATRON, "qat.enable", "rejected", "quantization-aware training is not implemented"),
+    *_each(_MEGATRON, "qat.*", "inert", _ONLY_WHEN.format(what="qat.enable")),
+    Rule(f"{_ACTOR}.megatron.dtype", "mapped", f"{_ARR}.model.dtype"),
+    Rule("critic.megatron.dtype", "mapped", "critic.model.dtype"),
+    Rule(f"{_REF}.megatron.dtype", "inert", "the reference model computes in "
+         "actor_rollout_ref.model.dtype"),
+    Rule(f"{_REF}.megatron.*_parallel_size", "inert", "the reference model runs with the "
+         "actor's layout (memory differs, results do not)"),
+    Rule(f"{_REF}.megatron.sequence_parallel", "inert", "the reference model runs with the "
+         "actor's layout"),
+    Rule(f"{_REF}.megatron.use_distributed_optimizer", "inert", "the reference model has no "
+         "optimizer"),
+    *_each(_MEGATRON, "*", "inert", "verl's mbridge / padding / checkpoint detail; megarl maps "
+           "HF weights to megatron-core itself"),
+    # optimizers
+    *_each(_TRAINED, "optim.clip_grad", "mapped", "{p}.grad_clip"),
+    *_each(_TRAINED, "optim.lr_decay_style", "mapped", "{p}.optim.lr_scheduler_type"),
+    *_each(_TRAINED, "optim.optimizer", "rejected", "megarl trains with AdamW"),
+    *_each(_TRAINED, "optim.optimizer_impl", "rejected", "megarl uses torch.optim.AdamW (torch) "
+           "or megatron-core's distributed Adam"),
+    *_each(_TRAINED, "optim.muon_*", "inert", _ONLY_WHEN.format(what="optim.optimizer=Muon")),
+    *_each(_TRAINED, "optim.min_lr", "rejected", "use optim.min_lr_ratio (a fraction of lr)"),
+    *_each(_TRAINED, "optim.num_cycles", "rejected", "the cosine schedule decays over half a "
+           "cycle (verl's default 0.5)"),
+    *_each(_TRAINED, "optim.lr_warmup_init", "rejected", "warm-up starts from 0"),
+    *_each(_TRAINED, "optim.lr_decay_steps", "rejected", "decay runs over optim."
+           "total_training_steps"),
+    *_each(_TRAINED, "optim.lr_wsd_*", "inert", _ONLY_WHEN.format(what="lr_decay_style=WSD")),
+    *_each(_TRAINED, "optim.weight_decay_incr_style", "rejected", "weight decay is constant"),
+    *_each(_TRAINED, "optim.zero_indexed_step", "rejected", "the scheduler counts from step 0"),
+    *_each(_TRAINED, "optim.override_optimizer_config", "rejected", "set optim.betas / eps / "
+           "weight_decay"),
+    *_each(_TRAINED, "optim.*_dtype", "rejected", "optimizer states and main grads are fp32"),
+    *_each(_TRAINED, "optim.use_precision_aware_optimizer", "rejected", "optimizer states are "
+           "fp32"),
+    *_each(_TRAINED, "optim.use_layer_wise_distributed_optimizer", "inert", _MEMORY),
+    *_each(_TRAINED, "optim.use_checkpoint_opt_param_scheduler", "inert", "the LR schedule "
+           "always resumes from the checkpoint"),
+    # actor / ref / critic workers
+    *_each(_ROLES, "ulysses_sequence_parallel_size", "rejected",
+           "Ulysses sequence parallelism is not implemented; long responses: megatron with "
+           "sequence_parallel, or dynamic batching"),
+    *_each(_ROLES, "rollout_n", "inert", "read from actor_rollout_ref.rollout.n"),
+    *_each(_ROLES, "use_torch_compile", "inert", "training forwards run eagerly"),
+    *_each(_ROLES, "entropy_*", "inert", "megarl's fused kernels chunk the vocabulary "
+           "themselves (model.fused_kernel_options.chunk_size)"),
+    *_each(_ROLES, "pad_to_length*", "inert", "sequences are packed (model.use_remove_padding)"),
+    Rule(f"{_REF}.strategy", "inert", "the reference model uses the actor's strategy"),
+    *_each(_ROLES, "checkpoint.async_save", "inert", "checkpoints are written synchronously "
+           "(atomically); only the wall time differs"),
+    *_each(_ROLES, "checkpoint.strict", "inert", "checkpoints always load strictly"),
+    *_each(_ROLES, "checkpoint.mbridge_config", "inert", "megarl maps HF weights itself"),
+    *_each(_ROLES, "data_loader_seed", "inert", "mini-batch shuffling is seeded by trainer.seed"),
+    *_each(_ROLES, "loss_scale_factor", "rejected", "loss scaling follows loss_agg_mode"),
+    *_each(_ROLES, "ppo_micro_batch_size", "rejected", "set ppo_micro_batch_size_per_gpu "
+           "(verl deprecated the global size)"),
+    *_each((*_ROLES, _ROLLOUT), "log_prob_micro_batch_size", "rejected", "set log_prob_micro_batch_size_per_gpu "
+           "(verl deprecated the global size)"),
+    *_each(_ROLES, "forward_micro_batch_size", "rejected", "set forward_micro_batch_size_per_gpu "
+           "(verl deprecated the global size)"),
+    Rule("critic.forward_micro_batch_size_per_gpu", "mapped", "critic.ppo_micro_batch_size_per_gpu"),
+    Rule("critic.forward_max_token_len_per_gpu", "mapped", "critic.ppo_max_token_len_per_gpu"),
+    Rule("critic.checkpoint.*", "inert", "the critic saves what the actor's checkpoint.* says"),
+    Rule(f"{_ACTOR}.calculate_entropy", "inert", "the entropy is always computed (fused, no "
+         "extra memory)"),
+    Rule(f"{_ACTOR}.calculate_sum_pi_squared", "inert", "only read by verl's optimal-baseline "
+         "estimators, which megarl does not have"),
+    Rule(f"{_ACTOR}.freeze_vision_tower", "inert", _TEXT),
+    Rule(f"{_ACTOR}.policy_loss.clip_cov_*", "inert", _ONLY_WHEN.format(what="loss_mode=clip_cov")),
+    Rule(f"{_ACTOR}.policy_loss.kl_cov_ratio", "inert", _ONLY_WHEN.format(what="loss_mode=kl_cov")),
+    Rule(f"{_ACTOR}.policy_loss.ppo_kl_coef", "inert", _ONLY_WHEN.format(what="loss_mode=kl_cov")),
+    Rule(f"{_ACTOR}.policy_loss.dro_beta", "inert", _ONLY_WHEN.format(what="loss_mode=dro")),
+    Rule(f"{_ACTOR}.tau_*", "inert", _ONLY_WHEN.format(what="loss_mode=sapo")),
+    Rule(f"{_ACTOR}.use_fused_kernels", "mapped", f"{_ARR}.model.use_fused_kernels"),
+    Rule(f"{_ACTOR}.use_remove_padding", "mapped", f"{_ARR}.model.use_remove_padding"),
+    Rule(f"{_ACTOR}.use_prefix_grouper", "rejected", "shared-prefix grouping is not implemented"),
+    Rule(f"{_ACTOR}.qat.enable", "rejected", "quantization-aware training is not implemented"),
+    Rule(f"{_ACTOR}.qat.*", "inert", _ONLY_WHEN.format(what="qat.enable")),
+    # rollout
+    Rule(f"{_ROLLOUT}.checkpoint_engine.update_weights_bucket_megabytes", "mapped",
+         f"{_ROLLOUT}.update_weights_bucket_megabytes"),
+    Rule(f"{_ROLLOUT}.checkpoint_engine.*", "inert", "weights reach the engine through megarl's "
+         "resharding stream"),
+    Rule(f"{_ROLLOUT}.multi_turn.enable", "rejected", _MULTI_TURN),
+    Rule(f"{_ROLLOUT}.multi_turn.*", "inert", _ONLY_WHEN.format(what="multi_turn.enable")),
+    Rule(f"{_ROLLOUT}.agent.*", "inert", "verl's agent loop serves multi-turn rollouts, which "
+         "are rejected"),
+    Rule(f"{_ROLLOUT}.mode", "inert", "megarl's engines generate inside the synchronous step"),
+    Rule(f"{_ROLLOUT}.calculate_log_probs", "inert", "the engines always return the sampled "
+         "tokens' logprobs"),
+    Rule(f"{_ROLLOUT}.logprobs_mode", "rejected", "the engines return processed logprobs (of "
+         "the distribution sampled from)"),
+    *[Rule(f"{_ROLLOUT}.{k}", "rejected", f"rollout {k} > 1 is not implemented; one engine "
+           "per tensor_model_parallel_size ranks") for k in (
+        "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")],
+    Rule(f"{_ROLLOUT}.disaggregation.enabled", "rejected", "prefill/decode disaggregation is "
+         "not implemented"),
+    Rule(f"{_ROLLOUT}.disaggregation.*", "inert", _ONLY_WHEN.format(what="disaggregation.enabled")),
+    Rule(f"{_ROLLOUT}.dtype", "inert", "the engine runs in actor_rollout_ref.model.dtype"),
+    Rule(f"{_ROLLOUT}.enable_rollout_routing_replay", "rejected", _MOE),
+    Rule(f"{_ROLLOUT}.moe_load_balance_metrics_interval", "inert", _MOE),
+    Rule(f"{_ROLLOUT}.engine_kwargs.*", "rejected", "extra engine arguments are not passed "
+         "through yet"),
+    Rule(f"{_ROLLOUT}.ignore_eos", "rejected", "responses end at EOS"),
+    Rule(f"{_ROLLOUT}.over_sample_rate", "rejected", "over-sampling with early abort is not "
+         "implemented"),
+    Rule(f"{_ROLLOUT}.nnodes", "rejected", "rollouts share the training ranks; separate "
+         "rollout nodes are not implemented"),
+    Rule(f"{_ROLLOUT}.n_gpus_per_node", "inert", "rollouts share the training ranks "
+         "(trainer.n_gpus_per_node)"),
+    Rule(f"{_ROLLOUT}.quantization*", "rejected", "quantized rollouts are not implemented"),
+    Rule(f"{_ROLLOUT}.qat", "inert", _ONLY_WHEN.format(what="qat.enable")),
+    Rule(f"{_ROLLOUT}.mtp", "inert", _ONLY_WHEN.format(what="mtp.enable")),
+    Rule(f"{_ROLLOUT}.prompt_length", "inert", "read from data.max_prompt_length"),
+    Rule(f"{_ROLLOUT}.response_length", "inert", "read from data.max_response_length"),
+    Rule(f"{_ROLLOUT}.max_model_len", "inert", "the engine's context is data.max_prompt_length "
+         "+ data.max_response_length"),
+    *[Rule(f"{_ROLLOUT}.{k}", "inert", "a serving detail of verl's engine servers; megarl "
+           "drives the engine in process") for k in (
+        "cudagraph_capture_sizes", "disable_log_stats", "enable_prefix_caching",
+        "full_determinism", "layered_summon", "load_format", "multi_stage_wake_up",
+        "router_config_path", "scheduling_policy", "skip_tokenizer_init", "prometheus.*",
+        "trace.*")],
+    # algorithm
+    Rule("algorithm.filter_groups.max_inflight_gen_batches", "inert", "generation rounds run "
+         "one at a time"),
+    Rule("algorithm.use_pf_ppo", "rejected", "PF-PPO reweighting is not implemented"),
+    Rule("algorithm.pf_ppo.*", "inert", _ONLY_WHEN.format(what="algorithm.use_pf_ppo")),
+    Rule("algorithm.rollout_correction.rollout_is", "rejected", "rollout/trainer importance "
+         "sampling correction is not implemented; rollout.check_logprobs measures the mismatch"),
+    Rule("algorithm.rollout_correction.rollout_rs", "rejected", "rollout rejection sampling is "
+         "not implemented"),
+    Rule("algorithm.rollout_correction.bypass_mode", "rejected", "old logprobs are always "
+         "recomputed by the trainer"),
+    Rule("algorithm.rollout_correction.*", "inert",
+         _ONLY_WHEN.format(what="rollout_correction.rollout_is / rollout_rs")),
+    # reward (verl's `reward.*` section and its older `reward_model.*` spellings)
+    Rule("reward.custom_reward_function.*", "mapped", "custom_reward_function.*"),
+    Rule("reward.reward_manager.name", "mapped", "reward_model.reward_manager"),
+    Rule("reward.reward_manager.*", "rejected", "reward managers are chosen by name "
+         "(reward_model.reward_manager); custom manager modules are not loaded"),
+    Rule("reward.reward_model.enable", "mapped", "reward_model.enable"),
+    Rule("reward.reward_model.model_path", "mapped", "reward_model.model.path"),
+    Rule("reward.num_workers", "mapped", "reward_model.num_workers"),
+    *[Rule(f"{s}.enable_resource_pool", "inert", "the reward model shares the training ranks")
+      for s in ("reward.reward_model", "reward_model")],
+    *[Rule(f"{s}.{k}", "inert", "the reward model shares the training ranks")
+      for s in ("reward.reward_model", "reward_model") for k in ("n_gpus_per_node", "nnodes")],
+    *[Rule(f"{s}.rollout.*", "inert", "megarl's process reward model scores with one forward; "
+           "generative reward models are not implemented") for s in ("reward.reward_model",
+                                                                    "reward_model")],
+    Rule("reward_model.model.external_lib", "rejected", "megarl builds its PRM from the HF "
+         "config; external model libraries are not imported"),
+    Rule("reward_model.use_reward_loop", "inert", "megarl has one reward path"),
+    Rule("reward_model.model.use_remove_padding", "inert", "the PRM packs sequences like the "
+         "actor (actor_rollout_ref.model.use_remove_padding)"),
+    Rule("reward_model.model.fsdp_config.*", "inert", _OFFLOAD),
+    Rule(f"{_ACTOR}.router_replay.mode", "rejected", _MOE),
+    Rule("reward_model.model.trust_remote_code", "mapped", f"{_ARR}.model.trust_remote_code"),
+    Rule("reward_model.reward_loop_*", "rejected", "custom reward loops are not loaded; use "
+         "custom_reward_function"),
+    Rule("*sandbox_fusion.url", "rejected", "code execution sandboxes are not implemented"),
+    Rule("*sandbox_fusion.*", "inert", _ONLY_WHEN.format(what="sandbox_fusion.url")),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: Status
+    note: str  # mapped: the megarl key; inert / rejected: the reason; implemented: ""
+
+
+def _schema_key(dotted: str) -> str | None:
+    """The megarl key ``dotted`` is read as (itself, or through an alias), or None."""
+    from megarl.config.loader import _canonical_path, _schema_problem
+
+    canon = _canonical_path(dotted)
+    return None if _schema_problem(canon) else canon
+
+
+@cache
+def classify(key: str) -> Verdict | None:
+    """How megarl reads verl's dotted ``key``; None if no rule covers it."""
+    canon = _schema_key(key)
+    if canon is not None:
+        return Verdict("implemented", "") if canon == key else Verdict("mapped", canon)
+    for rule in RULES:
+        if fnmatch.fnmatchcase(key, rule.pattern):
+            if rule.status == "mapped" and rule.note.endswith(".*"):
+                prefix = rule.pattern[:-1]
+                return Verdict("mapped", rule.note[:-1] + key[len(prefix):])
+            return Verdict(rule.status, rule.note)
+    return None
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested mapping -> {dotted key: leaf}; an empty mapping is a leaf."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def keys_from_wheel(wheel: bytes | Path) -> dict[str, Any]:
+    """{dotted key: verl default} of the trainer configs in a verl wheel (read, not imported).
+    A key present in both files keeps the FSDP file's default."""
+    data = wheel if isinstance(wheel, bytes) else Path(wheel).read_bytes()
+    out: dict[str, Any] = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        for name in reversed(VERL_CONFIG_FILES):
+            out.update(flatten(yaml.safe_load(zf.read(name))))
+    return dict(sorted(out.items()))
+
+
+def verl_keys() -> dict[str, Any]:
+    """The pinned release's keys and defaults (``verl_keys.yaml``)."""
+    return yaml.safe_load(KEYS_FILE.read_text())["keys"]
+
+
+def render_keys_file(keys: dict[str, Any]) -> str:
+    head = (f"# verl {VERL_RELEASE}: every key of {', '.join(p.rsplit('/', 1)[1] for p in VERL_CONFIG_FILES)}"
+            "\n# with its default. Written by `python -m megarl.config.verl_compat --wheel W`; "
+            "do not edit.\n")
+    return head + yaml.safe_dump({"release": VERL_RELEASE, "keys": keys}, sort_keys=False,
+                                 allow_unicode=True, width=1000)
+
+
+def _cell(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    text = text.removesuffix("\n...").removesuffix("...").strip()
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
+
+
+def render_doc(keys: dict[str, Any]) -> str:
+    """docs/verl_compat.md: the status of every key, grouped by top-level section."""
+    verdicts = {k: classify(k) for k in keys}
+    counts = {s: sum(v is not None and v.status == s for v in verdicts.values()) for s in STATUSES}
+    lines = [
+        "# verl compatibility, key by key",
+        "",
+        f"How megarl reads each of the {len(keys)} keys of verl {VERL_RELEASE}'s trainer configs "
+        f"({', '.join('`' + p.rsplit('/', 1)[1] + '`' for p in VERL_CONFIG_FILES)}). Generated by "
+        "`python -m megarl.config.verl_compat`; `tests/config/test_verl_contract.py` checks it "
+        "against the wheel.",
+        "",
+        "- **implemented**: a megarl key of the same name and meaning;",
+        "- **mapped**: read as the megarl key named;",
+        "- **inert**: accepted without effect on the results, for the reason given; set to "
+        "anything but verl's default, the run prints a one-line notice;",
+        "- **rejected**: a feature megarl does not have; verl's default is accepted, any other "
+        "value is an error that says why and what to use instead.",
+        "",
+        "| status | keys |",
+        "|---|---|",
+        *[f"| {s} | {counts[s]} |" for s in STATUSES],
+        "",
+    ]
+    older = {k: v for k, v in OLDER_KEYS.items() if k not in keys}
+    verdicts |= {k: classify(k) for k in older}
+    keys = {**keys, **older}
+    section = None
+    for key, verdict in sorted(verdicts.items()):
+        top = key.split(".")[0] if key.count(".") < 2 else ".".join(key.split(".")[:2])
+        if top != section:
+            section = top
+            lines += ["", f"## `{section}`", "", "| key | verl default | status | megarl |",
+                      "|---|---|---|---|"]
+        status, note = (verdict.status, verdict.note) if verdict else ("UNCLASSIFIED", "")
+        shown = f"`{note}`" if status == "mapped" else note
+        mark = " (older spelling)" if key in older else ""
+        lines.append(f"| `{key}`{mark} | {_cell(keys[key])} | {status} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Write verl_keys.yaml and docs/verl_compat.md from "
+                                 "a verl wheel (`pip download --no-deps verl==X`).")
+    ap.add_argument("--wheel", type=Path, help="the wheel; without it, verl_keys.yaml is read")
+    ap.add_argument("--doc", type=Path, default=Path(__file__).resolve().parents[2] / "docs"
+                    / "verl_compat.md")
+    args = ap.parse_args(argv)
+    if args.wheel:
+        KEYS_FILE.write_text(render_keys_file(keys_from_wheel(args.wheel)))
+    args.doc.write_text(render_doc(verl_keys()))
+    print(f"wrote {KEYS_FILE} and {args.doc}")
+
+
+if __name__ == "__main__":
+    main()
