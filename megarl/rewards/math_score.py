@@ -4,7 +4,8 @@ The fast path decides without math-verify when both answers normalise to the sam
 are both plain integers (the `arith` demo task never reaches math-verify). Everything else
 goes to math-verify (`parse` / `verify`), imported lazily. math-verify bounds its own calls with
 SIGALRM, which only works in a main thread; elsewhere its timeouts are switched off and the
-caller (the reward pool) must bound time.
+caller (the reward pool) must bound time. A timeout or a fault inside math-verify raises
+(the pool reports "timeout" / "error"), never passes for a wrong answer.
 """
 
 from __future__ import annotations
@@ -91,12 +92,20 @@ class AnswerCheckTimeout(TimeoutError):
     """math-verify ran past MATH_VERIFY_TIMEOUT_S on one answer (the pool reports "timeout")."""
 
 
+class AnswerCheckError(RuntimeError):
+    """math-verify failed inside on one answer (the pool reports "error", counted in
+    reward/errors): an unparsable answer is not an error (math-verify returns no parse), so an
+    exception is a fault of the checker, never a verdict on the answer."""
+
+
 def math_verify_equal(pred: str, gold: str) -> bool:
     """math-verify's decision for a bare predicted answer and a bare gold answer.
 
-    A parse or comparison that math-verify cannot do is False; one that runs out of time raises
-    AnswerCheckTimeout instead of passing for a wrong answer (math-verify alone would return
-    False and only log a warning).
+    An answer math-verify cannot parse, or parsed values it cannot compare, are False (it
+    returns no parse / False for those). An exception inside math-verify raises
+    AnswerCheckError and a run out of time AnswerCheckTimeout, instead of either passing for a
+    wrong answer (math-verify alone would return False and only log); MemoryError propagates
+    (the worker's memory bound).
     """
     from math_verify import LatexExtractionConfig, parse, verify
     from math_verify.errors import TimeoutException
@@ -116,8 +125,10 @@ def math_verify_equal(pred: str, gold: str) -> bool:
         return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout, raise_on_error=True))
     except TimeoutException:  # a BaseException: it must not escape the worker's error handling
         raise AnswerCheckTimeout(f"math-verify took over {timeout} s") from None
-    except Exception:  # noqa: BLE001 - unparsable or incomparable: not equal
-        return False
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a fault of the checker, not a wrong answer
+        raise AnswerCheckError(f"math-verify failed: {type(e).__name__}: {e}"[:300]) from e
 
 
 def math_answer_equal(pred: str, gold: str) -> bool:

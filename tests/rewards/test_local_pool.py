@@ -83,6 +83,65 @@ def test_math_verify_timeout_counts_as_a_timeout(pool2):
     assert pool2.stats["reward/errors"] == before["reward/errors"]
 
 
+# A custom function that scores with megarl's math verifier while math-verify's sympy
+# comparison is broken (a planted fault inside math-verify).
+MATH_VERIFY_FAULT_FN = """
+import math_verify.grader
+
+from megarl.rewards import compute_score
+
+
+def _fault(*args, **kwargs):
+    raise ZeroDivisionError("planted fault inside math-verify")
+
+
+def compute(data_source, solution_str, ground_truth, extra_info=None):
+    real = math_verify.grader.sympy_expr_eq
+    math_verify.grader.sympy_expr_eq = _fault
+    try:
+        return compute_score(data_source, solution_str, ground_truth, extra_info)
+    finally:
+        math_verify.grader.sympy_expr_eq = real
+"""
+
+
+def test_math_verify_fault_is_counted_as_an_error(pool2, tmp_path):
+    """A fault inside math-verify reaches the pool's and the manager's reward/errors with status
+    "error"; the same right answer (1/2 = 0.5, decided by math-verify) scores 1.0 "ok" without the
+    fault. Planted bug: math_verify_equal catching the fault as False -> (0.0, "ok"), errors +0."""
+    path = tmp_path / "mv_fault.py"
+    path.write_text(MATH_VERIFY_FAULT_FN)
+    spec = RewardFnSpec(kind="custom", path=str(path), name="compute")
+    right = ("math", "\\boxed{\\frac{2}{4}}", "0.5")
+    before = dict(pool2.stats)
+    res = pool2.score([RewardRequest(*right, None, spec), RewardRequest(*right)])
+    assert [(r.score, r.status) for r in res] == [(0.0, "error"), (1.0, "ok")]
+    assert "AnswerCheckError" in res[0].extra["error"]
+    assert pool2.stats["reward/errors"] - before["reward/errors"] == 1
+    mgr = make_reward_manager("naive", pool2, {"path": str(path), "name": "compute"})
+    scores, metrics = mgr([right[1], "\\boxed{7}"], ["math", "math"], [right[2], "8"], [{}, {}])
+    assert scores.tolist() == [0.0, 0.0]
+    assert metrics["reward/errors"] == 1  # the fault; 7 vs 8 is a wrong answer, not an error
+
+
+def test_pool_timeout_bounds_the_wall_time_of_a_slow_answer():
+    """The pool's timeout is a bound on wall time. `9^{9^{9}}` keeps math-verify busy until its
+    own 2 s alarm (2.0 s in a worker, 3.0 s in-process); a pool with timeout_s=0.5 must cut it
+    at 0.5 s + 1.0 s slack (kill, reap, fork a replacement; measured 0.52-0.54 s on a 2-core
+    Xeon). Planted bug: the pool's deadline 10x late -> 2.0-2.1 s (math-verify's alarm ends it,
+    still status "timeout") and only the wall-time bound fails."""
+    slow = RewardRequest("math", "\\boxed{9^{9^{9}}}", "1")
+    with make_reward_pool("local", num_workers=1, timeout_s=0.5, memory_mb=512) as pool:
+        assert pool.score([RewardRequest("math", "\\boxed{\\frac{2}{4}}", "0.5")])[0].score == 1.0
+        t0 = time.perf_counter()
+        res = pool.score([slow])
+        elapsed = time.perf_counter() - t0
+        assert (res[0].score, res[0].status) == (0.0, "timeout")
+        assert "timed out after 0.5 s" in res[0].extra["error"]
+        assert elapsed < 0.5 + 1.0, f"{elapsed:.2f} s"
+        assert pool.score([RewardRequest("math", "\\boxed{3}", "3")])[0] == (1.0, {}, "ok")
+
+
 def test_hostile_functions_identical_for_one_and_two_workers(pool2, hostile_path):
     reqs = _mixed_requests(hostile_path)
     with make_reward_pool("local", num_workers=1, timeout_s=3.0, memory_mb=512) as pool1:

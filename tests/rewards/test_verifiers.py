@@ -138,6 +138,41 @@ def test_math_verify_timeout_is_reported_not_scored_as_wrong():
     assert run_request(RewardRequest("math", "\\boxed{\\frac{2}{4}}", "0.5")) == (1.0, {}, "ok")
 
 
+def test_math_verify_internal_error_is_an_error_not_a_wrong_answer(monkeypatch):
+    """A fault inside math-verify is status "error" (counted in reward/errors), not a wrong answer
+    with status "ok". Planted faults: math-verify's sympy comparison (`grader.sympy_expr_eq`)
+    and its extraction (`parser.extract_target_from_pred`) raise; math-verify passes them on only
+    because megarl calls it with raise_on_error=True. Planted bugs: catching the exception as
+    False in math_verify_equal, or dropping raise_on_error -> (0.0, {}, "ok") for the right answer
+    1/2 = 0.5 and this test fails. An unparsable answer stays a wrong answer (status "ok"), so
+    reward/errors counts faults of the checker only."""
+    import math_verify.grader
+    import math_verify.parser
+
+    from megarl.rewards.execute import run_request
+    from megarl.rewards.math_score import AnswerCheckError, fast_equal, math_verify_equal
+    from megarl.rewards.pool import RewardRequest
+
+    req = RewardRequest("math", "\\boxed{\\frac{2}{4}}", "0.5")
+    assert fast_equal("\\frac{2}{4}", "0.5") is None  # decided by math-verify
+    assert run_request(req) == (1.0, {}, "ok")
+    assert run_request(RewardRequest("math", "\\boxed{\\frac{}{)}", "0.5")) == (0.0, {}, "ok")
+
+    def fault(*args, **kwargs):
+        raise ZeroDivisionError("planted fault")
+
+    for module, name in ((math_verify.grader, "sympy_expr_eq"),
+                         (math_verify.parser, "extract_target_from_pred")):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, fault)
+            with pytest.raises(AnswerCheckError, match="ZeroDivisionError: planted fault"):
+                math_verify_equal("\\frac{2}{4}", "0.5")
+            score, extra, status = run_request(req)
+            assert (score, status) == (0.0, "error"), name
+            assert "AnswerCheckError" in extra["error"] and "planted fault" in extra["error"]
+    assert run_request(req) == (1.0, {}, "ok")
+
+
 # -- gsm8k ---------------------------------------------------------------------------------
 
 
