@@ -154,14 +154,42 @@ def test_activation_recompute_keeps_gradients(zoo, backend_cls, recompute):
         assert torch.allclose(grads[0][k], grads[1][k], atol=1e-7, rtol=1e-6), k
 
 
-def test_bf16_params_and_logprobs(zoo, backend_cls):
-    path = lib.zoo_model(zoo, "qwen2_bias")
+def spread_copy(src, dst, scale: float = 3.0):
+    """A copy of the HF folder `src` with its output head scaled by `scale` (logit std 0.8 ->
+    2.4: the tiny random models' near-uniform logits hide a temperature error)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    key = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
+    w[key] = w[key] * scale
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_bf16_params_and_logprobs(zoo, backend_cls, tmp_path):
+    """bf16 logprobs against transformers run in bf16, on a model with logit spread (std 2.4):
+    max |diff| < 0.2 and mean < 0.08 over the response tokens (measured at T 0.7 / 1.0: max
+    0.092 / 0.060, mean 0.050 / 0.030; megatron's bf16 kernels round differently from
+    transformers', so the bound is above one bf16 ulp of the logits). Planted T' = 1.05 T moves
+    the same logprobs by mean 0.30 / 0.17 (max 0.66 / 0.42); planted in the backend it fails
+    at max 0.65, mean 0.28. Before, a bound of 0.15
+    against fp32 on the unscaled model let it pass."""
+    path = spread_copy(lib.zoo_model(zoo, "qwen2_bias"), tmp_path / "spread")
     be = backend_cls("actor", str(path), dtype="bf16", optim_config={"lr": 1e-3})
     batch = lib.make_batch(seed=12)
-    ref_lp, _, _ = lib.hf_logprobs(lib.hf_model(path), batch)
-    lp, _ = be.logprobs(batch)
-    assert lp.dtype == torch.float32
-    assert lib.max_diff(lp, ref_lp) < 0.15  # bf16 weights and activations
+    hf16 = lib.hf_model(path, dtype=torch.bfloat16)
+    resp = batch.response_mask.bool()
+    for temperature in (0.7, 1.0):
+        with torch.no_grad():
+            ref_lp, _, ref_logits = lib.hf_logprobs(hf16, batch, temperature=temperature)
+        assert float(ref_logits[resp].std(-1).mean()) * temperature > 2.0  # real spread
+        lp, _ = be.logprobs(batch, temperature=temperature)
+        assert lp.dtype == torch.float32
+        d = (lp.double() - ref_lp)[resp].abs()
+        assert float(d.max()) < 0.2 and float(d.mean()) < 0.08, (temperature, d.max(), d.mean())
     metrics = be.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, 10.0))
     assert metrics["skipped"] == 0.0 and math.isfinite(metrics["grad_norm"])
     assert all(t.dtype == torch.bfloat16 for _, t in be.export_weights())
