@@ -175,8 +175,8 @@ def test_bf16_params_and_logprobs(zoo, backend_cls, tmp_path):
     0.092 / 0.060, mean 0.050 / 0.030; megatron's bf16 kernels round differently from
     transformers', so the bound is above one bf16 ulp of the logits). Planted T' = 1.05 T moves
     the same logprobs by mean 0.30 / 0.17 (max 0.66 / 0.42); planted in the backend it fails
-    at max 0.65, mean 0.28. Before, a bound of 0.15
-    against fp32 on the unscaled model let it pass."""
+    at max 0.65, mean 0.28. Before, a bound of 0.15 against fp32 on the unscaled model let it
+    pass."""
     path = spread_copy(lib.zoo_model(zoo, "qwen2_bias"), tmp_path / "spread")
     be = backend_cls("actor", str(path), dtype="bf16", optim_config={"lr": 1e-3})
     batch = lib.make_batch(seed=12)
