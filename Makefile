@@ -41,6 +41,7 @@ assets: install
 	$(PY) -m megarl.demo.assets
 
 # Builds the assets it lacks (2 threads), then torchrun 2 ranks; ARGS='key=value ...' to override.
+# pure_prm_vr names no model, so the embedded demo's overlay (configs/demo/) applies.
 demo: install
 	$(PY) -m megarl.demo.run $(ARGS)
 
