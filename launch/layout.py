@@ -75,8 +75,11 @@ def available_configs() -> list[str]:
     root = config_dir()
     if not root.is_dir():
         return []
-    names = {str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.y*ml")}
-    return sorted(names)
+    mc = _megarl_config()
+    if mc is not None:
+        return mc.available_configs()
+    names = (p.relative_to(root) for p in root.rglob("*.y*ml"))
+    return sorted({str(p.with_suffix("")) for p in names if p.parts[0] != "demo"})  # overlays
 
 
 def find_config(name: str, base: Path) -> Path | None:
