@@ -75,6 +75,7 @@ setup(
     "on megatron-core or a pure-PyTorch fallback",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl*", "megarl_kernels*", "conversion*", "launch*"]),
+    package_data={"megarl.config": ["verl_keys.yaml"]},  # verl's keys and defaults
     install_requires=CORE,
     extras_require=EXTRAS,
     cmdclass={"build_py": BuildWithRecipes},

@@ -34,6 +34,12 @@ from megarl.config.provenance import Resolved, Sources, walk
 from megarl.config.schema import Config
 from megarl.config.typecheck import build, unknown_key_message
 from megarl.config.validate import check, fill_derived
+from megarl.config.verl_compat import (
+    apply_verl_mappings,
+    flatten,
+    take_verl_only,
+    verl_only_findings,
+)
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 DEMO_DIR = "demo"  # config_dir()/demo/NAME.yaml: the embedded demo's overlay of recipe NAME
@@ -240,6 +246,11 @@ def _resolve(tree: dict) -> dict:
         raise ConfigError(f"{key}: cannot resolve interpolation: {first}") from None
 
 
+def _canonical(layer: dict, source: str) -> dict:
+    """One layer in megarl's keys: verl's mapped keys moved, then the alias spellings read."""
+    return canonical_keys(apply_verl_mappings(layer, source), source)
+
+
 def _lookup(tree: dict, dotted: str) -> Any:
     node: Any = tree
     for part in dotted.split("."):
@@ -275,7 +286,7 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
               name: str = "") -> Resolved:
     """``files``: [(layer name, raw layer)], base first. ``overlays``: [(position, name, layer)],
     inserted before files[position] when the demo overlay applies."""
-    files = [(source, canonical_keys(layer, source)) for source, layer in files]
+    files = [(source, _canonical(layer, source)) for source, layer in files]
     over: dict = {}
     deletions: list[str] = []
     over_sources: list[tuple[dict, str]] = []
@@ -288,17 +299,25 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
         try:
             single: dict = {}
             _set_path(single, key, value)
-            over_sources.append((canonical_keys(single, "override"), f"override {text.strip()}"))
+            over_sources.append((_canonical(single, "override"), f"override {text.strip()}"))
         except ConfigError:
             pass  # reported below, when the whole override layer is read
-    over = canonical_keys(over, "overrides")
+    over = _canonical(over, "overrides")
     deletions = [_canonical_path(key) for key in deletions]
 
     use_demo, reason = _demo_decision(files, over, deletions, demo, bool(overlays))
     if use_demo:
         at = overlays[-1][0]
-        demo_layers = [(source, canonical_keys(layer, source)) for _, source, layer in overlays]
+        demo_layers = [(source, _canonical(layer, source)) for _, source, layer in overlays]
         files = files[:at] + demo_layers + files[at:]
+
+    # verl's keys without a megarl key: out of the tree, judged on their last value
+    verl_only: dict[str, tuple[Any, str]] = {}
+    for source, layer in files:
+        verl_only.update((k, (v, source)) for k, v in take_verl_only(layer).items())
+    for layer, source in over_sources:
+        verl_only.update((k, (v, source)) for k, v in take_verl_only(layer).items())
+    take_verl_only(over)
 
     prov = Sources()
     raw: dict = {}
@@ -324,12 +343,14 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
     cfg, sync = fill_derived(cfg, explicit)
     problems += [f"{keys[0]}: {text}" for keys, text in sync]
     problems += check(cfg, bad)
+    notices, refused = verl_only_findings(verl_only, flatten(resolved))
+    problems += refused
     if problems:
         raise ConfigError(problems)
     layers = ["schema defaults", *(source for source, _ in files)]
     if overrides:
         layers.append("overrides")
-    return Resolved(cfg, prov, layers, use_demo, reason, name)
+    return Resolved(cfg, prov, layers, use_demo, reason, name, notices)
 
 
 def _delete(tree: dict, dotted: str) -> None:

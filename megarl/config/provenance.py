@@ -85,6 +85,7 @@ class Resolved:
     sources:     dotted key -> the layer that set it (only keys some layer wrote).
     layers:      layer names in the order applied (schema defaults first, overrides last).
     demo:        whether the demo overlay was applied; demo_reason says why (or why not).
+    notices:     one line per verl key set to a non-default value that has no effect here.
     """
 
     config: Any
@@ -93,6 +94,7 @@ class Resolved:
     demo: bool = False
     demo_reason: str = ""
     name: str = ""
+    notices: list[str] = field(default_factory=list)  # verl keys accepted without effect
 
     def non_defaults(self) -> list[tuple[str, Any, str]]:
         """(dotted key, value, source) of every leaf whose value differs from the schema's
@@ -126,6 +128,7 @@ class Resolved:
         ]
         for key, value, src in rows:
             lines.append(f"  {key.ljust(width)} = {_fmt(value)}  <- {src}")
+        lines += [f"notice: {text}" for text in self.notices]
         return "\n".join(lines)
 
 

@@ -19,8 +19,10 @@ The keys and their verl defaults live in ``verl_keys.yaml`` (written from the wh
 from __future__ import annotations
 
 import argparse
+import copy
 import fnmatch
 import io
+import re
 import zipfile
 from dataclasses import dataclass
 from functools import cache
@@ -51,6 +53,9 @@ OLDER_KEYS: dict[str, Any] = {
     "reward_model.model.use_remove_padding": False,
     "reward_model.model.fsdp_config.param_offload": False,
 }
+
+# verl sections whose keys are free-form (passed on to megatron-core's TransformerConfig)
+OPEN_SECTIONS = ("*.megatron.override_transformer_config",)
 
 Status = Literal["implemented", "mapped", "inert", "rejected"]
 STATUSES: tuple[Status, ...] = ("implemented", "mapped", "inert", "rejected")
@@ -406,6 +411,148 @@ def classify(key: str) -> Verdict | None:
                 return Verdict("mapped", rule.note[:-1] + key[len(prefix):])
             return Verdict(rule.status, rule.note)
     return None
+
+
+_ABSENT = object()
+
+
+@cache
+def _accepted_keys() -> dict[str, Any]:
+    return {**verl_keys(), **OLDER_KEYS}
+
+
+def verl_key_of(dotted: str) -> str | None:
+    """The verl key (of the pinned release, or an older spelling) that ``dotted`` is or lies
+    under (``...override_transformer_config.X`` lies under a mapping-valued verl key)."""
+    keys = _accepted_keys()
+    key = dotted
+    while key:
+        if key in keys or any(fnmatch.fnmatchcase(key, p) for p in OPEN_SECTIONS):
+            return key
+        key = key.rpartition(".")[0]
+    return None
+
+
+def _pop_leaf(tree: dict, dotted: str) -> None:
+    """Remove ``dotted`` and the mappings it leaves empty."""
+    *parents, last = dotted.split(".")
+    chain = [tree]
+    for part in parents:
+        chain.append(chain[-1][part])
+    del chain[-1][last]
+    for node, part in zip(reversed(chain[:-1]), reversed(parents)):
+        if node[part]:
+            break
+        del node[part]
+
+
+@cache
+def _rule_mappings() -> tuple[tuple[str, str], ...]:
+    """(verl key or prefix, megarl key or prefix) of the ``mapped`` rules."""
+    # trainer.resume_mode is read together with resume_from_path by megarl.config.aliases
+    return tuple((r.pattern.removesuffix(".*"), r.note.removesuffix(".*"))
+                 for r in RULES if r.status == "mapped" and r.pattern != "trainer.resume_mode")
+
+
+def apply_verl_mappings(layer: dict, source: str) -> dict:
+    """A copy of ``layer`` with every key of a ``mapped`` rule moved to its megarl key. The
+    verl key and its megarl key both set to different values in one layer is an error."""
+    from megarl.config.errors import ConfigError
+
+    layer = copy.deepcopy(layer)
+    for dotted, value in list(flatten(layer).items()):
+        for verl, megarl in _rule_mappings():
+            if dotted == verl or dotted.startswith(verl + "."):
+                target = megarl + dotted[len(verl):]
+                break
+        else:
+            continue
+        node = layer
+        for part in target.split(".")[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{target}: set as a value and as a section (from {source})")
+        last = target.rsplit(".", 1)[-1]
+        if last in node and node[last] != value:
+            raise ConfigError(f"{dotted}={value!r} and {target}={node[last]!r} (from {source}): "
+                              f"{dotted} is verl's spelling of {target}; set one of them")
+        node[last] = value
+        _pop_leaf(layer, dotted)
+    return layer
+
+
+def take_verl_only(layer: dict) -> dict[str, Any]:
+    """Pop from ``layer`` (a nested config layer, aliases already applied) every value of a
+    verl key that megarl has no key for (inert or rejected); returns them as {dotted: value}.
+    What remains holds megarl keys and unknown keys (which the schema check reports)."""
+    taken: dict[str, Any] = {}
+    for dotted, value in flatten(layer).items():
+        if _schema_key(dotted) is not None or verl_key_of(dotted) is None:
+            continue
+        if (classify(dotted) or classify(verl_key_of(dotted))).status in ("inert", "rejected"):
+            taken[dotted] = value
+            _pop_leaf(layer, dotted)
+    return taken
+
+
+_SELECT = re.compile(r"^\$\{oc\.select:([^,}]+)(?:,(.*))?\}$")
+_REFERENCE = re.compile(r"^\$\{([^}:]+)\}$")
+
+
+def verl_defaults(dotted: str, config: dict[str, Any], depth: int = 0) -> list[Any]:
+    """The values verl's default for ``dotted`` can stand for. A default that is an
+    interpolation (``${oc.select:KEY,FALLBACK}``, ``${KEY}``, ``${.sibling}``) stands for the
+    value KEY has in ``config`` (dotted -> value), KEY's own verl default, and FALLBACK."""
+    default = _accepted_keys().get(dotted, _ABSENT)
+    out = [default]
+    if not isinstance(default, str) or depth > 8:
+        return out
+    if m := _SELECT.match(default):
+        ref, fallback = m.group(1).strip(), m.group(2)
+        if fallback is not None:
+            out.append(yaml.safe_load(fallback.strip() or "null"))
+    elif m := _REFERENCE.match(default):
+        ref = m.group(1).strip()
+    else:
+        return out
+    if ref.startswith("."):
+        ref = dotted.rpartition(".")[0] + ref
+    for key in (ref, _megarl_key_of(ref)):
+        if key in config:
+            out.append(config[key])
+    return out + verl_defaults(ref, config, depth + 1)
+
+
+def _megarl_key_of(dotted: str) -> str | None:
+    """The megarl key a verl key is read as (an alias or a ``mapped`` rule), or None."""
+    canon = _schema_key(dotted)
+    if canon is not None:
+        return canon
+    for verl, megarl in _rule_mappings():
+        if dotted == verl or dotted.startswith(verl + "."):
+            return megarl + dotted[len(verl):]
+    return None
+
+
+def verl_only_findings(values: dict[str, tuple[Any, str]],
+                       config: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
+    """(notices, errors) for the verl-only values a config set: {dotted: (value, source)};
+    ``config``: dotted -> value of the rest of the config (for interpolated verl defaults).
+    A value equal to verl's default says nothing; otherwise an inert key gives a notice (no
+    effect, and why) and a rejected key an error (why, and what to use instead)."""
+    notices: list[str] = []
+    errors: list[str] = []
+    known = {**(config or {}), **{k: v for k, (v, _) in values.items()}}
+    for dotted, (value, source) in sorted(values.items()):
+        if any(value == d for d in verl_defaults(dotted, known) if d is not _ABSENT):
+            continue
+        verdict = classify(dotted) or classify(verl_key_of(dotted) or dotted)
+        said = f"{dotted}={value!r} (from {source})"
+        if verdict.status == "inert":
+            notices.append(f"{said}: accepted without effect: {verdict.note}")
+        else:
+            errors.append(f"{said}: not supported by megarl: {verdict.note}")
+    return notices, errors
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

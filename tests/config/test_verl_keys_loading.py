@@ -1,0 +1,82 @@
+"""verl's keys that megarl has no key for, as the loader reads them (megarl/config/verl_compat.py).
+
+Each status against what a user sees: a mapped key's value lands on its megarl key; an inert key
+is silent at verl's default and gives one startup notice otherwise; a rejected key is accepted at
+verl's default and is an error naming the key, the reason and what to use otherwise. Defaults
+that are interpolations in verl (ref.ulysses_sequence_parallel_size =
+${oc.select:actor_rollout_ref.actor.ulysses_sequence_parallel_size,1}) count as defaults when the
+value equals what they resolve to.
+
+Planted: not removing verl-only keys from the layers (take_verl_only skipped) fails every test
+here with "unknown key"; comparing interpolated defaults as raw strings rejects
+ref.ulysses_sequence_parallel_size=1 (test_interpolated_defaults_are_defaults).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config import ConfigError
+from megarl.config.loader import resolve_config
+
+A = "actor_rollout_ref"
+
+
+def _load(*overrides: str):
+    return resolve_config("grpo", list(overrides))
+
+
+def test_defaults_of_inert_and_rejected_keys_say_nothing():
+    r = _load(f"{A}.actor.fsdp_config.param_offload=False", f"{A}.rollout.mode=async",
+              f"{A}.rollout.multi_turn.enable=False", f"{A}.actor.ulysses_sequence_parallel_size=1",
+              "trainer.use_legacy_worker_impl=auto", "critic.model.fsdp_config.param_offload=False")
+    assert r.notices == []
+
+
+def test_inert_key_set_gives_one_notice_with_its_reason():
+    r = _load(f"{A}.ref.fsdp_config.param_offload=True",
+              f"+{A}.actor.megatron.override_transformer_config.apply_rope_fusion=True")
+    assert len(r.notices) == 2
+    offload = next(n for n in r.notices if "param_offload" in n)
+    assert offload.startswith(f"{A}.ref.fsdp_config.param_offload=True (from override ")
+    assert "offload is not implemented" in offload
+    assert "notice: " + offload in r.report()
+
+
+def test_rejected_key_set_is_an_error_with_reason_and_alternative():
+    with pytest.raises(ConfigError) as e:
+        _load(f"{A}.rollout.multi_turn.enable=True", f"{A}.actor.optim.min_lr=1e-7")
+    text = str(e.value)
+    assert f"{A}.rollout.multi_turn.enable=True" in text and "single-turn" in text
+    assert f"{A}.actor.optim.min_lr=1e-07" in text and "min_lr_ratio" in text
+
+
+def test_mapped_keys_land_on_megarl_keys():
+    cfg = _load("launch.nproc_per_node=2", f"{A}.actor.optim.clip_grad=0.5", f"{A}.actor.fsdp_config.fsdp_size=2",
+                f"{A}.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
+                f"{A}.actor.megatron.override_transformer_config.recompute_granularity=full",
+                "reward.custom_reward_function.name=my_score").config
+    assert cfg.actor_rollout_ref.actor.grad_clip == 0.5
+    assert cfg.actor_rollout_ref.actor.parallel.data_parallel_shard == 2
+    assert cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 64
+    assert cfg.actor_rollout_ref.actor.megatron.recompute_granularity == "full"
+    assert cfg.custom_reward_function.name == "my_score"
+
+
+def test_a_mapped_key_and_its_megarl_key_disagreeing_is_an_error():
+    with pytest.raises(ConfigError, match="grad_clip"):
+        _load(f"{A}.actor.optim.clip_grad=0.5 ", f"{A}.actor.grad_clip=2.0")
+
+
+def test_interpolated_defaults_are_defaults():
+    r = _load("launch.nproc_per_node=2", f"{A}.ref.ulysses_sequence_parallel_size=1",
+              f"{A}.ref.megatron.tensor_model_parallel_size=2",
+              f"{A}.actor.megatron.tensor_model_parallel_size=2")
+    assert r.notices == []  # the ref's layout follows the actor's, as verl's default says
+    r = _load(f"{A}.ref.megatron.tensor_model_parallel_size=2")
+    assert len(r.notices) == 1 and "actor's layout" in r.notices[0]
+
+
+def test_unknown_keys_are_still_errors():
+    with pytest.raises(ConfigError, match="unknown key"):
+        _load(f"{A}.rollout.not_a_verl_key=1")
