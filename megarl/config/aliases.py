@@ -16,6 +16,18 @@ are handled by the schema fields' ``aliases`` metadata instead.
 | actor_rollout_ref.rollout.enable_sleep           | actor_rollout_ref.rollout.free_cache_engine |
 | trainer.max_actor_ckpt_to_keep / max_critic_ckpt_to_keep | trainer.max_ckpt_to_keep         |
 | trainer.resume_mode + trainer.resume_from_path   | trainer.resume (see ``_resume``)         |
+| algorithm.adv_norm (PURE)                        | algorithm.pure.normalize                 |
+| reward_model.split_step_char (PURE)              | reward_model.step_separator              |
+| reward_model.step_separator (PURE, see below)    | reward_model.prm_step_token              |
+| reward_model.reward_kwargs.overlong_buffer_cfg.* (verl main_ppo / DAPO) | reward_model.overlong_buffer.* |
+| reward_model.reward_kwargs.max_resp_len (DAPO)   | reward_model.overlong_buffer.max_resp_len |
+| reward_model.type: prm (PURE / verl)             | checked, then dropped (the reward model is a PRM) |
+
+PURE's ``reward_model.step_separator`` is the text put at each step end of the PRM input
+(megarl's ``prm_step_token``); megarl's own ``step_separator`` is the text that ends a step
+(PURE's ``split_step_char``). A layer (one file, or the overrides) that writes
+``step_separator`` without ``prm_step_token`` is read with PURE's meaning; one that writes both
+(megarl's recipes and the ``config.yaml`` a run saves) keeps megarl's (see ``_pure_steps``).
 """
 
 from __future__ import annotations
@@ -47,6 +59,10 @@ KEY_ALIASES: list[tuple[str, str]] = [
     ("actor_rollout_ref.rollout.enable_sleep", "actor_rollout_ref.rollout.free_cache_engine"),
     ("trainer.max_actor_ckpt_to_keep", "trainer.max_ckpt_to_keep"),
     ("trainer.max_critic_ckpt_to_keep", "trainer.max_ckpt_to_keep"),
+    ("algorithm.adv_norm", "algorithm.pure.normalize"),
+    ("reward_model.split_step_char", "reward_model.step_separator"),
+    ("reward_model.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer"),
+    ("reward_model.reward_kwargs.max_resp_len", "reward_model.overlong_buffer.max_resp_len"),
 ]
 
 _ABSENT = object()
@@ -129,9 +145,39 @@ def _resume(layer: dict, source: str) -> None:
     trainer["resume"] = value
 
 
+def _pure_steps(layer: dict, source: str) -> None:
+    """PURE's ``reward_model.step_separator`` (the PRM-input token) -> ``prm_step_token``,
+    unless the layer also writes ``prm_step_token`` (megarl's meaning: the text ending a step);
+    ``reward_model.type`` must be ``prm``."""
+    rm = layer.get("reward_model")
+    if not isinstance(rm, dict):
+        return
+    if "type" in rm:
+        kind = rm.pop("type")
+        if kind != "prm":
+            raise ConfigError(
+                f"reward_model.type: {kind!r} is not supported; megarl's reward model is a "
+                f"process reward model (type prm, token classification with 2 labels); set "
+                f"reward_model.type=prm or drop it ({source})"
+            )
+    if "step_separator" in rm and "prm_step_token" not in rm:
+        rm["prm_step_token"] = rm.pop("step_separator")
+        log.info("reward_model.step_separator: read as reward_model.prm_step_token (PURE's "
+                 "meaning: the text at each step end of the PRM input; the text that ends a "
+                 "step is reward_model.split_step_char) (%s)", source)
+
+
+def _drop_empty(layer: dict, path: str) -> None:
+    """Remove the mapping at ``path`` when aliasing left it empty."""
+    value = _get(layer, path)
+    if isinstance(value, dict) and not value:
+        _pop(layer, path)
+
+
 def canonical_keys(layer: dict, source: str) -> dict:
     """A copy of one config layer with alias keys moved to their megarl keys."""
     layer = copy.deepcopy(layer)
+    _pure_steps(layer, source)
     for src, dst in KEY_ALIASES:
         value = _pop(layer, src)
         if value is _ABSENT:
@@ -139,5 +185,6 @@ def canonical_keys(layer: dict, source: str) -> dict:
         log.info("%s: read as %s (%s)", src, dst, source)
         existing = _get(layer, dst)
         _set(layer, dst, value if existing is _ABSENT else _merge_alias(existing, value, src, dst, source))
+    _drop_empty(layer, "reward_model.reward_kwargs")
     _resume(layer, source)
     return layer

@@ -58,6 +58,9 @@ class DataConfig:
     val_files: str | list[str] | None = None  # None = no validation
     prompt_key: str = "prompt"  # column holding the prompt (chat messages or text)
     train_batch_size: int = 1024  # PROMPTS per training step (x rollout.n responses)
+    # PROMPTS generated per round of DAPO's dynamic sampling (algorithm.filter_groups); rounds
+    # go on until train_batch_size groups are kept. None = train_batch_size
+    gen_batch_size: int | None = None
     val_batch_size: int | None = None  # PROMPTS per validation batch; None = the whole set
     max_prompt_length: int = 512  # TOKENS, after the chat template
     max_response_length: int = 512  # TOKENS generated at most per response
@@ -70,6 +73,9 @@ class DataConfig:
     chat_template: str | None = None  # Jinja template; None = the tokenizer's own
     apply_chat_template: bool = True  # false: the prompt text is tokenized as is
     dataloader_num_workers: int = 0  # megarl default 0 (verl: 8); CPU cores are scarce
+    # a malformed row: "error" stops at load naming file, row and field; "skip" drops it
+    # (counted in data/num_bad_rows)
+    on_bad_row: Literal["error", "skip"] = "error"
 
 
 @dataclass
@@ -100,7 +106,8 @@ class PureConfig:
     """Options of PURE's main-branch advantage pipeline (adv_estimator: pure_rloo)."""
 
     mask_separator: bool = True  # zero the advantage at step-end tokens
-    normalize: bool = True  # replay-buffer style whitening of the advantages
+    # replay-buffer style whitening of the advantages (PURE's algorithm.adv_norm is read here)
+    normalize: bool = True
 
 
 @dataclass
@@ -138,8 +145,11 @@ class TrainerConfig:
 
     project_name: str = "megarl"
     experiment_name: str = "run"
-    total_epochs: int = 30  # passes over data.train_files
-    total_training_steps: int | None = None  # None = total_epochs x steps per epoch
+    total_epochs: int = 30  # passes over data.train_files (verl: used iff no total_training_steps)
+    # set = the run's length whatever total_epochs says (verl's rule); None = total_epochs x
+    # steps per epoch. A recipe's value wins over total_epochs: set it to null to count epochs
+    total_training_steps: int | None = None
+    # a plain string (logger=console) is read as a one-element list, as verl does
     logger: list[Literal["console", "tensorboard", "jsonl"]] = field(
         default_factory=lambda: ["console", "jsonl"]
     )
@@ -148,7 +158,7 @@ class TrainerConfig:
     test_freq: int = -1  # validate every N steps and at the end; -1 = never
     val_before_train: bool = True
     val_only: bool = False  # validate once and exit
-    log_val_generations: int = 0  # sample validation generations printed per validation
+    log_val_generations: int = 0  # validation generations printed (console) per validation
     rollout_data_dir: str | None = None  # write each step's generations to {dir}/{step}.jsonl
     validation_data_dir: str | None = None  # each validation's generations to {dir}/{step}.jsonl
     # "auto": latest checkpoint in default_local_dir if any | "disable" | a checkpoint path.
@@ -161,7 +171,8 @@ class TrainerConfig:
     n_gpus_per_node: int | None = None  # None = launch.nproc_per_node (kept in sync with it)
     export_hf: bool = True  # also write an HF folder (config + safetensors) at each save
     critic_warmup: int = 0  # steps that train only the critic before the actor starts
-    balance_batch: bool = True  # reorder responses so DP ranks get similar token counts
+    # DP ranks get similar token counts (megarl always balances; false is announced at start)
+    balance_batch: bool = True
 
 
 @dataclass

@@ -42,7 +42,8 @@ class ModelConfig:
     tokenizer_path: str | None = None  # None = path
     dtype: Dtype = aliased("bf16", DTYPE_ALIASES)  # dtype the model computes in
     enable_gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
-    use_remove_padding: bool = True  # pack sequences (segment ids) instead of padding
+    # megarl always packs sequences (segment ids); false is accepted and announced at start
+    use_remove_padding: bool = True
     use_fused_kernels: bool = True  # lm_head -> logprob/entropy without materialising [T, V]
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     trust_remote_code: bool = False
@@ -108,7 +109,9 @@ class ActorConfig:
     strategy: Strategy = aliased("torch", STRATEGY_ALIASES)
     ppo_mini_batch_size: int = 256  # PROMPTS per optimizer step (x rollout.n responses)
     ppo_micro_batch_size_per_gpu: int | None = None  # RESPONSES per forward; used iff not use_dynamic_bsz
-    use_dynamic_bsz: bool = True  # pack micro-batches up to ppo_max_token_len_per_gpu tokens
+    # pack micro-batches up to ppo_max_token_len_per_gpu tokens. None = dynamic unless
+    # ppo_micro_batch_size_per_gpu is set; true wins over a micro size (verl; announced at start)
+    use_dynamic_bsz: bool | None = None
     ppo_max_token_len_per_gpu: int = 16384  # TOKENS per micro-batch per rank
     ppo_epochs: int = 1  # passes over each rollout batch
     shuffle: bool = False  # shuffle responses before splitting into mini-batches
@@ -156,9 +159,11 @@ class RolloutConfig:
     enforce_eager: bool = False  # vLLM: no torch.compile / CUDA graphs (faster start, slower decode)
     gpu_memory_utilization: float = 0.5  # vLLM/SGLang share of GPU memory (weights + KV cache)
     tensor_model_parallel_size: int = 1  # engine TP (vLLM/SGLang)
-    free_cache_engine: bool = True  # engine.sleep() while training, wake() before generating
+    # engine.sleep() while training, wake() before generating (vLLM / SGLang free their memory)
+    free_cache_engine: bool = True
     log_prob_micro_batch_size_per_gpu: int | None = None  # RESPONSES per old-logprob forward
-    log_prob_use_dynamic_bsz: bool = True
+    # None = dynamic unless log_prob_micro_batch_size_per_gpu is set (true wins, as verl)
+    log_prob_use_dynamic_bsz: bool | None = None
     log_prob_max_token_len_per_gpu: int = 16384  # TOKENS per old-logprob micro-batch per rank
     check_logprobs: bool = False  # trainer compares engine logprobs with recomputed old logprobs
     stop: list[str] = field(default_factory=list)  # stop strings
@@ -173,7 +178,8 @@ class RefConfig:
     """``actor_rollout_ref.ref``: frozen initial policy, used for KL (loss or reward)."""
 
     log_prob_micro_batch_size_per_gpu: int | None = None  # None = rollout's
-    log_prob_use_dynamic_bsz: bool | None = None  # None = rollout's
+    # None = false if ref.log_prob_micro_batch_size_per_gpu is set, else the rollout's
+    log_prob_use_dynamic_bsz: bool | None = None
     log_prob_max_token_len_per_gpu: int | None = None  # None = rollout's
 
 

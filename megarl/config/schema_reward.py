@@ -39,7 +39,7 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int | None = None  # PROMPTS per optimizer step; None = actor's
     ppo_micro_batch_size_per_gpu: int | None = None  # RESPONSES per forward; iff not use_dynamic_bsz
-    use_dynamic_bsz: bool | None = None  # None = actor's
+    use_dynamic_bsz: bool | None = None  # None = actor's (verl); true wins over a micro size
     ppo_max_token_len_per_gpu: int = 32768  # TOKENS per micro-batch per rank (verl default)
     ppo_epochs: int | None = None  # None = actor's
     shuffle: bool | None = None  # None = actor's
@@ -69,11 +69,15 @@ class RayPoolConfig:
 @dataclass
 class OverlongBufferConfig:
     """DAPO soft overlong punishment: responses longer than max_response_length - len lose up to
-    penalty_factor, linearly in the excess length."""
+    penalty_factor, linearly in the excess length. verl main_ppo's spelling
+    ``reward_model.reward_kwargs.overlong_buffer_cfg.*`` is read here."""
 
     enable: bool = False
     len: int = 0  # TOKENS before max_response_length where the penalty starts
     penalty_factor: float = 1.0
+    log: bool = False  # also log reward/overlong_ratio (share of responses penalised)
+    # TOKENS the buffer counts back from (DAPO's max_resp_len); None = data.max_response_length
+    max_resp_len: int | None = None
 
 
 # PURE's spellings of the credit-assignment modes.
@@ -93,7 +97,7 @@ class RewardModelConfig:
     strategy: Strategy | None = aliased(None, STRATEGY_ALIASES)  # None = actor's
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size_per_gpu: int | None = None  # RESPONSES per PRM forward; iff not use_dynamic_bsz
-    use_dynamic_bsz: bool | None = None  # None = actor's
+    use_dynamic_bsz: bool | None = None  # None = actor's (verl); true wins over a micro size
     forward_max_token_len_per_gpu: int = 32768  # TOKENS per PRM micro-batch per rank
     # naive: verifiable score as is; prime: PRIME/PURE math verifier (correct 1.0 else 0.0);
     # blank: no verifiable reward (all 0; PRM-only training)
@@ -102,7 +106,11 @@ class RewardModelConfig:
     # "min": strict min-form (paper definition); "sum": plain summation (no transform).
     credit_assignment: float | Literal["min", "sum"] = aliased(0.1, CREDIT_ALIASES)
     verifiable_reward_coef: float = 1.0  # weight of the verifiable reward next to PRM rewards
-    step_separator: str = "\n\n"  # text that ends a step in a response
+    # text that ends a step in a response (PURE's split_step_char, which is read here). PURE's
+    # own ``step_separator`` is the PRM-input token: written alone in a file or override it is
+    # read as prm_step_token; next to prm_step_token (megarl's recipes, saved config.yaml) it
+    # keeps this meaning (see megarl.config.aliases)
+    step_separator: str = "\n\n"
     # text the PRM input puts at each step-end token (PURE: "\n"); null keeps the response as is
     prm_step_token: str | None = "\n"
     pool: Literal["local", "ray"] = "local"  # where verifiable-reward functions run

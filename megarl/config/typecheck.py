@@ -10,6 +10,8 @@ Rules (strict on purpose, so a typo never silently becomes a different number):
 - ``Literal[...]`` takes one of its values (an int whose ``str`` is a value also counts, so
   PACS's ``reward_method=1`` reads as ``"1"``); a field's ``metadata["aliases"]`` maps other
   spellings to a canonical value before the check;
+- ``list[X]`` takes a list, or one plain value read as a one-element list (verl accepts
+  ``trainer.logger=console`` as well as ``[console]``);
 - ``X | None`` takes null; unions try their members in order.
 """
 
@@ -99,6 +101,8 @@ def _convert(tp: Any, value: Any, path: str, errors: list[str], where: Where) ->
             return str(value)
         raise _Fail(describe(tp))
     if origin is list:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # verl's plain-string spelling: logger=console is [console]
         if not isinstance(value, (list, tuple)):
             raise _Fail(describe(tp))
         (arg,) = typing.get_args(tp) or (Any,)

@@ -44,6 +44,14 @@ def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tu
         actor.checkpoint.load_contents = list(actor.checkpoint.save_contents)
     if rollout.seed is None:
         rollout.seed = cfg.trainer.seed
+    # use_dynamic_bsz None: dynamic unless the role's own micro-batch size is given (an explicit
+    # true wins over a micro size, as in verl; megarl.config.notices announces it)
+    if actor.use_dynamic_bsz is None:
+        actor.use_dynamic_bsz = actor.ppo_micro_batch_size_per_gpu is None
+    if rollout.log_prob_use_dynamic_bsz is None:
+        rollout.log_prob_use_dynamic_bsz = rollout.log_prob_micro_batch_size_per_gpu is None
+    if ref.log_prob_use_dynamic_bsz is None and ref.log_prob_micro_batch_size_per_gpu is not None:
+        ref.log_prob_use_dynamic_bsz = False
     for name in ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"):
         if getattr(ref, name) is None:
             setattr(ref, name, getattr(rollout, name))
@@ -194,11 +202,17 @@ def _check_ranges(cfg: Config, c: _Checker) -> None:
     if rm.prm_step_token == "":
         c.fail("reward_model.prm_step_token", "must not be empty (null keeps step ends as is)")
     ob = rm.overlong_buffer
+    c.positive("data.gen_batch_size", d.gen_batch_size)
     if ob.enable and not 0 < ob.len < d.max_response_length:
         c.fail(("reward_model.overlong_buffer.len", "data.max_response_length"),
                f"must be in (0, data.max_response_length={d.max_response_length}) when the overlong "
                f"buffer is enabled, got {ob.len!r}")
     c.non_negative("reward_model.overlong_buffer.penalty_factor", ob.penalty_factor)
+    c.positive("reward_model.overlong_buffer.max_resp_len", ob.max_resp_len)
+    if ob.max_resp_len is not None and ob.max_resp_len != d.max_response_length:
+        c.fail(("reward_model.overlong_buffer.max_resp_len", "data.max_response_length"),
+               f"{ob.max_resp_len} differs from data.max_response_length={d.max_response_length}; "
+               f"the buffer counts back from the generation limit: drop it or make them equal")
 
     t = cfg.trainer
     c.positive("trainer.total_epochs", t.total_epochs)
@@ -288,6 +302,12 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
 def _check_batches(cfg: Config, c: _Checker) -> None:
     d, arr = cfg.data, cfg.actor_rollout_ref
     tbs = d.train_batch_size
+    gbs = d.gen_batch_size
+    if gbs is not None and gbs != tbs and not cfg.algorithm.filter_groups.enable:
+        c.fail(("data.gen_batch_size", "algorithm.filter_groups.enable"),
+               f"{gbs} prompts per generation round differs from data.train_batch_size {tbs}, but "
+               f"only DAPO's dynamic sampling (algorithm.filter_groups.enable=true) generates in "
+               f"rounds; enable it, or drop data.gen_batch_size")
     roles = [("actor_rollout_ref.actor", arr.actor)]
     if cfg.critic.enable:
         roles.append(("critic", cfg.critic))

@@ -13,7 +13,12 @@ import yaml
 from embedded_cases import SNAPSHOTS, cases, resolve
 
 # schema keys added after the snapshots: dotted key -> the value every pinned run resolves to
-ADDED: dict[str, object] = {}
+ADDED: dict[str, object] = {
+    "data.gen_batch_size": None,
+    "data.on_bad_row": "error",
+    "reward_model.overlong_buffer.log": False,
+    "reward_model.overlong_buffer.max_resp_len": None,
+}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:

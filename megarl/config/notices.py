@@ -1,0 +1,106 @@
+"""Startup notices: keys of a loaded config that are accepted but have no effect on this run.
+
+``startup_notices(cfg)`` returns one line per such key, ``KEY=VALUE: accepted without effect:
+WHY[; FIX]``. A key appears only when its value is not the schema default (or when another
+setting makes it inert, e.g. a micro-batch size under ``use_dynamic_bsz: true``); the trainer
+prints the lines at start. Keys that do have their effect are never listed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megarl.config.schema import Config, PureConfig
+
+_ALL_CONTENTS = ["model", "optimizer", "extra"]
+_DEFAULT_EPOCHS = 30
+
+
+def _line(key: str, value: Any, why: str) -> str:
+    return f"{key}={value!r}: accepted without effect: {why}"
+
+
+def _micro_notices(cfg: Config) -> list[str]:
+    """Micro-batch sizes made inert by an explicit ``use_dynamic_bsz: true`` (verl's rule:
+    dynamic batching packs micro-batches by a token budget and ignores the micro size)."""
+    arr = cfg.actor_rollout_ref
+    actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+    roles = [("actor_rollout_ref.actor", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+              "ppo_max_token_len_per_gpu", actor.ppo_micro_batch_size_per_gpu,
+              actor.use_dynamic_bsz),
+             ("actor_rollout_ref.rollout", "log_prob_micro_batch_size_per_gpu",
+              "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",
+              rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz)]
+    inherited = (ref.log_prob_micro_batch_size_per_gpu == rollout.log_prob_micro_batch_size_per_gpu
+                 and ref.log_prob_use_dynamic_bsz == rollout.log_prob_use_dynamic_bsz)
+    if not inherited:  # the rollout's line already covers a ref that copies it
+        roles.append(("actor_rollout_ref.ref", "log_prob_micro_batch_size_per_gpu",
+                      "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu",
+                      ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz))
+    if cfg.critic.enable:
+        c = cfg.critic
+        roles.append(("critic", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+                      "ppo_max_token_len_per_gpu", c.ppo_micro_batch_size_per_gpu,
+                      c.use_dynamic_bsz))
+    if cfg.reward_model.enable:
+        rm = cfg.reward_model
+        roles.append(("reward_model", "micro_batch_size_per_gpu", "use_dynamic_bsz",
+                      "forward_max_token_len_per_gpu", rm.micro_batch_size_per_gpu,
+                      rm.use_dynamic_bsz))
+    out = []
+    for prefix, micro_key, dyn_key, budget_key, micro, dynamic in roles:
+        if micro is not None and dynamic:
+            out.append(_line(
+                f"{prefix}.{micro_key}", micro,
+                f"{prefix}.{dyn_key} is true, so micro-batches are packed up to "
+                f"{prefix}.{budget_key} tokens and the micro size is ignored (verl's rule); set "
+                f"{prefix}.{dyn_key}=false to run {micro} responses per forward"))
+    return out
+
+
+def startup_notices(cfg: Config) -> list[str]:
+    """One line per key of ``cfg`` (a loaded, filled Config) accepted without effect."""
+    out = _micro_notices(cfg)
+    arr, t = cfg.actor_rollout_ref, cfg.trainer
+    ckpt = arr.actor.checkpoint
+    for key, value in (("save_contents", ckpt.save_contents), ("load_contents", ckpt.load_contents)):
+        if value is not None and sorted(value) != sorted(_ALL_CONTENTS):
+            out.append(_line(
+                f"actor_rollout_ref.actor.checkpoint.{key}", value,
+                "megarl always saves and loads model, optimizer and extra (RNG, LR schedule, "
+                "sampler position) so that a resume is exact"))
+    if not arr.model.use_remove_padding:
+        out.append(_line(
+            "actor_rollout_ref.model.use_remove_padding", False,
+            "the backends always pack a micro-batch's sequences into one row without padding "
+            "(segment ids keep them apart); the results equal a padded forward's"))
+    if not t.balance_batch:
+        out.append(_line(
+            "trainer.balance_batch", False,
+            "responses are always spread over data-parallel ranks balanced by token count "
+            "(whole groups where the loss needs them); the gradient does not depend on it"))
+    if t.total_training_steps is not None and t.total_epochs != _DEFAULT_EPOCHS:
+        out.append(_line(
+            "trainer.total_epochs", t.total_epochs,
+            f"trainer.total_training_steps={t.total_training_steps} sets the run's length "
+            f"(verl's rule); set trainer.total_training_steps=null to train "
+            f"{t.total_epochs} epochs"))
+    if t.log_val_generations and not cfg.data.val_files:
+        out.append(_line("trainer.log_val_generations", t.log_val_generations,
+                         "data.val_files is not set, so there is no validation to print"))
+    pure = cfg.algorithm.pure
+    if cfg.algorithm.adv_estimator != "pure_rloo":
+        for name, default in (("mask_separator", PureConfig.mask_separator),
+                              ("normalize", PureConfig.normalize)):
+            value = getattr(pure, name)
+            if value != default:
+                alias = " (PURE's algorithm.adv_norm)" if name == "normalize" else ""
+                out.append(_line(
+                    f"algorithm.pure.{name}{alias}", value,
+                    f"it shapes PURE's advantage pipeline, algorithm.adv_estimator=pure_rloo, "
+                    f"and this run uses {cfg.algorithm.adv_estimator}"))
+    ob = cfg.reward_model.overlong_buffer
+    if ob.log and not ob.enable:
+        out.append(_line("reward_model.overlong_buffer.log", True,
+                         "reward_model.overlong_buffer.enable is false (no penalty to log)"))
+    return out
