@@ -126,12 +126,16 @@ def build_run(cfg: Any) -> RunParts:
     ds_kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
                      prompt_key=d.prompt_key, truncation=d.truncation,
                      filter_overlong_prompts=d.filter_overlong_prompts,
-                     chat_template=d.chat_template, apply_chat_template=d.apply_chat_template)
+                     chat_template=d.chat_template, apply_chat_template=d.apply_chat_template,
+                     on_bad_row=d.on_bad_row)
     train_ds = RLDataset(paths["train_files"], **ds_kwargs)
     if train_ds.num_filtered and rank == 0:
         log.warning("data.train_files: %d prompts longer than max_prompt_length=%d were "
                     "filtered", train_ds.num_filtered, d.max_prompt_length)
-    sampler = PromptSampler(len(train_ds), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    # a step's prompts come in rounds of data.gen_batch_size (DAPO's dynamic sampling), else
+    # train_batch_size; an epoch and the run's length count these rounds, as verl's dataloader
+    sampler = PromptSampler(len(train_ds), d.gen_batch_size or d.train_batch_size,
+                            shuffle=d.shuffle, seed=d.seed)
     val_items = None
     if paths.get("val_files"):
         val_ds = RLDataset(paths["val_files"], **ds_kwargs)
@@ -166,13 +170,14 @@ def build_run(cfg: Any) -> RunParts:
         manager = make_reward_manager(rm.reward_manager, pool, custom_spec)
         val_manager = make_reward_manager("naive", pool, custom_spec)
     overlong = None
-    if rm.overlong_buffer.enable:
+    ob = rm.overlong_buffer
+    if ob.enable:
         from megarl.rewards import overlong_penalty
 
-        overlong = functools.partial(overlong_penalty, max_response_length=d.max_response_length,
-                                     buffer_length=rm.overlong_buffer.len,
-                                     penalty_factor=rm.overlong_buffer.penalty_factor)
-    scorer = Scorer(manager, tokenizer, d.max_response_length, overlong)
+        overlong = functools.partial(overlong_penalty,
+                                     max_response_length=ob.max_resp_len or d.max_response_length,
+                                     buffer_length=ob.len, penalty_factor=ob.penalty_factor)
+    scorer = Scorer(manager, tokenizer, d.max_response_length, overlong, log_overlong=ob.log)
     val_scorer = Scorer(val_manager, tokenizer, d.max_response_length)
 
     run_dir = Path(cfg.trainer.default_local_dir)

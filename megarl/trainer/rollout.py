@@ -84,6 +84,7 @@ class Scorer:
     tokenizer: Any
     max_response_length: int
     overlong: Any = None  # callable(lengths [B]) -> penalties [B] (<= 0), or None
+    log_overlong: bool = False  # overlong_buffer.log: also reward/overlong_ratio
 
     def decode(self, samples: list[RolloutSample]) -> list[str]:
         return self.tokenizer.batch_decode([s.response_ids for s in samples],
@@ -101,6 +102,9 @@ class Scorer:
                 penalties = self.overlong([len(s.response_ids) for s in samples]).tolist()
                 scores = [a + b for a, b in zip(scores, penalties)]
                 metrics["reward/overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
+                if self.log_overlong:
+                    metrics["reward/overlong_ratio"] = (sum(x < 0 for x in penalties)
+                                                        / max(len(penalties), 1))
             result = (scores, metrics)
         scores, metrics = mdist.broadcast_object(result)
         return torch.tensor(scores, dtype=torch.float32), metrics

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from megarl import algos
+from megarl.config.notices import startup_notices
 from megarl.data.steps import step_end_token_ids
 from megarl.errors import UserInputError
 from megarl.rollout.consistency import logprob_diff_metrics
@@ -85,6 +86,7 @@ class RLTrainer:
         self.ckpt = CheckpointManager(Path(p.run_dir) / "checkpoints",
                                       cfg.trainer.max_ckpt_to_keep)
         self.step = 0
+        self.logger = None
 
     # ------------------------------------------------------------------ sampling settings
     def _sampling(self, seed: int, validation: bool = False, n: int | None = None,
@@ -110,6 +112,7 @@ class RLTrainer:
         cfg, p = self.cfg, self.parts
         fg = cfg.algorithm.filter_groups
         want = cfg.data.train_batch_size
+        per_round = p.sampler.batch_size  # data.gen_batch_size (= train_batch_size by default)
         cap = fg.max_num_gen_batches if fg.max_num_gen_batches > 0 else None
         bound = max(p.sampler.batches_per_epoch, cap or 0)
         kept: list = []
@@ -122,7 +125,7 @@ class RLTrainer:
             seed = R.sampling_seed(cfg.trainer.seed, self.step, rnd, R.ROLLOUT_STREAM)
             with timer("gen"):
                 samples = R.generate(p.engine, items, self._sampling(seed),
-                                     group_offset=rnd * want, tp_size=self.rollout_tp)
+                                     group_offset=rnd * per_round, tp_size=self.rollout_tp)
             with timer("reward"):
                 scores, round_metrics = p.scorer(samples)
             rounds.append(([s.data_source for s in samples], round_metrics))
@@ -255,6 +258,7 @@ class RLTrainer:
         metrics.update(data_metrics(batch, cfg.data.max_response_length,
                                     cfg.data.max_prompt_length))
         metrics["data/num_filtered_prompts"] = float(p.train_ds.num_filtered)
+        metrics["data/num_bad_rows"] = float(p.train_ds.num_bad_rows)
         metrics.update(timer.metrics())
         step_time = time.perf_counter() - t0
         metrics["timing_s/step"] = step_time
@@ -301,10 +305,15 @@ class RLTrainer:
             params = self._sampling(0, validation=True, n=1, greedy=True)
         t0 = time.perf_counter()
         dump_dir = self.cfg.trainer.validation_data_dir
+        show = self.cfg.trainer.log_val_generations
         on_scored = None
-        if dump_dir and self.rank == 0:
+        if (dump_dir or show) and self.rank == 0:
             def on_scored(samples, scores):
-                dump_generations(dump_dir, self.step, samples, scores, p.tokenizer)
+                if dump_dir:
+                    dump_generations(dump_dir, self.step, samples, scores, p.tokenizer)
+                if show and self.logger is not None:
+                    for line in generation_lines(samples, scores, p.tokenizer, show, self.step):
+                        self.logger.print(line)
         out = validate(p.engine, p.val_items, p.val_scorer, params,
                        batch_size=self.cfg.data.val_batch_size, tp_size=self.rollout_tp,
                        on_scored=on_scored)
@@ -352,7 +361,9 @@ class RLTrainer:
         cfg, p = self.cfg, self.parts
         resumed = self.maybe_resume()
         total = p.total_steps
-        logger = p.make_logger(total, resumed)
+        logger = self.logger = p.make_logger(total, resumed)
+        for line in startup_notices(cfg):
+            logger.print(f"notice: {line}")
         if resumed is not None:
             logger.print(f"resumed from step {resumed}")
         summary: dict[str, Any] = {}
@@ -394,6 +405,20 @@ class _PromptView:
         self.data_source = batch.data_sources[row]
         self.ground_truth = batch.ground_truths[row]
         self.extra_info = batch.extra_infos[row]
+
+
+def generation_lines(samples: list, scores: list[float], tokenizer, count: int,
+                     step: int) -> list[str]:
+    """``trainer.log_val_generations``: the first ``count`` validation responses (verl logs
+    input, output and score of a fixed sample; here the first prompts of the set, whose order
+    is fixed) as console lines."""
+    out = []
+    for s, score in list(zip(samples, scores))[:count]:
+        prompt = tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
+        response = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        out.append(f"val generation (step {step}, score {score:.3f}): input={prompt!r} "
+                   f"output={response!r}")
+    return out
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:

@@ -4,8 +4,11 @@ Every rank holds the same full step batch, so every rank computes the same split
   mini-batches  ppo_mini_batch_size prompts (x n responses) each, whole groups kept together;
   DP shards     each mini-batch spread over dp_size ranks, balanced by tokens (whole groups
                 when the loss needs them, i.e. PACS);
-  micro-batches by token budget (use_dynamic_bsz) or a fixed count per GPU, padded so every
-                DP rank runs the same number of micro-batches (FSDP / DDP collectives match).
+  micro-batches by token budget (use_dynamic_bsz: ceil(tokens / budget) token-balanced parts)
+                or, as verl without dynamic batching, consecutive chunks of exactly
+                ``ppo_micro_batch_size_per_gpu`` responses (the last may be shorter); padded so
+                every DP rank runs the same number of micro-batches (FSDP / DDP collectives
+                match). PACS keeps whole groups in a micro-batch (token-balanced over groups).
 """
 
 from __future__ import annotations
@@ -63,6 +66,13 @@ def micro_split(rows: list[int], costs: list[int], *, num_micro: int) -> list[li
     units = [[r] for r in rows]
     parts = balanced_partition(costs, num_micro, units)
     return parts
+
+
+def fixed_chunks(rows: list[int], size: int, num_micro: int) -> list[list[int]]:
+    """``rows`` in order, cut into chunks of ``size`` (the last may be shorter), then padded
+    with empty chunks to ``num_micro`` (verl's split by ppo_micro_batch_size_per_gpu)."""
+    chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+    return chunks + [[] for _ in range(num_micro - len(chunks))]
 
 
 def count_micro(rows: list[int], costs: list[int], max_tokens: int | None,
@@ -123,6 +133,8 @@ def run_update(
                 groups = group_order(batch.group_index[mine])
                 units = [[mine[i] for i in g] for g in groups]
                 parts = balanced_partition(lengths, num_micro, units)
+            elif not max_tokens_per_micro and micro_size:
+                parts = fixed_chunks(mine, micro_size, num_micro)
             else:
                 parts = micro_split(mine, lengths, num_micro=num_micro)
             micro = [seq.select(p) if p else empty_like(seq) for p in parts]

@@ -242,16 +242,7 @@ class MegatronBackend:
             clip = _get(section, "grad_clip", "missing")
             if clip != "missing":
                 optim.grad_clip = clip
-        if role == "actor":
-            fwd_mbs = _get(_get(arr, "rollout"), "log_prob_micro_batch_size_per_gpu")
-        elif role == "ref":
-            fwd_mbs = _get(_get(arr, "ref"), "log_prob_micro_batch_size_per_gpu") or _get(
-                _get(arr, "rollout"), "log_prob_micro_batch_size_per_gpu"
-            )
-        elif role == "critic":
-            fwd_mbs = _get(section, "ppo_micro_batch_size_per_gpu")
-        else:
-            fwd_mbs = _get(section, "micro_batch_size_per_gpu")
+        fwd_mbs = _forward_micro_size(role, arr, section)
         use_fused = _get(actor_model, "use_fused_kernels")
         return cls(
             role,
@@ -554,3 +545,24 @@ def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _forward_micro_size(role: str, arr: Any, section: Any) -> int | None:
+    """Rows per no-grad forward from the config: the role's micro size when its dynamic
+    batching is off (``use_dynamic_bsz`` false; verl's rule: dynamic batching ignores micro
+    sizes), else None (the DP share in ``pp`` pieces)."""
+    rollout, ref = _get(arr, "rollout"), _get(arr, "ref")
+    if role == "actor":
+        pairs = [(rollout, "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz")]
+    elif role == "ref":
+        pairs = [(ref, "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz"),
+                 (rollout, "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz")]
+    elif role == "critic":
+        pairs = [(section, "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz")]
+    else:
+        pairs = [(section, "micro_batch_size_per_gpu", "use_dynamic_bsz")]
+    for node, micro_key, dyn_key in pairs:
+        micro, dynamic = _get(node, micro_key), _get(node, dyn_key)
+        if micro is not None or dynamic is not None:
+            return None if dynamic else micro
+    return None
