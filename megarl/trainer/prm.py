@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megarl.backends.protocol import Backend, SequenceBatch
-from megarl.data.steps import build_prm_inputs
+from megarl.data.steps import build_prm_inputs, step_end_token_ids
 from megarl.trainer.batch import RolloutBatch
 
 
@@ -23,6 +23,17 @@ def single_token_id(tokenizer, text: str, field: str) -> int:
             "input needs a single-token step marker (a one-token string, or null to keep the "
             "step-end tokens unchanged)")
     return ids[0]
+
+
+def prm_step_settings(rm_cfg, tokenizer) -> tuple[list[int], int | None]:
+    """(step-end token ids, PRM-input marker id or None) from ``reward_model``: steps end at
+    tokens whose text ends with ``step_separator`` (PURE: ``split_step_char``); the marker is
+    ``prm_step_token`` (PURE: ``step_separator``), one token."""
+    ends = step_end_token_ids(tokenizer, rm_cfg.step_separator)
+    marker = rm_cfg.prm_step_token
+    marker_id = (single_token_id(tokenizer, marker, "reward_model.prm_step_token")
+                 if marker else None)
+    return ends, marker_id
 
 
 def score_steps(prm: Backend, batch: RolloutBatch, step_end_ids: list[int],

@@ -21,7 +21,6 @@ import torch
 
 from megarl import algos
 from megarl.config.notices import startup_notices
-from megarl.data.steps import step_end_token_ids
 from megarl.errors import UserInputError
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
@@ -34,7 +33,7 @@ from megarl.trainer.flops import mfu, peak_flops
 from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
 from megarl.trainer.parts import RunParts, build_run
-from megarl.trainer.prm import score_steps, single_token_id
+from megarl.trainer.prm import prm_step_settings, score_steps
 from megarl.trainer.update import mean_metrics, run_update
 from megarl.trainer.validation import validate
 from megarl.utils import dist as mdist
@@ -72,10 +71,7 @@ class RLTrainer:
         self.kl_ctrl = algos.build_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef,
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         if p.prm is not None:
-            self.step_end_ids = step_end_token_ids(p.tokenizer, cfg.reward_model.step_separator)
-            marker = cfg.reward_model.prm_step_token
-            self.prm_marker = (single_token_id(p.tokenizer, marker, "reward_model.prm_step_token")
-                               if marker else None)
+            self.step_end_ids, self.prm_marker = prm_step_settings(cfg.reward_model, p.tokenizer)
         self.rollout_tp = arr.rollout.tensor_model_parallel_size
         self.peak_flops = peak_flops(p.device)
         self.actor_hf_config = None

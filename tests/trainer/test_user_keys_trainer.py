@@ -10,7 +10,11 @@ jsonl cut from the demo's arithmetic task, one of them malformed):
 - trainer.balance_batch=false prints its startup notice;
 - reward_model.reward_kwargs.overlong_buffer_cfg.* (main_ppo's spelling) applies the penalty
   and its log switch adds reward/overlong_ratio;
+- rollout.free_cache_engine: true puts the engine to sleep during training
+  (rollout/engine_asleep 1), false leaves it awake (no sleep, no metric);
 - fixed micro sizes (use_dynamic_bsz=false) train, trainer.logger as a plain string.
+Planted: the sampler sized by train_batch_size makes the gen_batch_size run 4 steps; a trainer
+that does not print startup_notices fails the notice check.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def test_total_epochs_bad_rows_and_overlong(epochs_run):
     assert all(r["data/num_bad_rows"] == 1.0 for r in rows)
     assert all("reward/overlong_ratio" in r and "reward/overlong_penalty_mean" in r for r in rows)
     assert rows[-1]["training/epoch"] == 1
+    assert all(r["rollout/engine_asleep"] == 1.0 for r in rows)  # free_cache_engine: true
 
 
 def test_validation_generations_and_notice_are_printed(epochs_run):
@@ -75,9 +80,11 @@ def test_gen_batch_size_rounds(tmp_path, data):
     train(run, "grpo", f"data.train_files={data / 'train.jsonl'}", "data.on_bad_row=skip",
           "trainer.total_training_steps=null", "trainer.total_epochs=2",
           "data.gen_batch_size=6", "algorithm.filter_groups.enable=true",
-          "algorithm.filter_groups.max_num_gen_batches=1")
+          "algorithm.filter_groups.max_num_gen_batches=1",
+          "actor_rollout_ref.rollout.free_cache_engine=false")
     rows = train_rows(run)
     assert [r["step"] for r in rows] == [1, 2]  # 2 epochs x floor(11 / 6) rounds
     for r in rows:
         assert r["train/num_gen_batches"] == 1 and 1 <= r["train/kept_groups"] <= 4
+        assert "rollout/engine_asleep" not in r  # free_cache_engine=false: never asleep
     assert not [r for r in metrics(run) if r["step"] == 0]  # FAST: no validation
