@@ -25,8 +25,10 @@ class JsonlWriter:
     def __init__(self, path: str | os.PathLike, resume_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.steps: set[int] = set()  # the steps of the rows in the file
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+            self.steps = {r.get("step", 0) for r in kept}
             tmp = self.path.with_suffix(".tmp")
             with open(tmp, "w") as f:
                 for row in kept:
@@ -37,6 +39,7 @@ class JsonlWriter:
         self._file = open(self.path, "a")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.steps.add(step)
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row, sort_keys=True) + "\n")
         self._file.flush()

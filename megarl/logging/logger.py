@@ -63,6 +63,10 @@ class MetricLogger:
                     self.tb.add_scalar(key, value, global_step=step)
             self.tb.flush()
 
+    def has_step(self, step: int) -> bool:
+        """Whether the run's record already holds a row for ``step`` (always true off rank 0)."""
+        return self.jsonl is None or step in self.jsonl.steps
+
     def print(self, text: str) -> None:
         if self.console.enabled:
             self.console.write(text)

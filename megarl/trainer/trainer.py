@@ -83,6 +83,7 @@ class RLTrainer:
                                       cfg.trainer.max_ckpt_to_keep)
         self.step = 0
         self.logger = None
+        self._resumed_row: dict[str, float] | None = None
 
     # ------------------------------------------------------------------ sampling settings
     def _sampling(self, seed: int, validation: bool = False, n: int | None = None,
@@ -317,11 +318,13 @@ class RLTrainer:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def trainer_state(self) -> dict[str, Any]:
+    def trainer_state(self, step_metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        """What resume needs beside the weights; ``step_metrics``: the step's metrics row,
+        logged again on resume if the run died between this save and its log."""
         return {"step": self.step, "sampler": self.parts.sampler.state_dict(),
-                "kl_ctrl": self.kl_ctrl.state_dict()}
+                "kl_ctrl": self.kl_ctrl.state_dict(), "step_metrics": step_metrics}
 
-    def save(self) -> Path:
+    def save(self, step_metrics: dict[str, float] | None = None) -> Path:
         p = self.parts
 
         def write_roles(tmp: Path) -> None:
@@ -329,7 +332,7 @@ class RLTrainer:
             if p.critic is not None:
                 p.critic.save(str(tmp / "critic"))
 
-        return self.ckpt.save(self.step, write_roles, self.trainer_state())
+        return self.ckpt.save(self.step, write_roles, self.trainer_state(step_metrics))
 
     def maybe_resume(self) -> int | None:
         mode = self.cfg.trainer.resume
@@ -346,6 +349,7 @@ class RLTrainer:
             p.critic.load(str(ckpt / "critic"))
         state = self.ckpt.load_trainer_state(ckpt)
         self.step = int(state["step"])
+        self._resumed_row = state.get("step_metrics")
         p.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.ckpt.load_rng(ckpt, self.rank)
@@ -362,6 +366,8 @@ class RLTrainer:
             logger.print(f"notice: {line}")
         if resumed is not None:
             logger.print(f"resumed from step {resumed}")
+            if self._resumed_row is not None and not logger.has_step(resumed):
+                logger.log(resumed, self._resumed_row)  # the run died after saving, before logging
         summary: dict[str, Any] = {}
         if self.step == 0 and cfg.trainer.val_before_train:
             val = self.validate()
@@ -380,7 +386,7 @@ class RLTrainer:
             sf = cfg.trainer.save_freq
             if sf and sf > 0 and (self.step % sf == 0 or self.step == total):
                 t0 = time.perf_counter()
-                self.save()
+                self.save(metrics)
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
             logger.log(self.step, metrics)
         if last_val:

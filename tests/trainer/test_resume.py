@@ -223,3 +223,23 @@ def test_kill_during_checkpoint_write_resumes_from_previous_bitwise(tmp_path, de
         assert torch.equal(wa[name], wb[name]), name
     init = load_file(next(_policy_dir().glob("*.safetensors")))
     assert any(not torch.equal(init[k], wa[k]) for k in init if k in wa)
+
+
+def test_a_step_saved_but_not_logged_is_logged_on_resume(tmp_path, demo_assets):
+    """The checkpoint holds its step's metrics row: a run that died after writing checkpoint 2
+    and before logging step 2 logs that row on resume (the row equals the uninterrupted run's,
+    wall-clock entries aside). Planted: without the row in the checkpoint, step 2 is missing
+    from the resumed record."""
+    run = tmp_path / "run"
+    quick = ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
+             "actor_rollout_ref.model.dtype=fp32"]
+    train(run, "grpo", *quick)
+    full = train_rows(run)
+    assert [r["step"] for r in full] == [1, 2]
+    record = run / "metrics.jsonl"
+    record.write_text("".join(line + "\n" for line in record.read_text().splitlines()[:-1]))
+    assert [r["step"] for r in train_rows(run)] == [1]  # the kill landed between save and log
+    train(run, "grpo", *quick, "trainer.total_training_steps=3", "trainer.resume=auto")
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert _untimed(rows[1]) == _untimed(full[1])
