@@ -647,8 +647,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.wheel:
         KEYS_FILE.write_text(render_keys_file(keys_from_wheel(args.wheel)))
+        print(f"wrote {KEYS_FILE}")
     args.doc.write_text(render_doc(verl_keys()))
-    print(f"wrote {KEYS_FILE} and {args.doc}")
+    print(f"wrote {args.doc}")
 
 
 if __name__ == "__main__":
