@@ -44,12 +44,15 @@ class Completion:
     token_ids:    generated ids, the stop/EOS token included when it ended the sequence
     logprobs:     [len(token_ids)] float32 logprob of each token under the sampling distribution
     finish_reason: "stop" (EOS, stop token or stop string) or "length"
+    policy_version: the version of the weights that sampled it, for engines that publish
+                   versions (asynchronous rollout, `megarl.rollout.torch.process`); else None
     """
 
     prompt_index: int
     token_ids: list[int]
     logprobs: torch.Tensor | None
     finish_reason: str
+    policy_version: int | None = None
 
 
 @runtime_checkable

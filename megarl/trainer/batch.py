@@ -27,6 +27,7 @@ class RolloutSample:
     data_source: str
     ground_truth: Any
     extra_info: dict
+    policy_version: int | None = None  # weights version that sampled it (asynchronous rollout)
 
 
 def _pad(rows: list[list], width: int, value, left: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -74,6 +75,9 @@ class RolloutBatch:
         if all(s.rollout_logprobs is not None for s in samples):
             batch.tensors["rollout_logprob"] = _pad(
                 [s.rollout_logprobs for s in samples], L, 0.0, left=False, dtype=torch.float32)
+        if all(s.policy_version is not None for s in samples):  # [B] int64
+            batch.tensors["policy_version"] = torch.tensor([s.policy_version for s in samples],
+                                                           dtype=torch.long)
         return batch
 
     @property

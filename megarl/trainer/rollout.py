@@ -30,6 +30,17 @@ def sampling_seed(base: int, *parts: int) -> int:
     return zlib.crc32(repr((base, *parts)).encode()) & 0x7FFFFFFF
 
 
+def local_share(num_items: int, tp_size: int = 1) -> tuple[list[int], int]:
+    """(positions of the items this rank's engine generates, this rank's place in its engine
+    group): the items are dealt round-robin to the engine groups of ``tp_size`` ranks."""
+    rank, world = mdist.rank(), mdist.world_size()
+    if world % tp_size:
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} must "
+                         f"divide the number of ranks ({world})")
+    engine_index, member = divmod(rank, tp_size)
+    return list(range(engine_index, num_items, world // tp_size)), member
+
+
 def generate(
     engine: RolloutEngine,
     items: list[Any],
@@ -46,13 +57,7 @@ def generate(
     noise is keyed by its group id, so a prompt yields the same tokens whichever engine, rank
     or world size it lands on.
     """
-    rank, world = mdist.rank(), mdist.world_size()
-    if world % tp_size:
-        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} must "
-                         f"divide the number of ranks ({world})")
-    engines = world // tp_size
-    engine_index, member = divmod(rank, tp_size)
-    mine = list(range(engine_index, len(items), engines))
+    mine, member = local_share(len(items), tp_size)
     completions = engine.generate([items[k].prompt_ids for k in mine], sampling,
                                   prompt_keys=[group_offset + k for k in mine]) if mine else []
     local: list[tuple[int, int, RolloutSample]] = []
@@ -69,6 +74,7 @@ def generate(
             data_source=item.data_source,
             ground_truth=item.ground_truth,
             extra_info=dict(item.extra_info or {}),
+            policy_version=getattr(c, "policy_version", None),
         )))
         seen[k] += 1
     gathered = [x for part in mdist.all_gather_objects(local) for x in part]

@@ -1,0 +1,100 @@
+"""`ProcessRolloutEngine`: the torch engine in a spawned process, fed through the shared weight
+ring. Reference: the in-process `TorchRolloutEngine` holding the same weights (the child runs
+the same code on the same weights with one thread, so the outputs are equal token for token
+and bit for bit in their logprobs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import prompts_of
+
+from megarl.models import load_model
+from megarl.rollout.protocol import SamplingParams
+from megarl.rollout.torch import TorchRolloutEngine
+from megarl.rollout.torch.process import EngineProcessError, EngineSpec, ProcessRolloutEngine
+
+
+def _perturbed(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def _same(a, b) -> None:
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    for x, y in zip(a, b):
+        assert torch.equal(x.logprobs, y.logprobs)
+
+
+@pytest.fixture()
+def setup(tiny_folder):
+    torch.set_num_threads(1)
+    path = tiny_folder("qwen2")
+    base = {k: v.clone() for k, v in load_model(path, head="lm").state_dict().items()}
+    ref = TorchRolloutEngine.from_pretrained(path, tokenizer=None, max_num_seqs=4)
+    proc = ProcessRolloutEngine(EngineSpec(model_path=str(path), max_num_seqs=4), slots=2)
+    yield path, base, ref, proc
+    proc.close()
+
+
+def test_versions_are_picked_up_at_submit_and_stamped(setup):
+    """Each request uses the version that was newest when it was submitted, even when newer
+    versions are published while it waits in the queue (two slots: v1 and v2 both published
+    behind the request on v0 would need a third slot, so the publish of v2 waits for v0's
+    load). Planted: the child loading the other ring slot than the one named gives other
+    tokens than the reference for the v0 request; stamping the loaded version + 1 fails the
+    version check ({1} != {0})."""
+    path, base, ref, proc = setup
+    prompts = prompts_of([5, 9, 3], seed=1)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7)
+    states = [base, _perturbed(base, 0.05, 1), _perturbed(base, 0.05, 2)]
+
+    proc.update_weights(states[0].items())
+    r0 = proc.submit(prompts, sp, prompt_keys=[4, 5, 6])
+    proc.update_weights(states[1].items())
+    r1 = proc.submit(prompts, sp, prompt_keys=[4, 5, 6])
+    proc.update_weights(states[2].items())  # the slot of v0 is reused once v0 is loaded
+    r2 = proc.submit(prompts, sp, prompt_keys=[4, 5, 6])
+    outs = [proc.result(r) for r in (r0, r1, r2)]
+    for v, (state, out) in enumerate(zip(states, outs)):
+        ref.update_weights(state.items())
+        _same(out, ref.generate(prompts, sp, prompt_keys=[4, 5, 6]))
+        assert {c.policy_version for c in out} == {v}
+    # the versions really differ in what they generate (the check above can tell them apart)
+    assert [c.token_ids for c in outs[0]] != [c.token_ids for c in outs[1]]
+
+
+def test_prefetch_is_collected_by_the_matching_generate(setup):
+    """A prefetched request is returned by a generate call with the same arguments (and stays
+    on the version it was submitted with); any other call runs on the newest version. The
+    checkpoint form (export / import) round-trips the prefetched results exactly."""
+    path, base, ref, proc = setup
+    prompts = prompts_of([4, 6], seed=2)
+    sp = SamplingParams(n=3, temperature=0.9, max_new_tokens=10, seed=11)
+    proc.update_weights(base.items())
+    assert proc.prefetch(prompts, sp, [0, 1])
+    assert not proc.prefetch(prompts, sp, [0, 1])  # the same request is queued once
+    new = _perturbed(base, 0.05, 3)
+    proc.update_weights(new.items())
+    saved = proc.export_prefetched()
+    other = proc.generate(prompts, sp, [0, 2])  # not the prefetched keys: newest weights
+    assert {c.policy_version for c in other} == {1}
+    got = proc.generate(prompts, sp, [0, 1])
+    assert {c.policy_version for c in got} == {0}
+    ref.update_weights(base.items())
+    _same(got, ref.generate(prompts, sp, [0, 1]))
+    assert proc.pending() == []
+
+    proc.import_prefetched(saved)
+    again = proc.generate(prompts, sp, [0, 1])
+    _same(again, got)
+    assert [c.policy_version for c in again] == [c.policy_version for c in got]
+
+
+def test_engine_errors_surface_in_the_trainer(setup):
+    """A failure inside the child comes back as EngineProcessError with its traceback (a bad
+    prompt id here), not as a hang."""
+    path, base, ref, proc = setup
+    proc.update_weights(base.items())
+    with pytest.raises(EngineProcessError, match="token ids outside"):
+        proc.generate([[1, 10**6]], SamplingParams(max_new_tokens=3, seed=0))
