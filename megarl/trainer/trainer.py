@@ -181,7 +181,9 @@ class RLTrainer:
                                                                 self.prm_marker)
         a = arr.actor
         n_groups = len(set(batch.group_index.tolist()))
-        on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups
+        # samples of an earlier policy version (asynchronous rollout) are off-policy
+        lagged = "policy_version" in t
+        on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups and not lagged
         # The engine/trainer logprob gap is always measured on the first step (a wrong weight
         # sync or sampler shows at once), and on every step with rollout.check_logprobs.
         check = "rollout_logprob" in t and (arr.rollout.check_logprobs or self.step == 1)
@@ -198,6 +200,8 @@ class RLTrainer:
             if check:
                 metrics.update(logprob_diff_metrics(t["rollout_logprob"], old,
                                                     batch.response_mask))
+        if lagged:
+            self.behaviour_logprobs(batch, metrics)
         if p.ref is not None:
             with timer("ref"):
                 t["ref_logprob"], _ = p.ref.logprobs(seq, temperature=temperature)
@@ -276,6 +280,10 @@ class RLTrainer:
         metrics["training/epoch"] = p.sampler.epoch
         metrics["actor/lr"] = metrics.get("actor/lr", float("nan"))
         return metrics
+
+    def behaviour_logprobs(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+        """Off-policy correction of a batch sampled by an earlier policy version (asynchronous
+        rollout: `megarl.trainer.async_rollout.AsyncRLTrainer`); the synchronous loop has none."""
 
     def _greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
         """ReMax: the score of a greedy response per prompt, broadcast to its group."""
