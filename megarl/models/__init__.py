@@ -1,5 +1,6 @@
-"""The pure-PyTorch dense decoder family (Llama 3.x, Qwen2/2.5, Qwen3, Mistral) and HF checkpoint
-I/O without transformers. See docs/design.md, "Model family and HF layout"."""
+"""The pure-PyTorch decoder family (Llama 3.x, Qwen2/2.5, Qwen3, Mistral; mixture of experts:
+Qwen3-MoE, Qwen2-MoE) and HF checkpoint I/O without transformers. See docs/design.md, "Model
+family and HF layout"."""
 
 from megarl.models.args import (
     SUPPORTED_MODEL_TYPES,

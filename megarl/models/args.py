@@ -2,7 +2,9 @@
 
 Supported families (``model_type``): ``llama`` (Llama 2/3.x, incl. llama3 RoPE scaling),
 ``qwen2`` (Qwen2 / Qwen2.5: bias on q/k/v), ``qwen3`` (RMSNorm on q and k per head, head_dim may
-differ from hidden/heads) and ``mistral`` (GQA, no bias). Anything the model in ``model.py`` would
+differ from hidden/heads), ``mistral`` (GQA, no bias) and the mixture-of-experts families
+``qwen3_moe`` (Qwen3 attention, top-k routed experts) and ``qwen2_moe`` (Qwen2 attention, routed
+experts plus a sigmoid-gated shared expert); see `megarl.models.moe`. Anything the model in ``model.py`` would
 compute differently from transformers (sliding-window attention, other RoPE types, other
 activations) is refused here with a clear error instead of silently giving other numbers.
 """
@@ -15,7 +17,8 @@ from typing import Any
 
 from megarl.errors import UserInputError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -60,6 +63,15 @@ class ModelArgs:
     initializer_range: float = 0.02
     pad_token_id: int | None = None
     token_classification_bias: bool = True  # `score` bias of *ForTokenClassification
+    # Mixture of experts (num_experts == 0: every layer is the dense MLP above)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # width of one routed expert
+    norm_topk_prob: bool = False  # renormalise the k chosen probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in HF's training loss
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +94,34 @@ class ModelArgs:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                    f"{self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"moe_intermediate_size must be > 0, got {self.moe_intermediate_size}"
+                )
+            if self.decoder_sparse_step < 1:
+                raise ValueError(
+                    f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
+                )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture-of-experts layer."""
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """transformers' rule: sparse iff experts exist, ``layer_idx`` is not in
+        ``mlp_only_layers`` and ``(layer_idx + 1) % decoder_sparse_step == 0``."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def n_rep(self) -> int:
@@ -126,7 +166,11 @@ class ModelArgs:
 
         if model_type == "qwen2":
             qkv_bias, o_bias, mlp_bias, qk_norm = True, False, False, False
-        elif model_type == "qwen3":
+        elif model_type == "qwen2_moe":
+            qkv_bias, o_bias, mlp_bias, qk_norm = (
+                bool(config.get("qkv_bias", True)), False, False, False
+            )
+        elif model_type in ("qwen3", "qwen3_moe"):
             bias = bool(config.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias, qk_norm = bias, bias, False, True
         elif model_type == "llama":
@@ -157,6 +201,7 @@ class ModelArgs:
             pad_token_id=config.get("pad_token_id"),
             token_classification_bias=bool(config.get("token_classification_bias", True)),
             hf_config=dict(config),
+            **(_moe_fields(config) if model_type in MOE_MODEL_TYPES else {}),
         )
 
 
@@ -168,6 +213,32 @@ def num_labels_from_hf_config(config: dict[str, Any]) -> int:
     if config.get("id2label"):
         return len(config["id2label"])
     return 2
+
+
+def _moe_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArgs MoE fields of a qwen3_moe / qwen2_moe config.json (transformers 5 writes
+    ``num_local_experts`` where the published checkpoints say ``num_experts``)."""
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError(f"config.json of a {config['model_type']} model is missing 'num_experts'")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if config.get(key) is None:
+            raise ValueError(f"config.json of a {config['model_type']} model is missing {key!r}")
+    fields: dict[str, Any] = {
+        "num_experts": int(num_experts),
+        "num_experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(config.get("decoder_sparse_step", 1) or 1),
+        "mlp_only_layers": tuple(int(i) for i in (config.get("mlp_only_layers") or ())),
+        "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
+    }
+    if config["model_type"] == "qwen2_moe":
+        if config.get("shared_expert_intermediate_size") is None:
+            raise ValueError("config.json of a qwen2_moe model is missing "
+                             "'shared_expert_intermediate_size'")
+        fields["shared_expert_intermediate_size"] = int(config["shared_expert_intermediate_size"])
+    return fields
 
 
 def _reject_sliding_window(config: dict[str, Any], model_type: str) -> None:

@@ -20,7 +20,14 @@ from megarl.models.model import Head, Transformer
 from megarl.models.state_dict_adapter import from_hf, model_state_for_export
 
 _ARCH_SUFFIX = {"lm": "ForCausalLM", "token_cls": "ForTokenClassification"}
-_ARCH_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_ARCH_PREFIX = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3Moe",
+    "qwen2_moe": "Qwen2Moe",
+}
 
 
 def load_model(
@@ -137,8 +144,22 @@ def _minimal_config(args: ModelArgs) -> dict[str, Any]:
         "rope_theta": args.rope_theta,
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
     }
-    if args.model_type in ("llama", "qwen3"):
+    if args.model_type in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = args.qkv_bias
+    if args.model_type == "qwen2_moe":
+        config["qkv_bias"] = args.qkv_bias
+    if args.num_experts:
+        config.update(
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            moe_intermediate_size=args.moe_intermediate_size,
+            norm_topk_prob=args.norm_topk_prob,
+            decoder_sparse_step=args.decoder_sparse_step,
+            mlp_only_layers=list(args.mlp_only_layers),
+            router_aux_loss_coef=args.router_aux_loss_coef,
+        )
+        if args.shared_expert_intermediate_size:
+            config["shared_expert_intermediate_size"] = args.shared_expert_intermediate_size
     if args.model_type == "llama":
         config["mlp_bias"] = args.mlp_bias
     if args.model_type == "mistral":

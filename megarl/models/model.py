@@ -1,4 +1,4 @@
-"""One dense decoder (Llama 3.x / Qwen2 / Qwen3 / Mistral) in plain PyTorch.
+"""One decoder (Llama 3.x / Qwen2 / Qwen3 / Mistral; Qwen3-MoE / Qwen2-MoE) in plain PyTorch.
 
 Numerics follow transformers' modeling_llama / modeling_qwen2 / modeling_qwen3 op for op (RMSNorm
 in fp32 then cast back, RoPE cos/sin in fp32 then cast to the activation dtype, rotate_half).
@@ -6,7 +6,8 @@ Parameter names equal the HF names, so an HF state dict loads without renaming:
 
     model.embed_tokens.weight
     model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}   (+ q_norm, k_norm for Qwen3)
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight           (dense layers)
+    model.layers.{i}.mlp.gate.weight, mlp.experts.{j}.*       (sparse layers, see `moe`)
     model.layers.{i}.{input,post_attention}_layernorm.weight
     model.norm.weight
     lm_head.weight  (head="lm")  |  score.weight, score.bias  (head="token_cls")
@@ -29,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megarl.models.args import ModelArgs
+from megarl.models.moe import MoEBlock
 
 Head = Literal["lm", "token_cls"]
 
@@ -326,7 +328,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         fk = {"dtype": dtype, "device": device}
         self.self_attn = Attention(args, layer_idx, **fk)
-        self.mlp = MLP(args, **fk)
+        self.mlp: MLP | MoEBlock = (
+            MoEBlock(args, layer_idx, **fk) if args.is_moe_layer(layer_idx) else MLP(args, **fk)
+        )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **fk)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **fk)
 

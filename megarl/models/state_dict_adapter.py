@@ -33,6 +33,7 @@ _HEAD_PREFIXES = ("lm_head.", "score.")
 
 # Order of parameters inside one decoder layer, as transformers registers them (state_dict order);
 # HF shards a checkpoint greedily in that order, so saving in it reproduces HF's shard assignment.
+# A sparse layer's mlp (router, experts 0..E-1, shared expert) sits where a dense layer's mlp is.
 _LAYER_ORDER = [
     f"{mod}.{p}"
     for mod in (
@@ -45,6 +46,12 @@ _LAYER_ORDER = [
         "mlp.gate_proj",
         "mlp.up_proj",
         "mlp.down_proj",
+        "mlp.gate",
+        "mlp.experts",
+        "mlp.shared_expert.gate_proj",
+        "mlp.shared_expert.up_proj",
+        "mlp.shared_expert.down_proj",
+        "mlp.shared_expert_gate",
         "input_layernorm",
         "post_attention_layernorm",
     )
@@ -52,6 +59,8 @@ _LAYER_ORDER = [
 ]
 _LAYER_RANK = {name: i for i, name in enumerate(_LAYER_ORDER)}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 _TOP_RANK = {
     "model.embed_tokens.weight": 0,
     "model.norm.weight": 2,
@@ -67,14 +76,20 @@ class CheckpointMismatchError(UserInputError):
 
 def hf_sort_key(name: str) -> tuple:
     """Sort key that puts HF tensor names in transformers' state_dict (module) order:
-    embeddings, layers 0..L-1 (q, k, v, o, q_norm, k_norm, gate, up, down, norms), final norm,
-    head. Unknown names go last, alphabetically."""
+    embeddings, layers 0..L-1 (q, k, v, o, q_norm, k_norm, gate, up, down or router, experts
+    0..E-1 (gate, up, down each), shared expert, norms), final norm, head. Unknown names go
+    last, alphabetically."""
     if name in _TOP_RANK:
-        return (_TOP_RANK[name], 0, 0, name)
+        return (_TOP_RANK[name], 0, 0, 0, name)
     m = _LAYER_RE.match(name)
     if m is not None:
-        return (1, int(m.group(1)), _LAYER_RANK.get(m.group(2), len(_LAYER_RANK)), name)
-    return (9, 0, 0, name)
+        layer, rest = int(m.group(1)), m.group(2)
+        e = _EXPERT_RE.match(rest)
+        if e is not None:
+            sub = 3 * int(e.group(1)) + _EXPERT_PART[e.group(2)]
+            return (1, layer, _LAYER_RANK["mlp.experts.weight"], sub, name)
+        return (1, layer, _LAYER_RANK.get(rest, len(_LAYER_RANK)), 0, name)
+    return (9, 0, 0, 0, name)
 
 
 def to_hf(

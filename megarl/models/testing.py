@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+# Mixture-of-experts families (kept apart: not every backend runs them)
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN_ID = 2
 PAD_TOKEN_ID = 0
@@ -58,6 +60,27 @@ _FAMILY = {
     "qwen2": {},
     "qwen3": {"head_dim": 24},  # != hidden / heads (16), as in real Qwen3 configs
     "mistral": {"sliding_window": None},
+    # 4 experts, top-2; head_dim 32 (vLLM's CPU attention refuses 16)
+    "qwen3_moe": {
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
+    "qwen2_moe": {
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+    },
 }
 
 
@@ -65,8 +88,8 @@ def tiny_hf_config(family: str = "qwen2", **overrides: Any):
     """A transformers config object of a tiny model of ``family`` (see FAMILIES)."""
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in FAMILIES + MOE_FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES + MOE_FAMILIES}, got {family!r}")
     kwargs = {**_BASE, **_FAMILY[family], **overrides}
     cls = {
         "llama": transformers.LlamaConfig,
@@ -74,6 +97,8 @@ def tiny_hf_config(family: str = "qwen2", **overrides: Any):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
     }[family]
     return cls(**kwargs)
 
@@ -94,7 +119,8 @@ def make_tiny_hf_model(
     """Write a tiny random HF model folder with transformers and return its path.
 
     family:     llama | llama3 (llama3 rope scaling) | qwen2 (qkv bias) | qwen3 (q/k norm,
-                head_dim 24) | mistral. Defaults: hidden 64, 2 layers, 4 heads, 2 kv heads,
+                head_dim 24) | mistral | qwen3_moe (4 experts, top-2, renormalised, head_dim 32)
+                | qwen2_moe (4 experts, top-2 unnormalised, shared expert, head_dim 32). Defaults: hidden 64, 2 layers, 4 heads, 2 kv heads,
                 vocab 128; any config field can be overridden (``num_key_value_heads=1``,
                 ``tie_word_embeddings=True``, ``attention_bias=True``, ...).
     head:       "lm" (*ForCausalLM) or "token_cls" (*ForTokenClassification, ``num_labels``).
