@@ -192,6 +192,22 @@ class LaunchConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """``async_training`` (verl's one-step-off-policy / fully-async recipes): the torch engine
+    runs in its own process and generates the next batches while the trainer trains."""
+
+    # whole steps a batch may lag the trainer's weights: 0 = the synchronous loop (exactly),
+    # 1 = one-step off-policy (batch k+1 sampled with the weights after step k-1 while step k
+    # trains); verl's fractional sample-level thresholds are not implemented
+    staleness_threshold: int = 0
+    # PPO ratio against the engine's sampling logprobs (the behaviour policy); false: against
+    # the trainer's recomputation with its current weights (decoupled PPO's proximal policy)
+    use_rollout_log_probs: bool = True
+    # CPUs of the engine processes (local rank r's engine: engine_cpus[r % len]); [] = inherit
+    engine_cpus: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Config:
     """A whole run. Load with ``megarl.config.load_config``."""
 
@@ -204,12 +220,14 @@ class Config:
     pacs: PacsConfig = field(default_factory=PacsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
 __all__ = [
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
+    "AsyncTrainingConfig",
     "CheckpointConfig",
     "Config",
     "CriticConfig",

@@ -7,6 +7,7 @@ from typing import Any
 
 def run(cfg: Any) -> dict[str, Any]:
     """Train with a validated Config in this process (one rank of a torchrun job, or alone)."""
+    from megarl.trainer.async_rollout import AsyncRLTrainer, async_settings
     from megarl.trainer.parts import pin_threads
     from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
@@ -15,7 +16,7 @@ def run(cfg: Any) -> dict[str, Any]:
     device = mdist.resolve_device(cfg.trainer.device)
     mdist.init_distributed(device, cfg.launch.backend)
     try:
-        trainer = RLTrainer(cfg)
+        trainer = (AsyncRLTrainer if async_settings(cfg)[0] > 0 else RLTrainer)(cfg)
         try:
             return trainer.fit()
         finally:

@@ -38,6 +38,12 @@ def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
 
 
 def build_engine(cfg: Any, model_path: str, device) -> RolloutEngine:
+    """The run's rollout engine; with async_training.staleness_threshold > 0 the torch engine
+    in a process of its own (`megarl.trainer.async_rollout.build_async_engine`)."""
+    from megarl.trainer.async_rollout import async_settings, build_async_engine
+
+    if async_settings(cfg)[0] > 0:
+        return build_async_engine(cfg, model_path, device)
     name = cfg.actor_rollout_ref.rollout.name
     if name == "torch":
         from megarl.rollout.torch import TorchRolloutEngine

@@ -72,8 +72,8 @@ def test_prefetch_is_collected_by_the_matching_generate(setup):
     prompts = prompts_of([4, 6], seed=2)
     sp = SamplingParams(n=3, temperature=0.9, max_new_tokens=10, seed=11)
     proc.update_weights(base.items())
-    assert proc.prefetch(prompts, sp, [0, 1])
-    assert not proc.prefetch(prompts, sp, [0, 1])  # the same request is queued once
+    key = proc.prefetch(prompts, sp, [0, 1])
+    assert proc.prefetch(prompts, sp, [0, 1]) == key and len(proc.pending()) == 1  # once
     new = _perturbed(base, 0.05, 3)
     proc.update_weights(new.items())
     saved = proc.export_prefetched()

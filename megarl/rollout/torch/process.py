@@ -192,13 +192,20 @@ class ProcessRolloutEngine:
         return rid
 
     def prefetch(self, prompts: list[list[int]], sampling: SamplingParams,
-                 prompt_keys: Sequence[int] | None = None) -> bool:
-        """`submit` now; a later `generate` with the same arguments collects it. False (and
-        nothing queued) when an identical request is already pending."""
+                 prompt_keys: Sequence[int] | None = None) -> tuple:
+        """`submit` now (unless an identical request is pending); a later `generate` with the
+        same arguments collects it. Returns the request's match key (see `drop`)."""
         key = _match_key(prompts, sampling, prompt_keys)
-        if key in self._prefetched:
+        if key not in self._prefetched:
+            self._prefetched[key] = self.submit(prompts, sampling, prompt_keys)
+        return key
+
+    def drop(self, key: tuple) -> bool:
+        """Collect and discard the prefetched request of ``key``, if still pending."""
+        rid = self._prefetched.pop(key, None)
+        if rid is None:
             return False
-        self._prefetched[key] = self.submit(prompts, sampling, prompt_keys)
+        self.result(rid)
         return True
 
     def result(self, rid: int) -> list[Completion]:
@@ -238,15 +245,6 @@ class ProcessRolloutEngine:
             self._next_id += 1
             self._requests[rid] = _Request(-1, loaded=True, result=comps)
             self._prefetched[_freeze(entry["key"])] = rid
-
-    def drop_prefetched(self) -> int:
-        """Collect and discard every prefetched request; returns how many there were."""
-        n = 0
-        for key, rid in self.pending():
-            self.result(rid)
-            del self._prefetched[key]
-            n += 1
-        return n
 
     def close(self) -> None:
         if self._closed:
