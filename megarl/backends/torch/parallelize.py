@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from megarl.errors import UserInputError
 from megarl.models.model import Transformer
 
 # ---------------------------------------------------------------------------------------------
@@ -175,8 +176,20 @@ def check_tp_divisible(model: Transformer, tp: int) -> None:
             )
 
 
+def check_tp_supported(model: Transformer, tp: int) -> None:
+    """Refuse what the tensor-parallel plan does not cover (mixture-of-experts layers)."""
+    if tp > 1 and model.args.is_moe:
+        raise UserInputError(
+            f"MoE with TP>1 on the torch backend is not supported (this {model.args.model_type} "
+            f"model has {model.args.num_experts} experts per sparse layer, "
+            f"tensor_model_parallel_size={tp}); use tensor_model_parallel_size=1: FSDP2 "
+            "(data_parallel_shard) shards the experts like every other parameter"
+        )
+
+
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sp: bool, *, is_last: bool) -> None:
     """Tensor (and sequence) parallelism over ``tp_mesh`` in place (see module docstring)."""
+    check_tp_supported(model, tp_mesh.size())
     check_tp_divisible(model, tp_mesh.size())
     m = model.model
     top: dict[str, ParallelStyle] = {}
