@@ -101,7 +101,7 @@ class RewardModelConfig:
     forward_max_token_len_per_gpu: int = 32768  # TOKENS per PRM micro-batch per rank
     # naive: verifiable score as is; prime: PRIME/PURE math verifier (correct 1.0 else 0.0);
     # blank: no verifiable reward (all 0; PRM-only training)
-    reward_manager: Literal["naive", "prime", "blank"] = "naive"
+    reward_manager: Literal["naive", "prime", "blank", "dapo"] = "naive"
     # float T > 0: approximate min-form, weights softmax(-r/T) over a response's steps;
     # "min": strict min-form (paper definition); "sum": plain summation (no transform).
     credit_assignment: float | Literal["min", "sum"] = aliased(0.1, CREDIT_ALIASES)

@@ -4,6 +4,7 @@
 `prime`: PURE's verifiable reward, 1.0 if verified correct else 0.0, for every data source
 with a ground truth (math verification unless the source has its own verifier).
 `blank`: all zeros, no scoring at all (PURE's PRM-only mode).
+`dapo`: `naive`, plus the mean of each number a score function returns beside its score.
 
 Scores are per response; the trainer places them on the last valid token. Managers are
 rank-agnostic: whichever rank calls one gets the scores, broadcasting is the trainer's job.
@@ -156,7 +157,28 @@ class BlankRewardManager(RewardManager):
         return torch.zeros(b, dtype=torch.float32), _metrics(self.last_results, [str(d) for d in data_sources], 0, 0.0)
 
 
-MANAGERS = {"naive": NaiveRewardManager, "prime": PrimeRewardManager, "blank": BlankRewardManager}
+class DapoRewardManager(NaiveRewardManager):
+    """verl's `dapo` manager: the naive manager's score, plus the mean of every number the score
+    function returns beside it (``{"score", "acc", "pred"}`` -> reward/acc/mean). DAPO's
+    overlong-buffer penalty is applied on top by the trainer when
+    reward_model.overlong_buffer.enable (verl: reward_kwargs.overlong_buffer_cfg.enable)."""
+
+    name = "dapo"
+
+    def __call__(self, responses, data_sources, ground_truths, extra_infos=None):
+        scores, metrics = super().__call__(responses, data_sources, ground_truths, extra_infos)
+        extras: dict[str, list[float]] = defaultdict(list)
+        for r in self.last_results:
+            for key, value in r.extra.items():
+                if isinstance(value, bool | int | float) and key != "score":
+                    extras[key].append(float(value))
+        for key, values in sorted(extras.items()):
+            metrics[f"reward/{key}/mean"] = sum(values) / len(values)
+        return scores, metrics
+
+
+MANAGERS = {"naive": NaiveRewardManager, "prime": PrimeRewardManager, "blank": BlankRewardManager,
+            "dapo": DapoRewardManager}
 
 
 def _as_spec(custom_fn) -> RewardFnSpec | None:
@@ -183,7 +205,7 @@ def make_reward_manager(
     custom_fn: RewardFnSpec | Mapping[str, Any] | None = None,
     strict_ground_truth: bool = False,
 ) -> RewardManager:
-    """Build reward_model.reward_manager `name` ("naive" | "prime" | "blank") over `pool`.
+    """Build reward_model.reward_manager `name` ("naive" | "prime" | "blank" | "dapo") over `pool`.
 
     custom_fn: reward_model.custom_reward_function ({path, name, reward_kwargs}, path null =
     none) or a RewardFnSpec. It is imported here once so a bad path/name fails at startup.
@@ -193,6 +215,6 @@ def make_reward_manager(
     spec = _as_spec(custom_fn)
     if spec is not None and spec.kind == "custom":
         load_custom_reward_fn(spec.path, spec.name, spec.kwargs)
-    if name == "naive":
-        return NaiveRewardManager(pool, spec or DEFAULT_FN, strict_ground_truth)
+    if name in ("naive", "dapo"):
+        return MANAGERS[name](pool, spec or DEFAULT_FN, strict_ground_truth)
     return MANAGERS[name](pool, spec, strict_ground_truth)

@@ -70,8 +70,8 @@ def test_blank_never_calls_the_pool():
 def test_length_mismatch_and_bad_names(pool2):
     with pytest.raises(ValueError, match="len\\(ground_truths\\)=1"):
         make_reward_manager("naive", pool2)(["a", "b"], ["math", "math"], ["1"])
-    with pytest.raises(ValueError, match="reward_manager='dapo'"):
-        make_reward_manager("dapo", pool2)
+    with pytest.raises(ValueError, match="reward_manager='batch'"):
+        make_reward_manager("batch", pool2)
     with pytest.raises(ValueError, match="needs a RewardPool"):
         make_reward_manager("naive", None)
 
@@ -114,3 +114,19 @@ def test_overlong_penalty_matches_piecewise_definition():
     assert got[80] == 0 and got[90] == pytest.approx(-0.25) and got[100] == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="buffer_length"):
         overlong_penalty([1], 10, 0)
+
+
+def test_dapo_scores_as_naive_and_averages_the_extra_numbers(hostile_path, pool2):
+    """verl's `dapo` manager: the same scores as `naive`, plus reward/{key}/mean of each number
+    the score function returns beside "score" ("acc" here; "note" is text and is not averaged).
+    Planted: averaging over the batch including responses without the key gives 0.5, not 1."""
+    spec = RewardFnSpec(kind="custom", path=hostile_path, name="compute", kwargs={"bonus": 1.0})
+    responses, sources = ["\\boxed{2}", "\\boxed{3}"], ["anything", "anything"]
+    infos = [{"mode": "dict"}, None]
+    naive_scores, _ = make_reward_manager("naive", pool2, spec)(responses, sources, [None] * 2, infos)
+    dapo = make_reward_manager("dapo", pool2, spec)
+    scores, m = dapo(responses, sources, [None] * 2, infos)
+    assert torch.equal(scores, naive_scores)
+    with_acc = [r.extra["acc"] for r in dapo.last_results if "acc" in r.extra]
+    assert m["reward/acc/mean"] == sum(with_acc) / len(with_acc) == 1.0
+    assert "reward/note/mean" not in m
