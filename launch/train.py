@@ -33,6 +33,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def torchrun_world() -> tuple[int, int] | None:
+    """(nodes, processes per node) of the job torchrun started; None outside torchrun."""
+    if "WORLD_SIZE" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+        return None
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return world // local, local
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -41,12 +49,29 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.config.loader import resolve_config
     from megarl.errors import UserInputError
 
+    demo = {"auto": None, "on": True, "off": False}[args.demo]
     try:
-        resolved = resolve_config(args.config, args.overrides,
-                                  {"auto": None, "on": True, "off": False}[args.demo])
+        resolved = resolve_config(args.config, args.overrides, demo)
     except ConfigError as err:
         print(f"config error:\n{err}", file=sys.stderr)
         return 2
+    started = torchrun_world()
+    asked = (resolved.config.launch.nnodes, resolved.config.launch.nproc_per_node)
+    if started is not None and asked != started:
+        wrote = [k for k in ("launch.nnodes", "launch.nproc_per_node") if resolved.sources.written(k)]
+        if wrote:
+            print(f"config error:\n{' and '.join(f'{k} (from {resolved.sources.written(k)})' for k in wrote)}"
+                  f" ask for {asked[0]} node(s) x {asked[1]} process(es), but torchrun started "
+                  f"{started[0]} x {started[1]}; make them agree (trainer.nnodes / "
+                  "trainer.n_gpus_per_node are the same keys in verl's spelling) or leave them out "
+                  "(the run then takes torchrun's world)", file=sys.stderr)
+            return 2
+        try:  # nothing asked for a size: the world torchrun started is the config's
+            resolved = resolve_config(args.config, [*args.overrides, f"launch.nnodes={started[0]}",
+                                                    f"launch.nproc_per_node={started[1]}"], demo)
+        except ConfigError as err:
+            print(f"config error:\n{err}", file=sys.stderr)
+            return 2
     cfg = resolved.config
     if os.environ.get("RANK", "0") == "0":
         print(resolved.report(), flush=True)

@@ -21,6 +21,7 @@ are handled by the schema fields' ``aliases`` metadata instead.
 | reward_model.step_separator (PURE, see below)    | reward_model.prm_step_token              |
 | reward_model.reward_kwargs.overlong_buffer_cfg.* (verl main_ppo / DAPO) | reward_model.overlong_buffer.* |
 | reward_model.reward_kwargs.max_resp_len (DAPO)   | reward_model.overlong_buffer.max_resp_len |
+| trainer.nnodes / trainer.n_gpus_per_node (verl)  | launch.nnodes / launch.nproc_per_node    |
 | reward_model.type: prm (PURE / verl)             | checked, then dropped (the reward model is a PRM) |
 
 PURE's ``reward_model.step_separator`` is the text put at each step end of the PRM input
@@ -63,6 +64,9 @@ KEY_ALIASES: list[tuple[str, str]] = [
     ("reward_model.split_step_char", "reward_model.step_separator"),
     ("reward_model.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer"),
     ("reward_model.reward_kwargs.max_resp_len", "reward_model.overlong_buffer.max_resp_len"),
+    # verl's names for the world torchrun starts (one setting, whichever spelling wrote it last)
+    ("trainer.nnodes", "launch.nnodes"),
+    ("trainer.n_gpus_per_node", "launch.nproc_per_node"),
 ]
 
 _ABSENT = object()
@@ -78,15 +82,21 @@ def _get(tree: dict, path: str) -> Any:
 
 
 def _pop(tree: dict, path: str) -> Any:
+    """Remove ``path`` and the mappings it leaves empty; its value, or _ABSENT."""
     *parents, last = path.split(".")
-    node: Any = tree
+    chain: list[Any] = [tree]
     for part in parents:
-        if not isinstance(node, dict) or part not in node:
+        if not isinstance(chain[-1], dict) or part not in chain[-1]:
             return _ABSENT
-        node = node[part]
-    if not isinstance(node, dict) or last not in node:
+        chain.append(chain[-1][part])
+    if not isinstance(chain[-1], dict) or last not in chain[-1]:
         return _ABSENT
-    return node.pop(last)
+    value = chain[-1].pop(last)
+    for node, part in zip(reversed(chain[:-1]), reversed(parents)):
+        if node[part]:
+            break
+        del node[part]
+    return value
 
 
 def _set(tree: dict, path: str, value: Any) -> None:
@@ -184,6 +194,8 @@ def canonical_keys(layer: dict, source: str) -> dict:
             continue
         log.info("%s: read as %s (%s)", src, dst, source)
         existing = _get(layer, dst)
+        if existing is not _ABSENT and value is None:
+            continue  # an unset alias beside its key (a saved config lists both)
         _set(layer, dst, value if existing is _ABSENT else _merge_alias(existing, value, src, dst, source))
     _drop_empty(layer, "reward_model.reward_kwargs")
     _resume(layer, source)

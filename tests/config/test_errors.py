@@ -259,8 +259,11 @@ def test_layout_must_divide(minimal):
 
 
 def test_trainer_and_launch_sizes_must_agree(minimal):
+    """trainer.n_gpus_per_node is verl's spelling of launch.nproc_per_node: both in one layer
+    must agree (across layers the later one wins, tests/config/test_loading.py)."""
     msg = one_error(minimal, ["trainer.n_gpus_per_node=4", "launch.nproc_per_node=2"])
-    assert msg.startswith("trainer.n_gpus_per_node: 4 but launch.nproc_per_node is 2")
+    assert msg.startswith("launch.nproc_per_node: also given as trainer.n_gpus_per_node")
+    assert "(2 vs 4)" in msg
 
 
 def test_ranges(minimal):

@@ -282,6 +282,14 @@ def test_verl_trainer_sizes_drive_launch(base):
     assert cfg.trainer.n_gpus_per_node == 2
 
 
+def test_verl_world_keys_are_launch_keys_later_layer_wins(tmp_path, base):
+    own = tmp_path / "own.yaml"
+    own.write_text(f"extends: {base}\nlaunch:\n  nproc_per_node: 1\n  nnodes: 2\n")
+    cfg = load_config(own, ["trainer.n_gpus_per_node=4"])
+    assert (cfg.launch.nnodes, cfg.launch.nproc_per_node) == (2, 4)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 4)
+
+
 # ---- round trip ---------------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from trainer_helpers import train, train_rows
@@ -200,3 +201,16 @@ def test_policy_loss_modes_train(tmp_path, demo_assets, mode):
     rows = train_rows(tmp_path / "run")
     assert len(rows) == 2
     assert all(math.isfinite(r["actor/pg_loss"]) and "actor/pg_clipfrac" in r for r in rows)
+
+
+def test_verl_world_keys_must_match_the_world_torchrun_started(tmp_path, demo_assets):
+    """trainer.n_gpus_per_node (= launch.nproc_per_node) asking for 4 processes under a
+    2-process torchrun is an error naming the key; left out, the run takes torchrun's world
+    (the startup report shows launch.nproc_per_node = 2). Planted: skipping the check lets the
+    4-GPU config train on 2 ranks."""
+    bad = train(tmp_path / "bad", "grpo", "trainer.n_gpus_per_node=4", nproc=2, check=False)
+    assert bad.returncode != 0
+    assert ("launch.nproc_per_node (from override trainer.n_gpus_per_node=4) ask for 1 node(s) x 4"
+            " process(es), but torchrun started 1 x 2") in bad.stderr
+    ok = train(tmp_path / "ok", "grpo", "trainer.total_training_steps=1", nproc=2)
+    assert re.search(r"launch\.nproc_per_node\s+= 2\s+<- override launch.nproc_per_node=2", ok.stdout)
