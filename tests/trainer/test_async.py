@@ -18,9 +18,10 @@ ASYNC1 = ["async_training.staleness_threshold=1"]
 
 def test_staleness_0_is_the_synchronous_loop_bitwise(tmp_path, demo_assets):
     """The switch at 0 (set explicitly) gives the same metrics (timings aside) and the same
-    exported weights as a run that never names it. Planted: building the engine process at
-    staleness 0 (its samples then carry policy_version, the step goes off-policy and recomputes
-    old logprobs): the metric rows differ (extra async/ and rollout_corr/ keys, actor/ppo_kl)."""
+    exported weights as a run that never names it, and it is today's loop: the on-policy step
+    2 skips the old-logprob pass (no actor/old_entropy), as the in-process engine's batches
+    carry no policy version. Planted: building the engine process at staleness 0 (both runs
+    then take it, so they still agree): step 2 recomputes old logprobs and the test fails."""
     from safetensors.torch import load_file
 
     common = ["trainer.total_training_steps=2", "trainer.export_hf=true",
@@ -30,6 +31,7 @@ def test_staleness_0_is_the_synchronous_loop_bitwise(tmp_path, demo_assets):
     a, b = train_rows(tmp_path / "sync"), train_rows(tmp_path / "zero")
     assert [_untimed(r) for r in a] == [_untimed(r) for r in b]
     assert not any(k.startswith("async/") for k in b[0])
+    assert "actor/old_entropy" in b[0] and "actor/old_entropy" not in b[1]
     wa = load_file(next((tmp_path / "sync" / "hf_actor").glob("*.safetensors")))
     wb = load_file(next((tmp_path / "zero" / "hf_actor").glob("*.safetensors")))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
