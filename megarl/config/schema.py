@@ -26,6 +26,7 @@ from megarl.config.schema_actor import (
     RefConfig,
     RolloutConfig,
     SamplingConfig,
+    aliased,
 )
 from megarl.config.schema_reward import (
     CriticConfig,
@@ -69,7 +70,7 @@ class DataConfig:
     # a prompt still too long: "error" | cut on the "left" / "right" | "filter" it out
     truncation: Literal["error", "left", "right", "filter"] = "error"
     shuffle: bool = True
-    seed: int = 42  # shuffling seed
+    seed: int | None = 42  # shuffling seed; None = trainer.seed (verl's null)
     chat_template: str | None = None  # Jinja template; None = the tokenizer's own
     apply_chat_template: bool = True  # false: the prompt text is tokenized as is
     dataloader_num_workers: int = 0  # megarl default 0 (verl: 8); CPU cores are scarce
@@ -95,7 +96,9 @@ class FilterGroupsConfig:
 
     enable: bool = False
     # verl also names acc / seq_reward / seq_final_reward; only score is implemented (validate.py)
-    metric: Literal["score", "acc", "seq_reward", "seq_final_reward"] = "score"
+    # verl 0.9's default spelling "reward" is the score
+    metric: Literal["score", "acc", "seq_reward", "seq_final_reward"] = aliased(
+        "score", {"reward": "score"})
     # generation rounds per step at most (then train on the groups kept, at least one);
     # <= 0 = until train_batch_size groups are kept (an error after one pass over the prompts)
     max_num_gen_batches: int = 0

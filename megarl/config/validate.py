@@ -30,6 +30,8 @@ def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tu
     dotted keys the user wrote (files or overrides). Returns (config, problems)."""
     cfg = copy.deepcopy(cfg)
     problems: list[tuple[tuple[str, ...], str]] = []
+    if cfg.data.seed is None:
+        cfg.data.seed = cfg.trainer.seed
     arr = cfg.actor_rollout_ref
     model, actor, rollout, ref = arr.model, arr.actor, arr.rollout, arr.ref
     if model.tokenizer_path is None:

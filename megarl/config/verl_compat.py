@@ -473,7 +473,10 @@ def apply_verl_mappings(layer: dict, source: str) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"{target}: set as a value and as a section (from {source})")
         last = target.rsplit(".", 1)[-1]
-        if last in node and node[last] != value:
+        if value is None and last in node:  # unset (verl's legacy sections default to null)
+            _pop_leaf(layer, dotted)
+            continue
+        if last in node and node[last] is not None and node[last] != value:
             raise ConfigError(f"{dotted}={value!r} and {target}={node[last]!r} (from {source}): "
                               f"{dotted} is verl's spelling of {target}; set one of them")
         node[last] = value
