@@ -85,6 +85,7 @@ class AsyncRLTrainer(RLTrainer):
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
         self.staleness, self.use_rollout_log_probs, _ = async_settings(cfg)
+        self.ratio_against_rollout_logprobs = self.use_rollout_log_probs
         engine = self.parts.engine
         if not hasattr(engine, "prefetch"):
             raise UserInputError("async_training.staleness_threshold > 0 needs the engine "
@@ -138,6 +139,9 @@ class AsyncRLTrainer(RLTrainer):
         weights: measure the gap to the behaviour policy and choose the ratio's denominator
         (module doc)."""
         t = batch.tensors
+        if "old_logprob" not in t:  # no recomputed pass this step: the ratio needs none
+            t["old_logprob"] = t["rollout_logprob"]
+            return
         behaviour, prox = t["rollout_logprob"], t["old_logprob"]
         metrics.update(mismatch_metrics(behaviour, prox, batch.response_mask))
         if self.use_rollout_log_probs:

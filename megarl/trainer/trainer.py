@@ -83,6 +83,7 @@ class RLTrainer:
                                       cfg.trainer.max_ckpt_to_keep)
         self.step = 0
         self.logger = None
+        self.ratio_against_rollout_logprobs = False  # asynchronous rollout may set it
         self._resumed_row: dict[str, float] | None = None
 
     # ------------------------------------------------------------------ sampling settings
@@ -183,13 +184,18 @@ class RLTrainer:
         n_groups = len(set(batch.group_index.tolist()))
         # samples of an earlier policy version (asynchronous rollout) are off-policy
         lagged = "policy_version" in t
-        on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups and not lagged
+        one_update = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups
+        on_policy = one_update and not lagged
+        # Off-policy samples whose ratio is taken against the engine's own logprobs need no
+        # recomputed old_logprob when a single update follows (the mismatch is then measured
+        # only on check steps)
+        behaviour_only = lagged and one_update and self.ratio_against_rollout_logprobs
         # The engine/trainer logprob gap is always measured on the first step (a wrong weight
         # sync or sampler shows at once), and on every step with rollout.check_logprobs.
         check = "rollout_logprob" in t and (arr.rollout.check_logprobs or self.step == 1)
         # On-policy, the update's own forward gives old_logprob (= logprob.detach()), so the
         # separate pass is only run when something else reads it before the update.
-        if not on_policy or check or cfg.algorithm.use_kl_in_reward:
+        if (not on_policy and not behaviour_only) or check or cfg.algorithm.use_kl_in_reward:
             with timer("old_log_prob"):
                 old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
                 t["old_logprob"] = old
