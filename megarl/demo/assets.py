@@ -29,7 +29,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ASSETS_VERSION = 2
@@ -40,12 +40,24 @@ ARITH_FILES = ("train.parquet", "val.parquet", "sft.parquet")
 SCHEME = "embedded://"
 
 
+# Components trained with torch: float reductions split by the thread count, so the result
+# depends on it (on some CPUs a 1-thread SFT stops before the jump RL needs).
+THREADED = ("policy", "prm")
+
+
+def default_threads() -> int:
+    """Torch threads of the build: $MEGARL_ASSETS_THREADS, else 2 (the shipped demo's)."""
+    return int(os.environ.get("MEGARL_ASSETS_THREADS", "2"))
+
+
 @dataclass
 class BuildConfig:
-    """Every knob of the build; the defaults make the shipped demo. Seeds fix the result on a
-    given machine and thread count."""
+    """Every knob of the build; the defaults make the shipped demo. Seeds and `threads` fix the
+    result on a given machine, whatever thread setting the calling process has."""
 
     seed: int = 0
+    # torch threads inside every build step (set for the build, restored after it)
+    threads: int = field(default_factory=default_threads)
     n_train: int = 20000  # 3-op RL prompts
     n_val: int = 500  # held-out 3-op problems (excluded from every other set)
     n_sft: int = 50000  # 1-3 op SFT rows
@@ -89,11 +101,17 @@ def _read_meta(path: Path) -> dict | None:
         return None
 
 
-def is_built(component: str, root: str | os.PathLike | None = None) -> bool:
-    """Built with this ASSETS_VERSION and from the dependency builds that are present now."""
+def is_built(component: str, root: str | os.PathLike | None = None,
+             threads: int | None = None) -> bool:
+    """Built with this ASSETS_VERSION, from the dependency builds that are present now and,
+    for THREADED components when `threads` is given, with that many torch threads."""
     base = assets_root(root)
     meta = _read_meta(base / component)
     if meta is None or meta.get("version") != ASSETS_VERSION:
+        return False
+    built_with = meta.get("build_threads", meta.get("threads"))
+    if (component in THREADED and threads is not None and built_with is not None
+            and built_with != threads):
         return False
     for dep in DEPENDS[component]:
         dep_meta = _read_meta(base / dep) or {}
@@ -120,24 +138,43 @@ def ensure(
     force: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> Path:
-    """Path of a built component, building it (and what it needs) first if missing."""
+    """Path of a built component, building it (and what it needs) first if missing. With an
+    explicit `config`, a policy or PRM built with another thread count is rebuilt; without one
+    (a training run resolving embedded://), any present build is used."""
     if component not in COMPONENTS:
         raise ValueError(f"unknown demo asset {component!r}; one of {COMPONENTS}")
     base = assets_root(root)
-    if not force and is_built(component, base):
+    threads = config.threads if config is not None else None
+    config = config or BuildConfig()
+    if not force and is_built(component, base, threads):
         return base / component
     with _lock(base):
-        _ensure_locked(component, base, config or BuildConfig(), {component} if force else set(),
-                       log, set())
+        _ensure_locked(component, base, config, threads, {component} if force else set(), log,
+                       set())
     return base / component
 
 
-def _ensure_locked(component, base, config, forced, log, done) -> None:
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch.set_num_threads(n) inside the block, the caller's setting restored after it."""
+    import torch
+
+    if n < 1:
+        raise ValueError(f"BuildConfig.threads={n}; set MEGARL_ASSETS_THREADS to 1 or more")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _ensure_locked(component, base, config, threads, forced, log, done) -> None:
     for dep in DEPENDS[component]:
         if dep not in done:
-            _ensure_locked(dep, base, config, forced, log, done)
+            _ensure_locked(dep, base, config, threads, forced, log, done)
     done.add(component)
-    if component not in forced and is_built(component, base):
+    if component not in forced and is_built(component, base, threads):
         return  # present (possibly built by another rank while we waited for the lock)
     from megarl.demo import build  # heavy imports only when something must be built
 
@@ -146,9 +183,10 @@ def _ensure_locked(component, base, config, forced, log, done) -> None:
     t0 = time.perf_counter()
     (log or _quiet)(f"[assets] building {component} in {base}")
     try:
-        meta = getattr(build, f"build_{component}")(staging, base, config, log or _quiet)
+        with torch_threads(config.threads):
+            meta = getattr(build, f"build_{component}")(staging, base, config, log or _quiet)
         meta.update(
-            version=ASSETS_VERSION, build_id=uuid.uuid4().hex,
+            build_threads=config.threads, version=ASSETS_VERSION, build_id=uuid.uuid4().hex,
             build_seconds=round(time.perf_counter() - t0, 1), build_config=asdict(config),
             deps={d: (_read_meta(base / d) or {}).get("build_id") for d in DEPENDS[component]},
         )
@@ -191,11 +229,12 @@ def build_all(root: str | os.PathLike | None = None, config: BuildConfig | None 
               log: Callable[[str], None] = print) -> dict[str, dict]:
     """Build (or find) the components in ``only``; returns their metadata."""
     base = assets_root(root)
+    threads = config.threads if config is not None else None
     config = config or BuildConfig()
     with _lock(base):
         done: set[str] = set()
         for c in only:
-            _ensure_locked(c, base, config, set(only) if force else set(), log, done)
+            _ensure_locked(c, base, config, threads, set(only) if force else set(), log, done)
     return {c: _read_meta(base / c) or {} for c in only}
 
 
@@ -204,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=None, help="assets folder (default $MEGARL_ASSETS or "
                    "<repo>/assets)")
-    p.add_argument("--threads", type=int,
-                   default=int(os.environ.get("MEGARL_ASSETS_THREADS", "2")),
+    p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch threads for the build (default $MEGARL_ASSETS_THREADS or 2)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
     p.add_argument("--only", nargs="+", choices=COMPONENTS, default=list(COMPONENTS))
@@ -214,10 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-
-    torch.set_num_threads(args.threads)
-    config = BuildConfig()
+    config = BuildConfig(threads=args.threads)
     if args.sft_max_steps is not None:
         config.sft_max_steps = args.sft_max_steps
     if args.prm_steps is not None:

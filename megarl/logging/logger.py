@@ -8,8 +8,9 @@ from pathlib import Path
 from megarl.logging.console import ConsoleProgress
 from megarl.logging.jsonl import JsonlWriter, read_jsonl
 from megarl.logging.plots import plot_curves
+from megarl.logging.trackers import TRACKERS, make_tracker
 
-SINKS = ("console", "tensorboard", "jsonl")
+SINKS = ("console", "tensorboard", "jsonl", *TRACKERS)
 
 
 class MetricLogger:
@@ -31,6 +32,9 @@ class MetricLogger:
         local_rank: int = 0,
         resume_step: int | None = None,
         title: str = "",
+        project: str = "megarl",
+        experiment: str = "run",
+        config: dict | None = None,
     ) -> None:
         unknown = [s for s in sinks if s not in SINKS]
         if unknown:
@@ -39,6 +43,7 @@ class MetricLogger:
         self.run_dir = Path(run_dir)
         self.title = title
         self.jsonl = self.tb = None
+        self.trackers: list = []
         self.console = ConsoleProgress(total_steps, resume_step or 0,
                                        enabled=local_rank == 0 and "console" in sinks)
         if not self.active:
@@ -51,6 +56,8 @@ class MetricLogger:
 
             self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
                                     purge_step=(resume_step + 1) if resume_step else None)
+        self.trackers = [make_tracker(name, project, experiment, config or {}, self.run_dir)
+                         for name in sinks if name in TRACKERS]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.console.update(step, metrics)
@@ -62,6 +69,8 @@ class MetricLogger:
                 if isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, global_step=step)
             self.tb.flush()
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
 
     def has_step(self, step: int) -> bool:
         """Whether the run's record already holds a row for ``step`` (always true off rank 0)."""
@@ -79,6 +88,8 @@ class MetricLogger:
             return None
         if self.tb is not None:
             self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
         self.jsonl.close()
         if plot:
             rows = read_jsonl(self.run_dir / "metrics.jsonl")

@@ -3,6 +3,7 @@ run directory and logger. Everything the loop needs, built once, in one place.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -58,7 +59,9 @@ class RunParts:
         return MetricLogger(self.run_dir, list(t.logger), total_steps, rank=mdist.rank(),
                             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                             resume_step=resume_step,
-                            title=f"{t.project_name}/{t.experiment_name}")
+                            title=f"{t.project_name}/{t.experiment_name}",
+                            project=t.project_name, experiment=t.experiment_name,
+                            config=dataclasses.asdict(self.cfg))
 
     def export_actor_hf(self) -> str | None:
         """Write the actor as an HF folder under run_dir/hf_actor (collective)."""

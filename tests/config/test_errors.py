@@ -137,8 +137,8 @@ def test_invalid_choice_mentions_aliases(minimal):
 
 
 def test_invalid_logger_choice(minimal):
-    msg = one_error(minimal, ["trainer.logger=[console,wandb]"])
-    assert msg.startswith("trainer.logger[1]: invalid choice 'wandb'")
+    msg = one_error(minimal, ["trainer.logger=[console,swanlab]"])
+    assert msg.startswith("trainer.logger[1]: invalid choice 'swanlab'")
     assert "'tensorboard'" in msg and "'jsonl'" in msg
 
 

@@ -12,8 +12,9 @@ import torch
 
 from megarl.demo.assets import BuildConfig, build_all, ensure, is_built, resolve_uri
 
+# threads=1: on 2 shared cores a 2-thread build of even these sizes takes ~10x longer
 TINY = BuildConfig(n_train=64, n_val=16, n_sft=64, n_dev=0, sft_max_steps=2, sft_batch=8,
-                   prm_steps=2, prm_batch=8, n_prm_train=32, n_prm_eval=16)
+                   prm_steps=2, prm_batch=8, n_prm_train=32, n_prm_eval=16, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,62 @@ def test_two_processes_build_once(tmp_path):
     ids = [o[0].strip() for o in outs]
     assert ids[0] == ids[1] and len(ids[0]) == 32  # both see the same, single build
     assert sorted(os.listdir(tmp_path)) == [".build.lock", "tokenizer"]  # no staging left behind
+
+
+HASH_BUILD = """
+import hashlib, json, sys
+import torch
+from megarl.demo.assets import BuildConfig, ensure
+before = torch.get_num_threads()
+path = ensure("prm", sys.argv[1], BuildConfig(**json.loads(sys.argv[2]))).parent
+print(json.dumps({
+    "caller_threads": [before, torch.get_num_threads()],
+    "recorded": {c: json.load(open(path / c / "metadata.json"))["build_threads"]
+                 for c in ("policy", "prm")},
+    "policy_threads": json.load(open(path / "policy" / "metadata.json"))["threads"],
+    "sha256": {c: hashlib.sha256((path / c / "model.safetensors").read_bytes()).hexdigest()
+               for c in ("policy", "prm")},
+}))
+"""
+
+
+def test_build_ignores_the_callers_thread_count(tmp_path):
+    """The learning tests train from the same assets however pytest is started: the build runs
+    with BuildConfig.threads torch threads (default 2, as make demo), not with the caller's
+    OMP_NUM_THREADS (a plain pytest runs with 1). Built here under OMP_NUM_THREADS=2 and =1 with
+    threads=1 (a 2-thread build of even tiny sizes is ~10x slower on 2 shared cores): the SFT
+    policy ran with 1 thread in both, the weights are identical, and the caller's setting is
+    restored. Planted bug: the build not setting its threads -> the OMP_NUM_THREADS=2 build
+    records 2 threads and this fails."""
+    cfg = json.dumps(asdict(TINY))
+    outs = {}
+    for omp in ("2", "1"):
+        env = dict(os.environ, OMP_NUM_THREADS=omp, MKL_NUM_THREADS=omp)
+        env.pop("MEGARL_ASSETS_THREADS", None)
+        r = subprocess.run([sys.executable, "-c", HASH_BUILD, str(tmp_path / omp), cfg], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs[omp] = json.loads(r.stdout.strip().splitlines()[-1])
+    for omp, out in outs.items():
+        assert out["caller_threads"] == [int(omp), int(omp)], out
+        assert out["policy_threads"] == 1 and out["recorded"] == {"policy": 1, "prm": 1}, out
+    assert outs["1"]["sha256"] == outs["2"]["sha256"]
+
+
+def test_default_build_threads_and_a_mismatch_rebuilds(root, monkeypatch):
+    """BuildConfig() builds with 2 threads (as make demo), or $MEGARL_ASSETS_THREADS; asked for
+    another thread count, a policy or PRM is not taken as built (its dependents follow), while a
+    training run resolving embedded:// (no config) takes any present build."""
+    from megarl.demo.assets import default_threads
+
+    monkeypatch.delenv("MEGARL_ASSETS_THREADS", raising=False)
+    assert BuildConfig().threads == default_threads() == 2
+    monkeypatch.setenv("MEGARL_ASSETS_THREADS", "3")
+    assert BuildConfig().threads == 3
+    ensure("prm", root, TINY)  # an earlier test left it stale
+    assert is_built("policy", root, threads=1) and is_built("prm", root, threads=1)
+    assert not is_built("policy", root, threads=2) and not is_built("prm", root, threads=2)
+    assert is_built("tokenizer", root, threads=2)  # no torch training: any thread count
+    assert is_built("policy", root) and resolve_uri("embedded://policy", root) == str(root / "policy")
+    with pytest.raises(ValueError, match="MEGARL_ASSETS_THREADS"):
+        ensure("policy", root, BuildConfig(threads=0), force=True)
