@@ -114,6 +114,7 @@ def make_tiny_hf_model(
     max_shard_size: int | str | None = None,
     tokenizer: bool = True,
     randomize: bool = True,
+    lm_head_scale: float = 1.0,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random HF model folder with transformers and return its path.
@@ -127,6 +128,9 @@ def make_tiny_hf_model(
     randomize:  draw every parameter (norm weights and biases included) from N(0, 0.1) (norms
                 1 + N(0, 0.2)) so that no code path is hidden behind a zero bias or unit norm.
     max_shard_size: forwarded to ``save_pretrained`` (e.g. "20KB" for a sharded folder).
+    lm_head_scale: multiply the (untied) lm_head by this: the random models' logits are near
+                uniform (std ~0.8), which hides temperature and normaliser errors in bf16
+                checks; 3 gives a logit std ~2.5, as in real LLMs.
     tokenizer:  also save the character-level tokenizer (`make_tiny_tokenizer`).
     """
     import transformers
@@ -148,6 +152,11 @@ def make_tiny_hf_model(
                 noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
                 is_norm = name.endswith("norm.weight")
                 p.copy_(1.0 + 0.2 * noise if is_norm else 0.1 * noise)
+    if lm_head_scale != 1.0:
+        if head != "lm" or config.tie_word_embeddings:
+            raise ValueError("lm_head_scale needs an untied lm head")
+        with torch.no_grad():
+            model.lm_head.weight.mul_(lm_head_scale)
     model = model.to(dtype)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)

@@ -27,15 +27,10 @@ MAX_BOUND, MEAN_BOUND = 0.15, 0.02
 
 def spread_folder(tmp_path_factory, family: str):
     """A tiny random `family` LM folder with its lm_head scaled by LM_HEAD_SCALE."""
-    from safetensors.torch import load_file, save_file
-
     from megarl.models.testing import make_tiny_hf_model
 
-    path = make_tiny_hf_model(tmp_path_factory.mktemp(f"bf16_{family}") / "m", family)
-    weights = load_file(path / "model.safetensors")
-    weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SCALE
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+    return make_tiny_hf_model(tmp_path_factory.mktemp(f"bf16_{family}") / "m", family,
+                              lm_head_scale=LM_HEAD_SCALE)
 
 
 def hf_bf16_incremental_logits(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
