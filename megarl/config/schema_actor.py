@@ -75,6 +75,9 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard activations along the sequence in TP regions
     # torch backend: FSDP shard-group size inside data parallel; -1 = all DP ranks (the rest)
     data_parallel_shard: int = -1
+    # torch backend: Ulysses sequence parallelism (verl's key): this many ranks split each packed
+    # micro-batch's tokens, attention all-to-alls heads; data parallel = world / (SP x TP x PP)
+    ulysses_sequence_parallel_size: int = 1
 
 
 @dataclass

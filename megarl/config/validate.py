@@ -340,6 +340,37 @@ def _check_batches(cfg: Config, c: _Checker) -> None:
                "required when reward_model.use_dynamic_bsz is false; set it or use_dynamic_bsz=true")
 
 
+def _role_strategy(cfg: Config, prefix: str) -> str:
+    if prefix == "critic":
+        return cfg.critic.strategy
+    if prefix == "reward_model":
+        return cfg.reward_model.strategy
+    return cfg.actor_rollout_ref.actor.strategy
+
+
+def _check_ulysses(cfg: Config, prefix: str, par: ParallelConfig, c: _Checker) -> bool:
+    """Ulysses sequence parallelism > 1: torch backend, without TP / PP. False if refused."""
+    p = f"{prefix}.parallel"
+    key = f"{p}.ulysses_sequence_parallel_size"
+    sp = par.ulysses_sequence_parallel_size
+    strategy = _role_strategy(cfg, prefix)
+    if strategy != "torch":
+        c.fail((key, f"{prefix}.strategy"),
+               f"{sp}: Ulysses sequence parallelism is implemented by the torch backend only "
+               f"(this role's strategy is {strategy}); megatron's counterpart, "
+               "context_parallel_size, is not supported (megatron-core's local attention needs "
+               "TransformerEngine, i.e. CUDA, for it): use strategy=torch or set it to 1")
+        return False
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if tp > 1 or pp > 1:
+        c.fail((key, f"{p}.tensor_model_parallel_size", f"{p}.pipeline_model_parallel_size"),
+               f"{sp} with TP {tp} x PP {pp}: the torch backend combines Ulysses sequence "
+               "parallelism with FSDP only; set tensor_model_parallel_size and "
+               "pipeline_model_parallel_size to 1, or this to 1")
+        return False
+    return True
+
+
 def _check_layout(cfg: Config, c: _Checker) -> None:
     launch = cfg.launch
     c.positive("launch.nnodes", launch.nnodes)
@@ -366,16 +397,23 @@ def _check_layout(cfg: Config, c: _Checker) -> None:
     for prefix, par, mbs in roles:
         p = f"{prefix}.parallel"
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        if tp <= 0 or pp <= 0:
+        sp = par.ulysses_sequence_parallel_size
+        if tp <= 0 or pp <= 0 or sp <= 0:
             c.positive(f"{p}.tensor_model_parallel_size", tp)
             c.positive(f"{p}.pipeline_model_parallel_size", pp)
+            c.positive(f"{p}.ulysses_sequence_parallel_size", sp)
             continue
-        if world % (tp * pp):
-            c.fail((f"{p}.tensor_model_parallel_size", f"{p}.pipeline_model_parallel_size", *world_keys),
-                   f"TP {tp} x PP {pp} does not divide the {world} ranks (launch.nnodes x "
-                   f"launch.nproc_per_node)")
+        if sp > 1 and not _check_ulysses(cfg, prefix, par, c):
             continue
-        dp = world // (tp * pp)
+        if world % (tp * pp * sp):
+            keys = (f"{p}.tensor_model_parallel_size", f"{p}.pipeline_model_parallel_size")
+            if sp > 1:
+                keys = (f"{p}.ulysses_sequence_parallel_size", *keys)
+            c.fail((*keys, *world_keys),
+                   f"TP {tp} x PP {pp}{f' x Ulysses SP {sp}' if sp > 1 else ''} does not divide "
+                   f"the {world} ranks (launch.nnodes x launch.nproc_per_node)")
+            continue
+        dp = world // (tp * pp * sp)
         vpp = par.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or pp < 2):
             c.fail((f"{p}.virtual_pipeline_model_parallel_size", f"{p}.pipeline_model_parallel_size"),

@@ -93,6 +93,10 @@ _MULTI_TURN = "multi-turn / tool rollouts are not implemented; rollouts are sing
 _ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
 _MOE = "mixture-of-experts models are not supported yet"
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
+_ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
+_ULYSSES_CRITIC = "critic.parallel.ulysses_sequence_parallel_size"
+_REF_LAYOUT = (f"the reference model runs with the actor's layout ({_ULYSSES_ACTOR}); memory "
+               "differs, results do not")
 
 RULES: tuple[Rule, ...] = (
     # verl's structured-config plumbing and tooling with no megarl counterpart
@@ -189,9 +193,10 @@ RULES: tuple[Rule, ...] = (
          "actor_rollout_ref.model.dtype"),
     *_each(_FSDP, "model_dtype", "rejected", "megarl keeps the parameters the optimizer "
            "updates in fp32"),
-    *_each(_FSDP, "ulysses_sequence_parallel_size", "rejected",
-           "Ulysses sequence parallelism is not implemented; long responses: megatron with "
-           "sequence_parallel, or dynamic batching"),
+    Rule(f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size", "mapped", _ULYSSES_ACTOR),
+    Rule(f"{_REF}.fsdp_config.ulysses_sequence_parallel_size", "inert", _REF_LAYOUT),
+    *_each(("critic.fsdp", "critic.model.fsdp_config"), "ulysses_sequence_parallel_size",
+           "mapped", _ULYSSES_CRITIC),
     *_each(_FSDP, "qat.enable", "rejected", "quantization-aware training is not implemented"),
     *_each(_FSDP, "qat.*", "inert", _ONLY_WHEN.format(what="qat.enable")),
     *_each(_FSDP, "turbo_config.*", "inert", "verl's FSDP-turbo plan; megarl's torch backend "
@@ -205,7 +210,10 @@ RULES: tuple[Rule, ...] = (
     *_each(_MEGATRON, "override_transformer_config*", "inert", "megarl builds the "
            "TransformerConfig from the HF config; attention backend and fusions are its choice"),
     *_each(_MEGATRON, "context_parallel_size", "rejected", "context parallelism is not "
-           "implemented; use TP with sequence_parallel"),
+           "implemented: megatron-core's local attention (DotProductAttention, 0.16.1) asserts "
+           "context_parallel_size == 1 and leaves it to TransformerEngine's attention, which "
+           "needs CUDA; use the torch backend's ulysses_sequence_parallel_size, or TP with "
+           "sequence_parallel"),
     *_each(_MEGATRON, "expert_*", "rejected", _MOE),
     *_each(_MEGATRON, "router_replay.mode", "rejected", _MOE),
     *_each(_MEGATRON, "router_replay.*", "inert", _ONLY_WHEN.format(what="router_replay.mode")),
@@ -257,9 +265,9 @@ RULES: tuple[Rule, ...] = (
     *_each(_TRAINED, "optim.use_checkpoint_opt_param_scheduler", "inert", "the LR schedule "
            "always resumes from the checkpoint"),
     # actor / ref / critic workers
-    *_each(_ROLES, "ulysses_sequence_parallel_size", "rejected",
-           "Ulysses sequence parallelism is not implemented; long responses: megatron with "
-           "sequence_parallel, or dynamic batching"),
+    Rule(f"{_ACTOR}.ulysses_sequence_parallel_size", "mapped", _ULYSSES_ACTOR),
+    Rule(f"{_REF}.ulysses_sequence_parallel_size", "inert", _REF_LAYOUT),
+    Rule("critic.ulysses_sequence_parallel_size", "mapped", _ULYSSES_CRITIC),
     *_each(_ROLES, "rollout_n", "inert", "read from actor_rollout_ref.rollout.n"),
     *_each(_ROLES, "use_torch_compile", "inert", "training forwards run eagerly"),
     *_each(_ROLES, "entropy_*", "inert", "megarl's fused kernels chunk the vocabulary "

@@ -241,6 +241,34 @@ def default_position_ids(
     return idx[None].expand(batch, seq_len)
 
 
+class AttentionLayout(Protocol):
+    """How the layers attend, when not through a boolean mask: `SegmentGrid` (packed rows), or
+    a backend's sequence-parallel attention (megarl.backends.torch.ulysses)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+               ) -> torch.Tensor:
+        """q [B, n_heads, T, hd], k/v [B, n_kv_heads, T, hd] (post-RoPE) -> [B, n_heads, T, hd]."""
+        ...
+
+
+def attend(
+    layout: torch.Tensor | AttentionLayout | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q [B, n_heads, T, hd] over k/v [B, n_kv_heads, T, hd] -> [B, n_heads, T, hd].
+    layout: None (causal), a bool mask [B, 1, T, T] (True = may attend), or an `AttentionLayout`."""
+    if layout is not None and not isinstance(layout, torch.Tensor):
+        return layout.attend(q, k, v, scale)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=layout, is_causal=layout is None, scale=scale
+    )
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, n_kv, T, hd] -> [B, n_kv * n_rep, T, hd], each kv head repeated n_rep times in place."""
     if n_rep == 1:
@@ -279,11 +307,10 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | SegmentGrid | None,
+        mask: torch.Tensor | AttentionLayout | None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]. mask: bool [B, 1, T, T], a `SegmentGrid` (packed rows) or
-        None (causal)."""
+        """x [B, T, H] -> [B, T, H]. mask: see `attend`."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim)
         k = self.k_proj(x).view(b, t, -1, self.head_dim)
@@ -295,14 +322,8 @@ class Attention(nn.Module):
 
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v)
-        elif isinstance(mask, SegmentGrid):
-            out = mask.attend(q, k, v, self.scale)
         else:
-            n_rep = q.shape[1] // k.shape[1]
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale
-            )
+            out = attend(mask, q, k, v, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -339,7 +360,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | SegmentGrid | None,
+        mask: torch.Tensor | AttentionLayout | None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
@@ -452,6 +473,7 @@ class Transformer(nn.Module):
         segment_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         output: Literal["logits", "hidden"] = "logits",
+        attention: AttentionLayout | None = None,
     ) -> torch.Tensor:
         """Run the decoder.
 
@@ -465,6 +487,9 @@ class Transformer(nn.Module):
         kv_cache:       object with ``attend(layer_idx, q, k, v)``; it owns caching and masking.
         output:         "logits" -> [B, T, V] (lm) or [B, T, num_labels] (token_cls), in the model
                         dtype; "hidden" -> final-normed hidden states [B, T, H].
+        attention:      a ready `AttentionLayout` for every layer instead of the one built from
+                        attention_mask / segment_ids (a backend's sequence-parallel attention,
+                        where input_ids are this rank's token shard); needs position_ids.
         Values at padding positions are finite but meaningless.
         """
         if output not in ("logits", "hidden"):
@@ -473,10 +498,10 @@ class Transformer(nn.Module):
         h = m.embed_tokens(input_ids) if m.embed_tokens is not None else input_ids
         batch, seq_len = h.shape[:2]
 
-        if kv_cache is not None:
+        if kv_cache is not None or attention is not None:
             if position_ids is None:
-                raise ValueError("position_ids are required when a kv_cache is given")
-            mask = None
+                raise ValueError("position_ids are required with a kv_cache or an attention")
+            mask = attention
         else:
             mask = attention_layout(attention_mask, segment_ids, seq_len)
         if position_ids is None:

@@ -12,6 +12,12 @@ and broadcast from the last pipeline stage, so every rank returns the full ``[B,
 micro-batches (FSDP averages them over DP ranks), clips by the global norm, and applies one
 AdamW update with the scheduled LR; a non-finite grad norm skips the update.
 
+Ulysses sequence parallelism (``ulysses`` > 1, `ulysses`): the U ranks of a sequence-parallel
+group take the same rows, each packed micro-batch is padded to a multiple of U and every rank
+runs its contiguous token shard; the heads return the full per-token tensors on every rank of
+the group, so the loss and metrics are those of U=1, and FSDP2 (sharded over DP x SP) sums the
+gradients over the group and averages them over DP.
+
 Bit-identity: a micro-batch gives bit-identical logprobs in ``logprobs`` and inside
 ``train_step`` (fp32, CPU) because both pack it the same way and run the same modules and
 kernel. Under pipeline parallelism a step's micro-batches are padded to their common length,
@@ -35,7 +41,7 @@ from megarl.backends.protocol import ROLES, LossFn, SequenceBatch
 from megarl.backends.torch import checkpoint as ckpt
 from megarl.backends.torch import parallelize as par
 from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scores, value_outputs
-from megarl.backends.torch.layout import Layout, build_mesh, world_size
+from megarl.backends.torch.layout import Layout, build_mesh, fsdp_mesh, world_size
 from megarl.backends.torch.optim import (
     OptimSettings,
     align_grad_placements,
@@ -53,7 +59,9 @@ from megarl.backends.torch.packing import (
     packed_length,
 )
 from megarl.backends.torch.pipeline import StageRunner, common_length
+from megarl.backends.torch.ulysses import SeqShard, sum_over_group
 from megarl.backends.torch.weights import iter_full_weights, weight_specs
+from megarl.errors import UserInputError
 from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
 
@@ -76,8 +84,10 @@ class TorchBackend:
     role:        actor | ref | critic | prm. Critic: 1-label ``score`` head (fresh when the
                  checkpoint is an LM); PRM: token classification (``num_labels`` or config.json).
     model_path:  HF folder (config.json + safetensors).
-    tp, pp, dp_shard, sp: tensor / pipeline / FSDP sizes (``dp_shard=-1``: world / (tp * pp)),
-                 sequence parallelism inside TP. Mesh ("pp", "dp_shard", "tp"), TP innermost.
+    tp, pp, dp_shard, sp: tensor / pipeline / FSDP sizes (``dp_shard=-1``: world / (tp * pp *
+                 ulysses)), sequence parallelism inside TP.
+    ulysses:     Ulysses sequence-parallel size (FSDP only: tp = pp = 1). Mesh ("pp",
+                 "dp_shard", "ulysses", "tp"), TP innermost.
     dtype:       "fp32" | "bf16". bf16 on a trainable role = FSDP2 mixed precision (bf16 compute,
                  fp32 master params and gradient reduction); frozen roles hold bf16 weights.
     optim:       lr, betas, eps, weight_decay, grad_clip (None/0: off), lr_scheduler_type
@@ -100,6 +110,7 @@ class TorchBackend:
         pp: int = 1,
         dp_shard: int = -1,
         sp: bool = False,
+        ulysses: int = 1,
         dtype: str = "fp32",
         lr: float = 1e-6,
         betas: Sequence[float] = (0.9, 0.999),
@@ -130,7 +141,8 @@ class TorchBackend:
         self.model_path = str(model_path)
         self.trainable = role in TRAINABLE_ROLES
         self.device = torch.device(device) if device is not None else default_device()
-        self.layout = Layout.resolve(world_size(), tp=tp, pp=pp, dp_shard=dp_shard, sp=sp)
+        self.layout = Layout.resolve(world_size(), tp=tp, pp=pp, dp_shard=dp_shard, sp=sp,
+                                     ulysses=ulysses)
         self.mesh = build_mesh(self.layout, self.device)
         self.compute_dtype = _DTYPES[dtype]
         self.param_dtype = torch.float32 if self.trainable else self.compute_dtype
@@ -147,6 +159,7 @@ class TorchBackend:
 
         self.hf_config = read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(self.hf_config)
+        self._shard = self._seq_shard()
         self.head = "lm" if role in LM_ROLES else "token_cls"
         self.num_labels = None
         if role == "critic":
@@ -194,11 +207,14 @@ class TorchBackend:
         if lay.tp > 1:
             par.apply_tp(model, self.mesh["tp"], lay.sp, is_last=self.is_last_stage)
         mixed = self.trainable and self.compute_dtype != torch.float32
-        if lay.dp_shard > 1 or mixed:
+        if lay.dp_shard * lay.ulysses > 1 or mixed:
             par.apply_fsdp(
-                model, self.mesh["dp_shard"],
+                model, fsdp_mesh(self.mesh, lay),
                 param_dtype=self.compute_dtype if mixed else None,
                 reshard_after_forward=lay.pp == 1,
+                # the ranks of a sequence-parallel group hold parts of one micro-batch's
+                # gradient: sum over them, average over data parallel
+                gradient_divide_factor=lay.dp_shard if lay.ulysses > 1 else None,
             )
         self._runner = None
         if lay.pp > 1:
@@ -243,7 +259,26 @@ class TorchBackend:
 
     @property
     def _multiple(self) -> int:
-        return self.layout.tp if self.layout.sp else 1
+        return math.lcm(self.layout.tp if self.layout.sp else 1, self.layout.ulysses)
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """The Ulysses sequence-parallel group (None without Ulysses)."""
+        return self._shard.group if self._shard is not None else None
+
+    def _seq_shard(self) -> SeqShard | None:
+        U = self.layout.ulysses
+        if U == 1:
+            return None
+        heads = self.args.num_attention_heads
+        if heads % U:
+            raise UserInputError(
+                f"parallel.ulysses_sequence_parallel_size={U} must divide the model's "
+                f"num_attention_heads ({heads}): each rank attends with heads / {U} heads; use "
+                f"a divisor of {heads}"
+            )
+        m = self.mesh["ulysses"]
+        return SeqShard(group=m.get_group(), rank=m.get_local_rank(), size=U)
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -280,7 +315,8 @@ class TorchBackend:
         if self.role != "critic":
             raise TypeError(f"values needs the critic role; this backend's role is {self.role!r}")
         res = self._forward_no_grad(
-            batch, lambda o, p: value_outputs(o, p).values[..., None], 1, micro_batches
+            batch, lambda o, p: self._head_outputs(o, p, 1.0).values[..., None], 1,
+            micro_batches,
         )
         return res[..., 0]
 
@@ -290,7 +326,12 @@ class TorchBackend:
         """PRM: no-grad logits [B, L, num_labels] float32 at each response token's column."""
         if self.role != "prm":
             raise TypeError(f"token_scores needs the prm role; this backend's role is {self.role!r}")
-        return self._forward_no_grad(batch, token_scores, self.num_labels, micro_batches)
+        def collect(out: torch.Tensor, p: Packed) -> torch.Tensor:
+            if self._shard is not None:
+                return sum_over_group(token_scores(out, self._shard.local(p)), self.sp_group)
+            return token_scores(out, p)
+
+        return self._forward_no_grad(batch, collect, self.num_labels, micro_batches)
 
     # ------------------------------------------------------------------ training
 
@@ -417,7 +458,7 @@ class TorchBackend:
         self._reshard()
         lay = self.layout
         meta = {"role": self.role, "tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
-                "sp": lay.sp, "source": self.model_path}
+                "sp": lay.sp, "ulysses": lay.ulysses, "source": self.model_path}
         ckpt.save(directory, self.model, self.optimizer, self.step, meta)
 
     def load(self, directory: str) -> None:
@@ -442,6 +483,9 @@ class TorchBackend:
                 m.reshard()
 
     def _run(self, p: Packed) -> torch.Tensor:
+        """The model's output of ``p`` ([1, T, ...]; this rank's token shard under Ulysses)."""
+        if self._shard is not None:
+            return self.model(**self._shard.model_inputs(p), output=self._out_kind)
         return self.model(
             p.input_ids, position_ids=p.position_ids, segment_ids=p.segment_ids,
             output=self._out_kind,
@@ -452,10 +496,15 @@ class TorchBackend:
         return w.to_local() if isinstance(w, DTensor) else w
 
     def _head_outputs(self, out: torch.Tensor, p: Packed, temperature: float) -> TorchHeadOutputs:
+        """Under Ulysses ``out`` is this rank's token shard: the heads read the shard's entries
+        and sum the pieces over the group (full [b, L] tensors on every rank)."""
+        sp = {}
+        if self._shard is not None:
+            p, sp = self._shard.local(p), {"sp_group": self.sp_group}
         if self.head == "lm":
             return lm_outputs(out, p, self._lm_weight(), temperature=temperature,
-                              tp_group=self.tp_group, **self.kernel)
-        return value_outputs(out, p, tp_group=self.tp_group)
+                              tp_group=self.tp_group, **sp, **self.kernel)
+        return value_outputs(out, p, tp_group=self.tp_group, **sp)
 
     def _forward_no_grad(
         self,

@@ -48,6 +48,7 @@ def _parallel(par: Any, where: str) -> dict[str, Any]:
         "pp": par.pipeline_model_parallel_size,
         "sp": par.sequence_parallel,
         "dp_shard": par.data_parallel_shard,
+        "ulysses": par.ulysses_sequence_parallel_size,
     }
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarl.backends.torch.packing import Packed
+from megarl.backends.torch.ulysses import sum_over_group
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class TorchHeadOutputs:
     labels [N]; flat_index (rows [N], cols [N]) into [b, L]; tp_group; temperature.
     logprob / entropy [b, L] float32 are computed lazily (once) and are differentiable, 0 outside
     the response. ``values`` [b, L] float32 is set for critics (read at column P + j - 1).
+    sp_group (Ulysses): ``packed`` holds this rank's entries only; the [b, L] tensors are summed
+    over the group (`ulysses.sum_over_group`), so every rank sees the whole micro-batch.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class TorchHeadOutputs:
         hidden: torch.Tensor | None = None,
         weight: torch.Tensor | None = None,
         values: torch.Tensor | None = None,
+        sp_group: dist.ProcessGroup | None = None,
         fused: bool = True,
         impl: str = "auto",
         chunk_size: int | None = None,
@@ -134,7 +138,8 @@ class TorchHeadOutputs:
         self.labels = packed.labels
         self.flat_index = (packed.rows, packed.cols)
         self.shape = (packed.batch_size, packed.response_length)
-        self.values = values
+        self.sp_group = sp_group
+        self.values = sum_over_group(values, sp_group) if values is not None else None
         self._kernel = {"fused": fused, "impl": impl, "chunk_size": chunk_size}
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -146,7 +151,8 @@ class TorchHeadOutputs:
                 self.hidden, self.weight, self.labels, self.temperature, self.tp_group,
                 **self._kernel,
             )
-            self._cache = (self.scatter(lp), self.scatter(ent))
+            self._cache = (sum_over_group(self.scatter(lp), self.sp_group),
+                           sum_over_group(self.scatter(ent), self.sp_group))
         return self._cache
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:

@@ -228,12 +228,20 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype | None,
     reshard_after_forward: bool,
+    gradient_divide_factor: float | None = None,
 ) -> None:
     """``fully_shard`` every decoder block, then the root (embedding, final norm, head).
     ``param_dtype`` (bf16) turns on mixed precision: bf16 compute params, fp32 sharded master
     params, fp32 gradient reduction. The root keeps its parameters unsharded after forward
-    (the LM-head weight is read by the logprob kernel after the model's forward returns)."""
+    (the LM-head weight is read by the logprob kernel after the model's forward returns).
+    ``gradient_divide_factor``: what the gradient sum over ``dp_mesh`` is divided by (default:
+    its size, the mean)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    modules = [*model.model.layers.values(), model]
+    for m in modules:
+        last = m is model
+        fully_shard(m, mesh=dp_mesh, mp_policy=mp,
+                    reshard_after_forward=False if last else reshard_after_forward)
+        if gradient_divide_factor is not None:  # a sum, then a division (gloo has no PREMUL_SUM)
+            m.set_gradient_divide_factor(float(gradient_divide_factor))
+            m.set_force_sum_reduction_for_comms(True)
