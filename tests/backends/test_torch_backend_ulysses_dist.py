@@ -94,6 +94,13 @@ def test_roles_and_transformers_sp2(results, key):
     _check(results, key)
 
 
+@pytest.mark.parametrize("check", ["dcp_logprob_err", "dcp_next_step_err", "dcp_step_ok"])
+def test_checkpoint_sp2_loads_at_fsdp2(results, check):
+    """Saved at SP=2 after 3 steps, loaded at FSDP=2 (no SP): same logprobs, and one more step
+    equals the uninterrupted SP=2 run (optimizer state and step counter continue)."""
+    _check(results, f"sp2_to_fsdp2/{check}")
+
+
 def test_refusals_name_the_key(results):
     heads = results["refuse/heads3"]
     assert "ulysses_sequence_parallel_size=2" in heads and "num_attention_heads (3)" in heads

@@ -12,6 +12,8 @@ Sections (rank 0 writes {check: value}; errors are maxima over ranks):
                   qwen2 (4 heads, 2 KV heads), qwen2 with 1 KV head (< SP: repeated), qwen3 with
                   q/k norms and attention bias, and qwen2 with activation checkpointing;
   hf64            SP=2 logprobs / entropy against transformers' AutoModelForCausalLM (float64);
+  dcp             saved at SP=2 after 3 steps, loaded at FSDP=2: same logprobs, and one more
+                  step equals the uninterrupted SP=2 run;
   roles           critic values + gradients, PRM scores, frozen reference logprobs;
   refusals        heads not divisible by SP; SP with TP=2;
   planted/*       the same checks with one bug planted each (see `PLANTS`): the test asserts
@@ -143,7 +145,8 @@ def main() -> None:
     init_distributed(torch.device("cpu"))
     models, work, res = json.loads(a.models), Path(a.work), W.Results()
     for name in ("qwen2", "kv1", "qwen3"):
-        W.check_actor(f"{name}_sp2", models[name], SP2, res, work)
+        W.check_actor(f"{name}_sp2", models[name], SP2, res, work, dcp=name == "qwen2")
+    W.check_dcp_load("sp2_to_fsdp2", models["qwen2"], {"dp_shard": 2}, res, work)
     W.check_actor("qwen2_sp2_ac", models["qwen2"], {**SP2, "activation_checkpointing": True},
                   res, work)
     check_hf64("hf64_sp2", models["qwen2"], res)
