@@ -41,6 +41,25 @@ def torchrun_world() -> tuple[int, int] | None:
     return world // local, local
 
 
+SIZE_KEYS = ("launch.nnodes", "launch.nproc_per_node", "trainer.nnodes",
+             "trainer.n_gpus_per_node")
+
+
+def _sizes_written(overrides: list[str]) -> bool:
+    return any(o.lstrip("+").split("=", 1)[0] in SIZE_KEYS for o in overrides)
+
+
+def _resolve_quietly(config: str, overrides: list[str], demo):
+    """resolve_config, or None where it raises ConfigError."""
+    from megarl.config import ConfigError
+    from megarl.config.loader import resolve_config
+
+    try:
+        return resolve_config(config, overrides, demo)
+    except ConfigError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -50,12 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.errors import UserInputError
 
     demo = {"auto": None, "on": True, "off": False}[args.demo]
+    started = torchrun_world()
     try:
         resolved = resolve_config(args.config, args.overrides, demo)
     except ConfigError as err:
-        print(f"config error:\n{err}", file=sys.stderr)
-        return 2
-    started = torchrun_world()
+        # a layout that needs more ranks than the default world of one (ulysses 2, TP 2):
+        # without sizes of its own, the config takes the world torchrun started
+        resolved = None if started is None or _sizes_written(args.overrides) else \
+            _resolve_quietly(args.config, [*args.overrides, f"launch.nnodes={started[0]}",
+                                           f"launch.nproc_per_node={started[1]}"], demo)
+        if resolved is None:
+            print(f"config error:\n{err}", file=sys.stderr)
+            return 2
     asked = (resolved.config.launch.nnodes, resolved.config.launch.nproc_per_node)
     if started is not None and asked != started:
         wrote = [k for k in ("launch.nnodes", "launch.nproc_per_node") if resolved.sources.written(k)]
