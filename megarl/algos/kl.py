@@ -94,6 +94,7 @@ def apply_kl_in_reward(
     """
     check_2d("token_scores", check_float("token_scores", token_scores))
     check_same_shape("token_scores", token_scores, old_logprob=old_logprob, ref_logprob=ref_logprob)
+    check_float("old_logprob", old_logprob)
     mask = check_mask("response_mask", response_mask, "token_scores", token_scores)
     with torch.no_grad():
         kld = kl_penalty(old_logprob.to(token_scores.dtype), ref_logprob, kind)

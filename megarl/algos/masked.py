@@ -28,9 +28,10 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """`masked_sum / (number of masked entries + 1e-8)`; 0 where nothing is masked."""
+    total = masked_sum(values, mask, dim)  # validates both arguments first
     count = _bool(mask).to(values.dtype)
     count = count.sum() if dim is None else count.sum(dim=dim)
-    return masked_sum(values, mask, dim) / (count + MEAN_EPS)
+    return total / (count + MEAN_EPS)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
