@@ -200,8 +200,8 @@ def test_group_index_missing_says_what_it_must_be():
         (algos.pacs_loss, dict(logprob=_f(B, L), old_logprob=_f(B, L), response_mask=_mask(),
                                scores=torch.ones(B, dtype=torch.float64), group_index=None)),
     ):
-        with pytest.raises(ValueError, match=r"group_index is required: an int64 \[B\] tensor, "
-                                             r"same value = same prompt"):
+        with pytest.raises(ValueError, match=r"^group_index is required: an int64 \[B\] tensor, "
+                                             r"same value = same prompt$"):
             fn(**kw)
 
 
@@ -220,7 +220,7 @@ def test_unknown_names_list_the_valid_ones():
         algos.kl_penalty(_f(B, L), _f(B, L), "k9")
     with pytest.raises(ValueError, match=r"kl kind must be a string, got 3"):
         algos.kl_penalty(_f(B, L), _f(B, L), 3)
-    with pytest.raises(NotImplementedError, match=r"kl kind 'full' needs the full-vocabulary"):
+    with pytest.raises(NotImplementedError, match=r"^kl kind 'full' needs the full-vocabulary"):
         algos.kl_penalty(_f(B, L), _f(B, L), "full")
     with pytest.raises(ValueError, match=r"unknown credit assignment mode 'softmin'; valid: a "
                                          r"temperature T > 0 \(float\), \['min', "):
@@ -252,7 +252,7 @@ def test_registering_a_taken_name_names_the_kind():
 
 def test_range_errors_name_the_value():
     """Out-of-range numbers: the message names the key and the value given."""
-    with pytest.raises(ValueError, match=r"masked_var: the mask selects no element"):
+    with pytest.raises(ValueError, match=r"^masked_var: the mask selects no element; the variance is undefined$"):
         algos.masked_var(_f(B, L), torch.zeros(B, L, dtype=torch.bool))
     one = torch.zeros(B, L, dtype=torch.bool)
     one[0, 0] = True
@@ -293,3 +293,27 @@ def test_range_errors_name_the_value():
         algos.pacs_loss(scores=bad, **pacs)
     with pytest.raises(ValueError, match=r"global_batch_size must be > 0, got 0"):
         algos.pacs_loss(scores=bad.clamp(0, 1), global_batch_size=0, **pacs)
+
+
+def test_entropy_and_credit_mode_errors_name_what_is_wrong():
+    with pytest.raises(TypeError, match=r"^logits must be a torch.Tensor, got list"):
+        algos.entropy_from_logits([[0.0, 1.0]])
+    with pytest.raises(TypeError, match=r"^logits must be a floating-point tensor .*int64"):
+        algos.entropy_from_logits(torch.zeros(2, 3, dtype=torch.int64))
+    sr, steps = _f(B, L), _mask()
+    with pytest.raises(ValueError, match=r"^credit assignment mode must be a temperature or a "
+                                         r"name, got True$"):
+        algos.pure_credit_assignment(sr, steps, True)
+    with pytest.raises(ValueError, match=r"^credit assignment temperature must be a finite float "
+                                         r"> 0, got -1.0$"):
+        algos.pure_credit_assignment(sr, steps, -1.0)
+    with pytest.raises(ValueError, match=r"^credit assignment mode must be a float or a string, "
+                                         r"got list$"):
+        algos.pure_credit_assignment(sr, steps, [0.1])
+    outside = _mask()
+    outside[1, 4] = True  # a step end on padding
+    with pytest.raises(ValueError, match=r"^step_mask marks tokens outside response_mask; step "
+                                         r"ends must be response tokens$"):
+        algos.pure_rloo_advantages(step_rewards=sr, step_mask=outside, response_mask=_mask(),
+                                   verifiable_rewards=torch.ones(B, dtype=torch.float64),
+                                   group_index=_groups())
