@@ -280,3 +280,14 @@ def test_shape_check_skips_a_missing_argument_and_checks_the_next():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"shape mismatch: c has shape \(2, 4\) but x has shape"):
         check_same_shape("x", x, b=None, c=torch.zeros(2, 4))
+
+
+def test_pure_normalisation_of_a_batch_without_a_trained_token_is_zero():
+    """Every response is one token (its own step end and EOS): with separator masking no token
+    keeps a return, so the normalisation has nothing to count and returns zeros (this branch
+    was never run before; planted `torch.zeros_like(None)`: TypeError)."""
+    mask = t([[1, 0, 0], [1, 0, 0], [1, 0, 0]], torch.long).bool()
+    adv, ret = algos.pure_rloo_advantages(
+        step_rewards=t([[0.5, 0.0, 0.0], [-0.2, 0.0, 0.0], [0.1, 0.0, 0.0]]), step_mask=mask,
+        response_mask=mask, verifiable_rewards=t([1.0, 0.0, 1.0]), group_index=torch.tensor([0, 0, 0]))
+    assert (adv == 0).all() and (ret == 0).all()
