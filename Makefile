@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test test-fast demo assets lint bench clean
+.PHONY: install test test-fast demo assets lint bench clean mutation
 
 install: $(STAMP)
 
@@ -47,6 +47,20 @@ demo: install
 
 lint: install
 	$(PY) -m ruff check megarl megarl_kernels launch conversion tests bench
+
+# Mutation testing of the RL math (docs/mutation.md; not in `make test` or CI, ~15 min on 2 cores).
+# MUTANTS='megarl.algos*' limits it to one module; config in pyproject.toml [tool.mutmut].
+MUTANTS ?=
+mutation: install
+	$(PY) -m pip install -q mutmut==3.8.1
+	rm -rf mutants
+	TRITON_INTERPRET=1 $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS) > mutation.log 2>&1 \
+		|| (tail -c 2000 mutation.log; exit 1)
+	$(VENV)/bin/mutmut results
+	# score per module: killed / (killed + survived); 'no tests' and timeouts count as not killed
+	$(VENV)/bin/mutmut results --all true | awk -F': ' '$$NF != "not checked" { \
+		split($$1, p, ".x"); m = p[1]; gsub(/^ +/, "", m); sub(/^megarl[.]algos[.].*/, "megarl.algos", m); n[m]++; if ($$NF == "killed") k[m]++ } \
+		END { for (m in n) printf "%-28s %5d / %5d killed (%.1f%%)\n", m, k[m], n[m], 100 * k[m] / n[m] }' | sort
 
 bench: install
 	$(PY) bench/kernels.py && $(PY) bench/rollout.py && $(PY) bench/step.py
