@@ -45,7 +45,7 @@ class Completion:
     logprobs:     [len(token_ids)] float32 logprob of each token under the sampling distribution
     finish_reason: "stop" (EOS, stop token or stop string) or "length"
     policy_version: the version of the weights that sampled it, for engines that publish
-                   versions (asynchronous rollout, `megarl.rollout.torch.process`); else None
+                   versions (asynchronous rollout, `megarl.rollout.process`); else None
     """
 
     prompt_index: int

@@ -2,7 +2,8 @@
 ``async_training.staleness_threshold``): the engine generates the batches of the next
 ``staleness`` steps while the trainer trains on the current one.
 
-With staleness s (the engine is a `ProcessRolloutEngine`: its own process, its own cores):
+With staleness s (the engine is a `ProcessRolloutEngine`: megarl's torch engine or vLLM in its
+own process, on its own cores):
 
     step k:  collect batch k (sampled earlier with version max(0, k-1-s))
              queue the batches of steps k+1 .. k+s that are not queued yet, each on the newest
@@ -60,19 +61,20 @@ def async_settings(cfg: Any) -> tuple[int, bool, list[int]]:
 
 
 def build_async_engine(cfg: Any, model_path: str, device: Any) -> Any:
-    """The engine of an asynchronous run: the torch engine in its own process with
-    ``staleness + 1`` weight slots, pinned to ``async_training.engine_cpus[local rank]``."""
+    """The engine of an asynchronous run: the run's engine (megarl's torch engine or vLLM) in
+    its own process with ``staleness + 1`` weight slots, pinned to
+    ``async_training.engine_cpus[local rank]``."""
     import os
 
-    from megarl.rollout.torch.process import EngineSpec, ProcessRolloutEngine
+    from megarl.rollout.process import EngineSpec, ProcessRolloutEngine
 
     staleness, _, cpus = async_settings(cfg)
     name = cfg.actor_rollout_ref.rollout.name
-    if name != "torch":
+    if name not in ("torch", "vllm"):
         raise UserInputError(
             f"async_training.staleness_threshold={staleness} runs with "
-            f"actor_rollout_ref.rollout.name=torch only (got {name!r}); asynchronous vLLM / "
-            "SGLang rollout is not implemented yet: set async_training.staleness_threshold=0")
+            f"actor_rollout_ref.rollout.name=torch or vllm (got {name!r}); asynchronous SGLang "
+            "rollout is not implemented yet: set async_training.staleness_threshold=0")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     mine = [cpus[local % len(cpus)]] if cpus else []
     return ProcessRolloutEngine(EngineSpec.from_config(cfg, model_path, device, cpus=mine),
@@ -89,7 +91,7 @@ class AsyncRLTrainer(RLTrainer):
         engine = self.parts.engine
         if not hasattr(engine, "prefetch"):
             raise UserInputError("async_training.staleness_threshold > 0 needs the engine "
-                                 "process (actor_rollout_ref.rollout.name=torch)")
+                                 "process (actor_rollout_ref.rollout.name=torch or vllm)")
         engine.version_fn = lambda: self.step
         self.ckpt.save = self._with_inflight(self.ckpt.save)
         self._queued: dict[int, Any] = {}  # step -> match key of its prefetched first round

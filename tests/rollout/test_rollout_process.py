@@ -5,14 +5,16 @@ and bit for bit in their logprobs)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from rollout_helpers import prompts_of
 
 from megarl.models import load_model
+from megarl.rollout.process import EngineProcessError, EngineSpec, ProcessRolloutEngine
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
-from megarl.rollout.torch.process import EngineProcessError, EngineSpec, ProcessRolloutEngine
 
 
 def _perturbed(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict:
@@ -98,3 +100,22 @@ def test_engine_errors_surface_in_the_trainer(setup):
     proc.update_weights(base.items())
     with pytest.raises(EngineProcessError, match="token ids outside"):
         proc.generate([[1, 10**6]], SamplingParams(max_new_tokens=3, seed=0))
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name=torch or vllm"),
+    (["actor_rollout_ref.rollout.name=vllm",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"],
+     "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+])
+def test_engine_process_refuses_what_it_cannot_host(overrides, field):
+    """Asynchronous rollout hosts megarl's engine or a vLLM engine of one process per training
+    rank: SGLang, and a vLLM engine spanning ranks, are refused before anything starts, with
+    the key to change. Planted: dropping the TP check starts an engine process asked for TP 2 (no error)."""
+    from megarl.config.loader import resolve_config
+    from megarl.errors import UserInputError
+    from megarl.trainer.async_rollout import build_async_engine
+
+    cfg = resolve_config("grpo", ["async_training.staleness_threshold=1", *overrides]).config
+    with pytest.raises(UserInputError, match=re.escape(field)):
+        build_async_engine(cfg, "unused", "cpu")

@@ -66,6 +66,7 @@ def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int):
                          ).config
     trainer = AsyncRLTrainer(cfg)
     p = trainer.parts
+    assert p.engine.spec.engine == cfg.actor_rollout_ref.rollout.name  # the engine in the child
     calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     batches: dict[int, tuple] = {}
     real_loss_fn = trainer_mod.actor_loss_fn
@@ -129,9 +130,15 @@ def _behaviour_gaps(cfg, calls, batches, weights) -> list[float]:
     return gaps
 
 
-@pytest.fixture(scope="module")
-def async_run(demo_assets, tmp_path_factory):
-    return _run_async_steps(tmp_path_factory.mktemp("async"), [*ASYNC1, "actor_rollout_ref.model.dtype=fp32"], steps=4)
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"]
+
+
+@pytest.fixture(scope="module", params=["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def async_run(request, demo_assets, tmp_path_factory):
+    """4 steps at staleness 1 with the engine process hosting megarl's torch engine or vLLM."""
+    engine = VLLM if request.param == "vllm" else []
+    return _run_async_steps(tmp_path_factory.mktemp(f"async-{request.param}"),
+                            [*ASYNC1, *engine, "actor_rollout_ref.model.dtype=fp32"], steps=4)
 
 
 def test_versions_within_the_bound_and_one_step_behind(async_run):
@@ -150,8 +157,8 @@ def test_versions_within_the_bound_and_one_step_behind(async_run):
 
 def test_loss_uses_the_behaviour_logprobs_of_the_sampling_version(async_run):
     """Every loss call's old logprobs equal transformers' logprobs of the response under the
-    weights of the version that sampled it (fp32: measured max 1.5e-5, the engine's KV-cache
-    decode against one full forward; bound 1e-4). The versions really differ there: the same
+    weights of the version that sampled it (fp32: measured max 1.5e-5 with megarl's engine,
+    the engine's KV-cache decode against one full forward, and 2.0e-5 with vLLM; bound 1e-4). The versions really differ there: the same
     responses under the next version's weights (a version mix-up) differ by 0.05 to 1.1 per
     loss call (asserted > 1e-2). Planted: async_training.use_rollout_log_probs=false (the
     ratio against the trainer's current weights, one version newer than the sampler) gives a

@@ -137,12 +137,22 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg: Any, model_path: str, **overrides: Any) -> VLLMEngine:
-        """The engine of a run, built before the training backends take their memory. Reads
-        actor_rollout_ref.model.{dtype, tokenizer_path, trust_remote_code}, actor_rollout_ref.
-        rollout.{tensor_model_parallel_size, gpu_memory_utilization, max_num_seqs,
-        max_num_batched_tokens, enable_chunked_prefill, enforce_eager, free_cache_engine, seed},
-        data.{max_prompt_length, max_response_length} and trainer.{seed, device}; see
-        `megarl.rollout.vllm.launch` for the process model and memory sizing."""
+        """The engine of a run, built before the training backends take their memory (see
+        `engine_settings`)."""
+        settings = cls.engine_settings(cfg, model_path, **overrides)
+        return cls(settings["model_path"], tokenizer=settings["tokenizer"],
+                   sleep_mode=settings["sleep_mode"], **settings["engine_kwargs"])
+
+    @staticmethod
+    def engine_settings(cfg: Any, model_path: str, **overrides: Any) -> dict[str, Any]:
+        """What `from_config` builds, as plain data: ``model_path`` and ``tokenizer`` (resolved
+        folders), ``sleep_mode`` and ``engine_kwargs`` (``vllm.LLM`` arguments; ``overrides``
+        replace any of them). Reads actor_rollout_ref.model.{dtype, tokenizer_path,
+        trust_remote_code}, actor_rollout_ref.rollout.{tensor_model_parallel_size,
+        gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+        enforce_eager, free_cache_engine, seed}, data.{max_prompt_length,
+        max_response_length} and trainer.{seed, device}; see `megarl.rollout.vllm.launch` for
+        the process model and memory sizing."""
         from megarl.data.locations import resolve_path
         from megarl.models import read_hf_config
         from megarl.utils.dist import resolve_device
@@ -156,11 +166,12 @@ class VLLMEngine:
             ro.gpu_memory_utilization, resolve_device(cfg.trainer.device), read_hf_config(path),
             getattr(torch, dtype), ro.max_num_seqs, max_model_len, ro.tensor_model_parallel_size)
         log.info(note)
+        backend = overrides.get("distributed_executor_backend") or launch.executor_backend(
+            ro.tensor_model_parallel_size)
         kwargs: dict[str, Any] = {
             "dtype": dtype,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
-            "distributed_executor_backend": launch.executor_backend(
-                ro.tensor_model_parallel_size),
+            "distributed_executor_backend": backend,
             "max_num_seqs": ro.max_num_seqs,
             "max_model_len": max_model_len,
             "max_num_batched_tokens": ro.max_num_batched_tokens,
@@ -172,8 +183,8 @@ class VLLMEngine:
             **overrides,
         }
         tokenizer = arr.model.tokenizer_path
-        return cls(path, tokenizer=resolve_path(tokenizer) if tokenizer else None,
-                   sleep_mode=ro.free_cache_engine, **kwargs)
+        return {"model_path": path, "tokenizer": resolve_path(tokenizer) if tokenizer else None,
+                "sleep_mode": ro.free_cache_engine, "engine_kwargs": kwargs}
 
     # ------------------------------------------------------------------------- protocol
 

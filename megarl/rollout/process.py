@@ -1,9 +1,11 @@
-"""`ProcessRolloutEngine`: megarl's torch engine in a process of its own, beside the trainer.
+"""`ProcessRolloutEngine`: a rollout engine in a process of its own, beside the trainer.
 
 The trainer process keeps a proxy that speaks the `RolloutEngine` protocol plus two calls for
-asynchronous rollout (`submit` / `result`); the engine itself (`TorchRolloutEngine`) runs in a
-spawned child, pinned to its own cores with one intra-op thread, so generation overlaps the
-trainer's forward/backward passes.
+asynchronous rollout (`submit` / `result`); the engine itself runs in a spawned child, pinned
+to its own cores with one intra-op thread, so generation overlaps the trainer's
+forward/backward passes. The child hosts either megarl's `TorchRolloutEngine` or a
+`VLLMEngine` (vLLM's ``LLM`` in the child, with its single-process ``uni`` executor: the child
+is a world of one whatever the trainer's world, so each training rank has its own engine).
 
 Weights travel through a ring of ``slots`` shared-memory copies of the model (host memory,
 allocated at the first publish, HF names as in the resharding stream):
@@ -38,15 +40,27 @@ from megarl.rollout.protocol import Completion, SamplingParams
 log = logging.getLogger(__name__)
 
 
+ENGINES = ("torch", "vllm")
+
+# The launch variables of the trainer's world; the engine child is a world of its own.
+_WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
 @dataclass
 class EngineSpec:
-    """What the child needs to build its `TorchRolloutEngine` (picklable).
+    """What the child needs to build its engine (picklable).
 
+    engine: "torch" (`TorchRolloutEngine`, from the fields below) or "vllm" (`VLLMEngine`
+        built from ``model_path``, ``tokenizer`` and ``engine_kwargs``: ``vllm.LLM``
+        arguments, see `VLLMEngine.engine_settings`).
     cpus: CPU ids the child pins itself to (os.sched_setaffinity); empty = inherit.
     threads: torch intra-op threads in the child.
     """
 
     model_path: str
+    engine: str = "torch"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
     dtype: str = "fp32"
     device: str = "cpu"
     tokenizer: str | None = None
@@ -56,20 +70,46 @@ class EngineSpec:
     cpus: list[int] = field(default_factory=list)
     threads: int = 1
 
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"EngineSpec.engine={self.engine!r}; expected one of {ENGINES}")
+
     @classmethod
     def from_config(cls, cfg: Any, model_path: str, device: torch.device | str,
                     cpus: Sequence[int] = ()) -> EngineSpec:
-        """The engine `TorchRolloutEngine.from_config` would build, as a spec (same keys)."""
+        """The engine the synchronous run would build (``actor_rollout_ref.rollout.name``,
+        same keys), as a spec. A vLLM engine in its own process is a world of one: its
+        tensor_model_parallel_size must be 1."""
         from megarl.data.locations import resolve_path
         from megarl.rollout.torch.engine import _cache_budget
 
         arr = cfg.actor_rollout_ref
+        if arr.rollout.name == "vllm":
+            return cls._vllm_from_config(cfg, model_path, cpus)
         device = torch.device(device)
         return cls(model_path=resolve_path(model_path), dtype=arr.model.dtype,
                    device=str(device), tokenizer=arr.model.tokenizer_path or model_path,
                    max_num_seqs=arr.rollout.max_num_seqs,
                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                    kv_cache_bytes=_cache_budget(device, arr.rollout.gpu_memory_utilization),
+                   cpus=list(cpus))
+
+    @classmethod
+    def _vllm_from_config(cls, cfg: Any, model_path: str, cpus: Sequence[int]) -> EngineSpec:
+        from megarl.errors import UserInputError
+        from megarl.rollout.vllm import VLLMEngine
+
+        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        if tp != 1:
+            raise UserInputError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with asynchronous "
+                "rollout: each training rank runs its own vLLM engine in a process of its own "
+                "(a world of one), so the engine cannot span ranks; set it to 1, or set "
+                "async_training.staleness_threshold=0 for the colocated engine")
+        settings = VLLMEngine.engine_settings(cfg, model_path,
+                                              distributed_executor_backend="uni")
+        return cls(model_path=settings["model_path"], engine="vllm",
+                   tokenizer=settings["tokenizer"], engine_kwargs=settings["engine_kwargs"],
                    cpus=list(cpus))
 
 
@@ -85,7 +125,7 @@ class _Request:
 
 
 class ProcessRolloutEngine:
-    """Proxy of a `TorchRolloutEngine` running in a spawned process (see the module doc).
+    """Proxy of a rollout engine running in a spawned process (see the module doc).
 
     slots: shared weight copies (>= 1; ``staleness + 1`` lets the trainer publish without
     waiting). version_fn: the label of the next published version (default: 0 for the first
@@ -350,24 +390,39 @@ def pin_process(cpus: Sequence[int], threads: int) -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
+def build_engine_in_child(spec: EngineSpec) -> Any:
+    """The engine of ``spec``, built in the engine process (after `pin_process`)."""
+    if spec.engine == "vllm":
+        for name in _WORLD_ENV:  # vLLM would take the trainer's world as its own
+            os.environ.pop(name, None)
+        from megarl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(spec.model_path, tokenizer=spec.tokenizer, sleep_mode=False,
+                          **spec.engine_kwargs)
+    from megarl.rollout.torch.engine import _DTYPES, TorchRolloutEngine
+
+    return TorchRolloutEngine.from_pretrained(
+        spec.model_path, dtype=_DTYPES[spec.dtype], device=spec.device,
+        tokenizer=spec.tokenizer, max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len, kv_cache_bytes=spec.kv_cache_bytes,
+        offload_weights_on_sleep=False)
+
+
 def _engine_main(spec: EngineSpec, conn: Any) -> None:
     """The engine process: build the engine, then serve requests in order until "close"."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+    engine = None
     try:
         pin_process(spec.cpus, spec.threads)
-        from megarl.rollout.torch.engine import _DTYPES, TorchRolloutEngine
-
-        engine = TorchRolloutEngine.from_pretrained(
-            spec.model_path, dtype=_DTYPES[spec.dtype], device=spec.device,
-            tokenizer=spec.tokenizer, max_num_seqs=spec.max_num_seqs,
-            max_model_len=spec.max_model_len, kv_cache_bytes=spec.kv_cache_bytes,
-            offload_weights_on_sleep=False)
+        engine = build_engine_in_child(spec)
         ring: list[dict[str, torch.Tensor]] | None = None
         loaded: int | None = None  # serial of the publish in the engine's model
         while True:
             msg = conn.recv()
             kind = msg[0]
             if kind == "close":
+                if hasattr(engine, "close"):
+                    engine.close()
                 break
             if kind == "ring":
                 ring = msg[1]
