@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +126,20 @@ class _Request:
     result: list[Completion] | None = None
 
 
+@dataclass(frozen=True)
+class EngineSpan:
+    """What the engine process did for one request, in ``time.perf_counter()`` seconds (the
+    system-wide monotonic clock on Linux, comparable with the trainer's `Timer.sink`):
+    ``start`` it took the request, ``generate`` it had loaded the weights and began
+    generating, ``end`` it finished."""
+
+    request: int
+    version: int
+    start: float
+    generate: float
+    end: float
+
+
 class ProcessRolloutEngine:
     """Proxy of a rollout engine running in a spawned process (see the module doc).
 
@@ -154,6 +170,8 @@ class ProcessRolloutEngine:
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self._prefetched: dict[Any, int] = {}  # match key -> request id
+        self._versions: dict[int, int] = {}  # request id -> version label, until done
+        self.spans: deque[EngineSpan] = deque(maxlen=1024)  # the newest requests' timings
         self._closed = False
 
     # ------------------------------------------------------------------ protocol
@@ -226,6 +244,7 @@ class ProcessRolloutEngine:
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = _Request(serial)
+        self._versions[rid] = version
         keys = None if prompt_keys is None else [int(k) for k in prompt_keys]
         self._send(("gen", rid, version, slot, serial, [list(map(int, p)) for p in prompts],
                     sampling, keys))
@@ -327,6 +346,7 @@ class ProcessRolloutEngine:
         elif kind == "done":
             req.loaded = True
             req.result = [_completion_from_state(c) for c in msg[2]]
+            self.spans.append(EngineSpan(msg[1], self._versions.pop(msg[1], -1), *msg[3]))
 
     def _wait_slot_free(self, slot: int) -> None:
         held = self._slot_serial[slot]
@@ -428,14 +448,17 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
                 ring = msg[1]
                 continue
             _, rid, version, slot, serial, prompts, sampling, keys = msg
+            start = time.perf_counter()
             if serial != loaded:  # the pickup point: weights change only here
                 engine.update_weights(ring[slot].items())
                 loaded = serial
             conn.send(("loaded", rid))
+            generate = time.perf_counter()
             comps = engine.generate(prompts, sampling, prompt_keys=keys)
             for c in comps:
                 c.policy_version = version
-            conn.send(("done", rid, [_completion_state(c) for c in comps]))
+            conn.send(("done", rid, [_completion_state(c) for c in comps],
+                       (start, generate, time.perf_counter())))
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         return
     except BaseException:

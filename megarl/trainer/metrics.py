@@ -61,7 +61,14 @@ def data_metrics(batch: RolloutBatch, max_response_length: int,
 
 
 class Timer:
-    """Accumulates wall time per named phase: ``with timer("gen"): ...`` -> timing_s/gen."""
+    """Accumulates wall time per named phase: ``with timer("gen"): ...`` -> timing_s/gen.
+
+    ``Timer.sink``: when a list, every timed phase of every timer is also appended to it as
+    (name, start, end) in ``time.perf_counter()`` seconds (the system-wide monotonic clock on
+    Linux, comparable with the engine process's spans): a timeline for profiling tools
+    (bench/async_step.py --timeline). None (default): nothing is kept."""
+
+    sink: list[tuple[str, float, float]] | None = None
 
     def __init__(self) -> None:
         self.times: dict[str, float] = defaultdict(float)
@@ -72,7 +79,10 @@ class Timer:
         try:
             yield
         finally:
-            self.times[name] += time.perf_counter() - start
+            end = time.perf_counter()
+            self.times[name] += end - start
+            if Timer.sink is not None:
+                Timer.sink.append((name, start, end))
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.times.items()}

@@ -64,6 +64,11 @@ def test_versions_are_picked_up_at_submit_and_stamped(setup):
         assert {c.policy_version for c in out} == {v}
     # the versions really differ in what they generate (the check above can tell them apart)
     assert [c.token_ids for c in outs[0]] != [c.token_ids for c in outs[1]]
+    # the engine's timeline: one span per request, in order, each version loaded then used
+    spans = list(proc.spans)
+    assert [(sp.request, sp.version) for sp in spans] == [(r0, 0), (r1, 1), (r2, 2)]
+    for a, b in zip(spans, spans[1:]):
+        assert a.start <= a.generate < a.end <= b.start
 
 
 def test_prefetch_is_collected_by_the_matching_generate(setup):
