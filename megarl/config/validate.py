@@ -293,6 +293,14 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
         c.fail(("pacs.enable", "critic.enable"),
                f"PACS trains the actor with its BCE loss and uses no critic, but {why}; set "
                f"critic.enable=false and algorithm.adv_estimator to a critic-free one (PACS: grpo)")
+    if (pacs.enable and pacs.reward_method == "1" and pacs.adv_estimator == "grpo"
+            and pacs.norm_adv_by_std_in_grpo):
+        c.fail(("pacs.adv_estimator", "pacs.reward_method"),
+               "grpo divides each group's reward proxy by its std, but reward_method=1's proxy "
+               "beta*sum(logp - old_logp) is 0 for every response on a mini-batch's first update "
+               "(logp = old_logp): the std is 0 and the gradient is scaled by 1/1e-6; set "
+               "pacs.adv_estimator=rloo (PACS's default), pacs.norm_adv_by_std_in_grpo=false or "
+               "pacs.reward_method=2")
     if est == "remax" and not rollout.do_sample:
         c.fail(("algorithm.adv_estimator", "actor_rollout_ref.rollout.do_sample"),
                "remax needs actor_rollout_ref.rollout.do_sample=true (its baseline is a greedy "

@@ -186,6 +186,17 @@ def test_pacs_with_explicit_critic(minimal):
     assert msg.startswith("pacs.enable:") and "uses no critic" in msg and "critic.enable=false" in msg
 
 
+def test_pacs_grpo_of_a_zero_reward_proxy_is_refused(minimal):
+    """reward_method=1's proxy is identically 0 on a first update, so grpo's std is 0: the
+    gradient of megarl.algos.pacs_loss is then 62500 against rloo's 0.083 on the same batch
+    (8 responses in 2 groups). Planted: no check loads the config without an error."""
+    msg = one_error(minimal, ["pacs.enable=true", "pacs.adv_estimator=grpo"])
+    assert msg.startswith("pacs.adv_estimator:") and "pacs.adv_estimator=rloo" in msg
+    for fix in (["pacs.adv_estimator=grpo", "pacs.norm_adv_by_std_in_grpo=false"],
+                ["pacs.adv_estimator=grpo", "pacs.reward_method=2"], []):
+        load_config(minimal, ["pacs.enable=true", *fix])
+
+
 def test_pacs_with_gae_auto_critic(minimal):
     msg = one_error(minimal, ["pacs.enable=true", "algorithm.adv_estimator=gae"])
     assert msg.startswith("pacs.enable:") and "algorithm.adv_estimator=gae turns it on" in msg
