@@ -18,11 +18,24 @@ always reduce the same set of gradients.
 
 `capture_router_logits` records each sparse layer's router logits during a forward, for the
 load-balancing loss and the routing metrics in `megarl.models.moe_metrics`.
+
+Routing replay (rollout routing replay, "R3"): `record_experts` returns the experts each token
+chose in every sparse layer of a forward (what a rollout engine reports); `replay_experts` makes
+the next forwards use given experts instead of the router's top-k. A replayed token's weights are
+the router's softmax probabilities at the given experts (divided by their sum when
+``norm_topk_prob``), so the router still gets a gradient through them (verl's megatron router
+replay and the R3 paper gather the router scores at the replayed indices the same way). A row of
+-1 (padding, or a token the engine never ran) is routed by the router as usual. Replaying the
+experts a forward chose itself reproduces that forward bitwise (the same probabilities are
+gathered and summed in the same order).
+
+Routing tensors are laid out ``[..., n_sparse, k]``: one ``k``-vector of expert ids per sparse
+layer, layers in ascending index (`sparse_layers`), dtype `routing_dtype` (int16; -1 = none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -78,6 +91,19 @@ def run_experts(
     return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
+def replay_route(
+    router_logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob: bool
+) -> torch.Tensor:
+    """Weights [N, k] (the logits' dtype) of the given ``experts`` [N, k] (ids in [0, E)): the
+    fp32 softmax of ``router_logits`` [N, E] gathered at ``experts``, divided by their sum when
+    ``norm_topk_prob`` (differentiable in the logits)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights = probs.gather(-1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype)
+
+
 class MoEBlock(nn.Module):
     """The sparse ``mlp`` of one layer (see module docstring): x [B, T, H] -> [B, T, H]."""
 
@@ -98,18 +124,52 @@ class MoEBlock(nn.Module):
         if args.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(h, args.shared_expert_intermediate_size, **fk)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False, **fk)
+        # routing replay state (`replay_experts` / `record_experts`), not parameters
+        self.replay: torch.Tensor | None = None  # [N, k] int, -1 rows: the router decides
+        self.recorded: dict[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
-        weights, experts = route(self.gate(flat), self.top_k, self.norm_topk_prob)
+        logits = self.gate(flat)
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob)
+        if self.replay is not None:
+            weights, experts = self._replayed(logits, weights, experts)
+        if self.recorded is not None:
+            self.recorded[self.layer_idx] = experts.detach()
         out = run_experts(flat, weights, experts, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(b, t, h)
 
+    def _replayed(self, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        given = self.replay
+        if tuple(given.shape) != tuple(experts.shape):
+            raise ValueError(
+                f"layer {self.layer_idx}: replayed experts have shape {tuple(given.shape)}, the "
+                f"call routes {tuple(experts.shape)} (tokens x top_k); record and replay the same "
+                "tokens"
+            )
+        given = given.to(device=experts.device, dtype=torch.long)
+        have = (given >= 0).all(-1, keepdim=True)
+        given = torch.where(have, given, experts)
+        return torch.where(have, replay_route(logits, given, self.norm_topk_prob), weights), given
+
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, experts={self.num_experts}, top_k={self.top_k}"
+
+
+def sparse_layers(args: ModelArgs) -> list[int]:
+    """Indices of the model's sparse (MoE) layers, ascending: the layer axis of routing tensors."""
+    return [i for i in range(args.num_hidden_layers) if args.is_moe_layer(i)]
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """dtype of routing tensors: int16 (expert ids and the -1 of "none")."""
+    if num_experts > torch.iinfo(torch.int16).max:
+        raise ValueError(f"{num_experts} experts do not fit the int16 routing tensors")
+    return torch.int16
 
 
 def moe_blocks(model: nn.Module) -> dict[int, MoEBlock]:
@@ -142,3 +202,72 @@ def capture_router_logits(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def record_experts(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Record the experts [N, k] (int64, N = B * T tokens of the call, row-major) every sparse
+    layer uses while the block runs: ``{layer index: experts}``, overwritten by each forward.
+    Under `replay_experts` these are the replayed experts.
+
+        with record_experts(model) as chosen:
+            model(input_ids)
+        routing = stack_layers(chosen, args)        # [B * T, n_sparse, k]
+    """
+    captured: dict[int, torch.Tensor] = {}
+    blocks = list(moe_blocks(model).values())
+    for block in blocks:
+        block.recorded = captured
+    try:
+        yield captured
+    finally:
+        for block in blocks:
+            block.recorded = None
+
+
+def stack_layers(chosen: Mapping[int, torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    """``{layer index: [N, k]}`` of `record_experts` -> [N, n_sparse, k] in `routing_dtype`."""
+    layers = sparse_layers(args)
+    missing = [i for i in layers if i not in chosen]
+    if missing:
+        raise ValueError(f"no experts recorded for sparse layers {missing}")
+    return torch.stack([chosen[i] for i in layers], dim=1).to(routing_dtype(args.num_experts))
+
+
+@contextmanager
+def replay_experts(model: nn.Module, routing: torch.Tensor) -> Iterator[None]:
+    """Route every forward of ``model`` inside the block with ``routing`` instead of the
+    routers' top-k (see module docstring).
+
+    routing: [B, T, n_sparse, k] or [B * T, n_sparse, k] integer expert ids of the tokens of the
+    forwards to come (the same B x T input), layers as `sparse_layers` of the model's args (a
+    pipeline stage uses its own layers' entries); -1 rows are routed by the router. Ids are
+    checked here, once: each must be -1 or in [0, num_experts)."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError("replay_experts needs a model with sparse (MoE) layers")
+    args = model.args
+    layers = sparse_layers(args)
+    k = args.num_experts_per_tok
+    if routing.dim() == 4:
+        routing = routing.reshape(-1, *routing.shape[2:])
+    if routing.dim() != 3 or tuple(routing.shape[1:]) != (len(layers), k):
+        raise ValueError(
+            f"routing must be [B, T, n_sparse={len(layers)}, k={k}] or [B*T, {len(layers)}, {k}], "
+            f"got {tuple(routing.shape)}"
+        )
+    if routing.dtype.is_floating_point:
+        raise ValueError(f"routing must hold integer expert ids, got {routing.dtype}")
+    if routing.numel() and (int(routing.min()) < -1 or int(routing.max()) >= args.num_experts):
+        raise ValueError(
+            f"routing holds expert ids outside [-1, {args.num_experts}): "
+            f"[{int(routing.min())}, {int(routing.max())}]"
+        )
+    for j, idx in enumerate(layers):
+        if idx in blocks:
+            blocks[idx].replay = routing[:, j]
+    try:
+        yield
+    finally:
+        for block in blocks.values():
+            block.replay = None
