@@ -46,6 +46,10 @@ class Completion:
     finish_reason: "stop" (EOS, stop token or stop string) or "length"
     policy_version: the version of the weights that sampled it, for engines that publish
                    versions (asynchronous rollout, `megarl.rollout.process`); else None
+    routed_experts: [len(prompt) + len(token_ids), n_sparse, k] int16, the experts each prompt
+                   and response token was routed to in each sparse (MoE) layer, -1 where the
+                   engine did not run the token (the last response token); engines that record
+                   routing (routing replay) fill it, else None
     """
 
     prompt_index: int
@@ -53,6 +57,7 @@ class Completion:
     logprobs: torch.Tensor | None
     finish_reason: str
     policy_version: int | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @runtime_checkable

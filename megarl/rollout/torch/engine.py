@@ -10,6 +10,12 @@ greedy and seeded sampling alike (up to float reassociation in batched matmuls).
 
 The engine can wrap the training model object itself (no weight copy; `update_weights` then
 sees the same storages and skips them) or own a model loaded from an HF folder.
+
+With ``return_routed_experts`` (MoE policies; vLLM's engine argument of the same idea is
+``enable_return_routed_experts``) each `Completion` carries the experts every prompt and
+response token was routed to in every sparse layer (`megarl.models.moe.record_experts`), for
+routing replay in the trainer: ``[len(prompt) + len(token_ids), n_sparse, k]`` int16, the last
+response token's row -1 (the engine never runs it: it only predicts the token after it).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import torch
 
 from megarl.models import Transformer, load_model, read_hf_config
+from megarl.models.moe import record_experts, routing_dtype, sparse_layers, stack_layers
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
 from megarl.rollout.sampling import check_sampling_params, noise_key, sample_next, uniform_at
 from megarl.rollout.torch.kv_cache import SlotKVCache
@@ -39,7 +46,7 @@ class _Seq:
     """One (prompt, sample) being generated."""
 
     __slots__ = ("req", "sample", "prompt", "max_new", "prompt_key", "tokens", "logprobs",
-                 "finish", "key")
+                 "finish", "key", "routing")
 
     def __init__(self, req: int, sample: int, prompt: list[int], max_new: int,
                  prompt_key: int) -> None:
@@ -49,6 +56,7 @@ class _Seq:
         self.logprobs: list[float] = []
         self.finish: str | None = None
         self.key = 0  # noise_key(seed, prompt_key, sample), set by the run
+        self.routing: list[torch.Tensor] = []  # [n, n_sparse, k] per forward that ran its tokens
 
     @property
     def cached(self) -> int:
@@ -71,6 +79,8 @@ class TorchRolloutEngine:
                      max_num_seqs x (prompt + response) would not fit (None: no cap).
     offload_weights_on_sleep: move weights to CPU in sleep() (default: only for an engine that
                      owns its model on a GPU; never for a shared training model).
+    return_routed_experts: record each token's experts per sparse layer into
+                     ``Completion.routed_experts`` (MoE models only; see module docstring).
     """
 
     def __init__(
@@ -84,6 +94,7 @@ class TorchRolloutEngine:
         prefill_token_budget: int = 16384,
         kv_cache_bytes: int | None = None,
         offload_weights_on_sleep: bool | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         if not isinstance(model, Transformer):
             raise TypeError(f"TorchRolloutEngine needs a megarl Transformer, got {type(model)}")
@@ -102,6 +113,12 @@ class TorchRolloutEngine:
             )
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if return_routed_experts and not model.args.is_moe:
+            raise ValueError(
+                "return_routed_experts needs a mixture-of-experts model; this one is dense "
+                "(routing replay applies to MoE policies only)"
+            )
+        self.return_routed_experts = bool(return_routed_experts)
         self.model = model
         self.tokenizer = tokenizer
         self.max_num_seqs = int(max_num_seqs)
@@ -218,9 +235,22 @@ class TorchRolloutEngine:
                 logprobs=(torch.tensor(s.logprobs, dtype=torch.float32)
                           if sampling.logprobs else None),
                 finish_reason=s.finish or "length",
+                routed_experts=self._routing_of(s) if self.return_routed_experts else None,
             )
             for s in seqs
         ]
+
+    def _routing_of(self, s: _Seq) -> torch.Tensor:
+        """[len(prompt) + len(tokens), n_sparse, k] int16: the recorded rows, then -1 for the
+        last token (never run)."""
+        a = self.model.args
+        pad = torch.full((1, len(sparse_layers(a)), a.num_experts_per_tok), -1,
+                         dtype=routing_dtype(a.num_experts))
+        out = torch.cat([*s.routing, pad])
+        if out.shape[0] != len(s.prompt) + len(s.tokens):  # a scheduling bug, not user input
+            raise RuntimeError(f"recorded routing of {out.shape[0]} tokens for a sequence of "
+                               f"{len(s.prompt) + len(s.tokens)}")
+        return out
 
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True
@@ -387,7 +417,11 @@ class _Run:
         self.cache.begin_prefill(dst, src)
         ids = ids.to(self.device)
         pos = torch.arange(t, device=self.device).expand(len(prompts), t)
-        hidden = self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
+        hidden, routing = self._forward(ids, pos)
+        if routing is not None:  # [rows * t, n_sparse, k] -> each sample its prompt's rows
+            routing = routing.view(len(prompts), t, *routing.shape[1:])
+            for sid, row in zip(sids, src):
+                self.seqs[sid].routing.append(routing[row, : lengths[row]])
         rows = torch.arange(len(prompts), device=self.device)
         last = hidden[rows, torch.tensor(lengths, device=self.device) - 1]
         logits = self.e._logits(last)
@@ -398,9 +432,21 @@ class _Run:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=self.device)
         pos = torch.tensor([s.cached for s in seqs], dtype=torch.long, device=self.device)
         self.cache.begin_decode(pos)
-        hidden = self.e.model(tokens, position_ids=pos[:, None], kv_cache=self.cache,
-                              output="hidden")
+        hidden, routing = self._forward(tokens, pos[:, None])
+        if routing is not None:  # the token each sequence fed in: its last sampled one
+            for s, r in zip(seqs, routing.split(1)):
+                s.routing.append(r)
         self.sample_into(active, self.e._logits(hidden[:, -1]))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final hidden states [b, t, H], routing [b * t, n_sparse, k] on the CPU, or None
+        when the engine does not record it)."""
+        if not self.e.return_routed_experts:
+            return self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden"), None
+        with record_experts(self.e.model) as chosen:
+            hidden = self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
+        return hidden, stack_layers(chosen, self.e.model.args).cpu()
 
     def sample_into(self, sids: list[int], logits: torch.Tensor) -> None:
         """Sample one token for each sequence in ``sids`` (rows of ``logits``) and apply the
