@@ -87,7 +87,7 @@ def _ppo_rows(lp, old, adv, low=0.2, high=0.28, c=3.0):
             if a < 0:
                 lower += int(float(lc.detach()) > -a * c)
                 lc = torch.clamp(lc, max=-a * c)
-            kl += -float(d)
+            kl += -float(d.detach())
             row.append(lc)
         rows.append(row)
     return rows, clip / 14, lower / 14, kl / 14
