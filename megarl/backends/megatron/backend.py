@@ -84,6 +84,9 @@ class MegatronBackend:
                  (fresh ``score`` head), a PRM needs a token-classification checkpoint.
     tp, pp, vpp, sp: tensor / pipeline / virtual-pipeline sizes, sequence parallelism. All roles
                  of one process share tp and pp (megatron's parallel_state is global).
+    ep, etp:     expert-parallel size and expert-tensor-parallel size (default tp) of a
+                 mixture-of-experts model (`megarl.backends.megatron.moe`); shared by all roles
+                 of one process like tp and pp.
     dtype:       "fp32" or "bf16" (bf16 params via Float16Module, fp32 main params and grads).
     optim_config: `OptimSettings`, a mapping or a config object with its fields (lr, betas, eps,
                  weight_decay, grad_clip, lr_warmup_steps, lr_warmup_steps_ratio,
@@ -108,6 +111,8 @@ class MegatronBackend:
         pp: int = 1,
         vpp: int | None = None,
         sp: bool = False,
+        ep: int = 1,
+        etp: int | None = None,
         dtype: str = "fp32",
         optim_config: OptimSettings | Mapping[str, Any] | Any | None = None,
         use_distributed_optimizer: bool = True,
@@ -132,7 +137,7 @@ class MegatronBackend:
         self.model_path = None if model_path is None else str(model_path)
         self.hf_config = dict(hf_config) if model_path is None else read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(self.hf_config)
-        self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp)
+        self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp)
         check_supported(self.args, self.layout)
         self.dtype = _DTYPES[dtype]
         self.dtype_name = dtype
@@ -148,7 +153,7 @@ class MegatronBackend:
         self.seed = seed
         self.step = 0  # optimizer updates applied (the LR schedule position)
 
-        parallel.ensure_model_parallel(tp, pp, seed)
+        parallel.ensure_model_parallel(tp, pp, seed, ep=ep, etp=self.layout.expert_tp)
         self.use_te = spec == "te" or (spec == "auto" and te_available())
         if spec == "te" and not te_available():
             raise RuntimeError("spec='te' needs TransformerEngine and CUDA; use spec='local'")
@@ -408,6 +413,8 @@ class MegatronBackend:
             "tp": self.layout.tp,
             "pp": self.layout.pp,
             "vpp": self.layout.vpp,
+            "ep": self.layout.ep,
+            "etp": self.layout.expert_tp,
             "dtype": self.dtype_name,
             "step": self.step,
             "source": self.model_path,
@@ -467,7 +474,9 @@ class MegatronBackend:
         fb = get_forward_backward_func(pp_size=self.layout.pp, vp_size=self.layout.vpp)
         seq_len = max(mb.seq_len for mb in mbs)
         rows = max(mb.input_ids.shape[0] for mb in mbs)
-        if self.layout.pp > 1:
+        if self._experts_cross_dp():
+            mbs, seq_len, rows = self._align_over_dp(mbs, seq_len, rows, forward_only)
+        if self.layout.pp > 1 or self._experts_cross_dp():
             mbs = [pad_to(mb, seq_len, rows) for mb in mbs]
         iters = [iter(mbs) for _ in self.modules]
         with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(self.layout.vpp):
@@ -481,6 +490,33 @@ class MegatronBackend:
                 forward_only=forward_only,
                 collect_non_loss_data=forward_only,
             )
+
+    def _experts_cross_dp(self) -> bool:
+        """Whether the MoE token exchange spans data-parallel ranks (EP > 1 or an expert-TP
+        size other than TP): megatron's all-gather dispatcher then needs the same token count,
+        and every exchange the same number of forwards, on all of them."""
+        return self.args.is_moe and (
+            self.layout.ep > 1 or self.layout.expert_tp != self.layout.tp
+        ) and self.dp_size > 1
+
+    def _align_over_dp(self, mbs: list[MicroBatch], seq_len: int, rows: int, forward_only: bool):
+        """(micro-batches, seq_len, rows) agreed over the DP group: the largest sizes, and for
+        forwards the largest count (extra micro-batches repeat the last one; their outputs fall
+        after this rank's rows and are dropped); a train_step needs the same count on every DP rank."""
+        sizes = torch.tensor([len(mbs), seq_len, rows], dtype=torch.long, device=_device())
+        low = -sizes.clone()
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=parallel.dp_group())
+        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=parallel.dp_group())
+        count, seq_len, rows = sizes.tolist()
+        if count != -int(low[0]):
+            if not forward_only:
+                raise ValueError(
+                    f"train_step got {len(mbs)} micro-batches on data-parallel rank "
+                    f"{self.dp_rank}, and the DP ranks disagree ({-int(low[0])} to {count}): "
+                    "with expert parallelism every DP rank must run the same number"
+                )
+            mbs = mbs + [mbs[-1]] * (count - len(mbs))  # outputs past the share are dropped
+        return mbs, seq_len, rows
 
     def _forward_no_grad(self, batch: SequenceBatch, collect, temperature: float, width: int):
         """[width, B, L] of ``collect(outputs)`` ([width, b, L] per micro-batch) for the full

@@ -137,13 +137,29 @@ def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
     (no Apex / TransformerEngine, i.e. on CPU): its DistributedOptimizer copies every key of the
     torch per-parameter state, ``step`` included, from the loaded parameter state, which has no
     ``step`` (KeyError). So the param state is loaded with ``step`` set aside, then restored,
-    one tensor per parameter (megatron shares one, which AdamW would advance once per param)."""
+    one tensor per parameter (megatron shares one, which AdamW would advance once per param).
+    A mixture-of-experts model has a chain of two (dense and expert parameters)."""
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if len(subs) == 1:
+        _load_sub_optimizer_state(subs[0], state)
+        return
+    # A chain (a mixture-of-experts model: dense and expert parameters apart): one state per
+    # optimizer, keyed by its index.
+    if len(state) != len(subs):
+        raise RuntimeError(
+            f"the checkpoint holds {len(state)} optimizer states, this model has {len(subs)} "
+            "optimizers (dense / expert parameters)"
+        )
+    for sub, key in zip(subs, sorted(state)):
+        _load_sub_optimizer_state(sub, state[key])
+
+
+def _load_sub_optimizer_state(sub, state: dict[str, Any]) -> None:
+    """One (not chained) optimizer's part of `_load_optimizer_state`."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    sub = subs[0]
-    if len(subs) != 1 or not isinstance(sub, DistributedOptimizer) or "param_state" not in state:
-        optimizer.load_state_dict(state)
+    if not isinstance(sub, DistributedOptimizer) or "param_state" not in state:
+        sub.load_state_dict(state)
         return
     state = dict(state)
     param_state = state.pop("param_state")

@@ -15,6 +15,7 @@ tag megatron's ``finalize_model_grads`` needs to all-reduce norm grads under SP;
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from megarl.backends.megatron import moe
 from megarl.models.args import ModelArgs, UnsupportedModelError
 
 LM_ROLES = ("actor", "ref")
@@ -39,16 +42,23 @@ VALUE_ROLES = ("critic", "prm")
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel layout of one backend: tensor, pipeline, virtual-pipeline sizes, SP flag."""
+    """Parallel layout of one backend: tensor, pipeline, virtual-pipeline sizes, SP flag, and
+    for MoE models the expert-parallel size and the expert-tensor-parallel size (None: tp)."""
 
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     sp: bool = False
+    ep: int = 1
+    etp: int | None = None
 
     @property
     def num_chunks(self) -> int:
         return self.vpp or 1
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
 
 def te_available() -> bool:
@@ -91,6 +101,7 @@ def check_supported(args: ModelArgs, layout: Layout) -> None:
         raise ValueError("virtual_pipeline_model_parallel_size needs pipeline size >= 2 and >= 2")
     if layout.sp and layout.tp < 2:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size >= 2")
+    moe.check_moe_supported(args, layout.tp, layout.ep, layout.expert_tp, layout.sp)
 
 
 def transformer_config(
@@ -150,6 +161,7 @@ def transformer_config(
         recompute_method=recompute.get("method"),
         recompute_num_layers=recompute.get("num_layers"),
         recompute_modules=recompute.get("modules"),
+        **moe.moe_config_kwargs(args, layout.ep, layout.expert_tp),
     )
 
 
@@ -172,6 +184,13 @@ class QKRMSNorm(torch.nn.RMSNorm):
 
 def block_spec(config: TransformerConfig, *, use_te: bool, vp_stage: int | None, pp_rank: int):
     """Layer specs of one pipeline chunk plus its final norm."""
+    if use_te and config.num_moe_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage,
+            pp_rank=pp_rank,
+        )
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -185,7 +204,14 @@ def block_spec(config: TransformerConfig, *, use_te: bool, vp_stage: int | None,
         spec.submodules.self_attention.submodules.q_layernorm = QKRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = QKRMSNorm
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
+    if not config.num_moe_experts:
+        return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
+    sparse_spec = copy.deepcopy(spec)
+    sparse_spec.submodules.mlp = moe.moe_mlp_spec(config)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    pattern = config.moe_layer_freq
+    specs = [sparse_spec if pattern[offset + i] else spec for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
 class MegarlGPTModel(GPTModel):
@@ -276,6 +302,8 @@ def build_model_chunks(
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(args).to(
                 model.rotary_pos_emb.inv_freq.device
             )
+        if config.num_moe_experts:
+            moe.mark_expert_params(model)
         chunks.append(model)
     return chunks
 

@@ -23,10 +23,15 @@ _SEEDED: int | None = None
 _WORLD: object | None = None  # the default process group megatron's groups were built from
 
 
-def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
-    """Initialise megatron's process groups for (tp, pp) unless already done with the same
-    sizes; the caller must have called ``torch.distributed.init_process_group``."""
+def ensure_model_parallel(
+    tp: int, pp: int, seed: int, ep: int = 1, etp: int | None = None
+) -> None:
+    """Initialise megatron's process groups for (tp, pp) and the expert layout (``ep`` expert
+    parallel ranks, ``etp`` tensor-parallel ranks per expert, default ``tp``) unless already
+    done with the same sizes; the caller must have called
+    ``torch.distributed.init_process_group``."""
     global _SEEDED, _WORLD
+    etp = tp if etp is None else etp
     if not dist.is_initialized():
         raise RuntimeError(
             "MegatronBackend needs torch.distributed: call "
@@ -46,13 +51,16 @@ def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
         have = (
             ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
         )
-        if have != (tp, pp):
+        if have != (tp, pp, ep, etp):
             raise ValueError(
-                f"megatron parallel_state is already initialised with tensor/pipeline sizes "
-                f"{have} in this process, but this backend asks for {(tp, pp)}: every megatron "
-                "role in one process must use the same tensor_model_parallel_size and "
-                "pipeline_model_parallel_size"
+                f"megatron parallel_state is already initialised with tensor/pipeline/expert/"
+                f"expert-tensor sizes {have} in this process, but this backend asks for "
+                f"{(tp, pp, ep, etp)}: every megatron role in one process must use the same "
+                "tensor_model_parallel_size, pipeline_model_parallel_size, "
+                "expert_model_parallel_size and expert_tensor_parallel_size"
             )
     else:
         if world % (tp * pp):
@@ -60,9 +68,17 @@ def ensure_model_parallel(tp: int, pp: int, seed: int) -> None:
                 f"world size {world} is not a multiple of tensor_model_parallel_size x "
                 f"pipeline_model_parallel_size = {tp} x {pp}"
             )
+        if world % (etp * ep * pp):
+            raise ValueError(
+                f"world size {world} is not a multiple of expert_tensor_parallel_size x "
+                f"expert_model_parallel_size x pipeline_model_parallel_size = {etp} x {ep} x {pp}"
+            )
         with cpu_compat.cuda_to_cpu():
             ps.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp,
             )
     _WORLD = dist.group.WORLD
     if _SEEDED is None:
@@ -95,6 +111,30 @@ def pp_group() -> dist.ProcessGroup:
 
 def dp_group() -> dist.ProcessGroup:
     return ps.get_data_parallel_group()
+
+
+def ep_group() -> dist.ProcessGroup:
+    return ps.get_expert_model_parallel_group()
+
+
+def ep_rank() -> int:
+    return ps.get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    return ps.get_expert_model_parallel_world_size()
+
+
+def etp_group() -> dist.ProcessGroup:
+    return ps.get_expert_tensor_parallel_group()
+
+
+def etp_rank() -> int:
+    return ps.get_expert_tensor_parallel_rank()
+
+
+def etp_size() -> int:
+    return ps.get_expert_tensor_parallel_world_size()
 
 
 def tp_rank() -> int:

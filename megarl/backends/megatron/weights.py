@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from megarl.backends.megatron import parallel
+from megarl.backends.megatron import moe, parallel
 from megarl.backends.megatron.model import (
     LM_ROLES,
     Layout,
@@ -84,19 +84,33 @@ class Entry:
     hf: tuple[str, ...]
     kind: str
     layer: int | None  # global layer index, None for embedding / final norm / heads
+    inner: int = 0  # MLP width of fc1 / col kinds when not the dense intermediate_size
+    expert: int | None = None  # global expert index (kinds efc1 / ecol)
 
 
-def layer_entries(args: ModelArgs, layer: int, local: int, names: set[str]) -> list[Entry]:
+def layer_entries(
+    args: ModelArgs, layer: int, local: int, names: set[str], ep_rank: int | None = 0,
+    ep_size: int = 1,
+) -> list[Entry]:
     """Entries of global layer ``layer`` held as ``decoder.layers.{local}`` in a chunk whose
-    parameter names are ``names`` (local or TE spec)."""
+    parameter names are ``names`` (local or TE spec). A sparse (MoE) layer lists the experts of
+    expert-parallel rank ``ep_rank`` of ``ep_size``, every expert when ``ep_rank`` is None."""
     out = []
+    sparse = args.is_moe_layer(layer)
     for suffix, hf, kind, cond in _LAYER_ENTRIES:
         if cond and not getattr(args, cond):
+            continue
+        if sparse and suffix.startswith("mlp."):
             continue
         name = f"decoder.layers.{local}.{suffix}"
         if name not in names and suffix in _TE_NAMES:
             name = f"decoder.layers.{local}.{_TE_NAMES[suffix]}"
         out.append(Entry(name, tuple(f"model.layers.{layer}.{h}" for h in hf), kind, layer))
+    if sparse:
+        for name, hf, kind, inner, expert in moe.moe_layer_entries(
+            args, layer, local, ep_rank, ep_size
+        ):
+            out.append(Entry(name, hf, kind, layer, inner, expert))
     return out
 
 
@@ -106,8 +120,9 @@ def chunk_entries(model: MegarlGPTModel, args: ModelArgs) -> list[Entry]:
     out = []
     if model.pre_process:
         out.append(Entry("embedding.word_embeddings.weight", (EMBED,), "row", None))
+    ep_rank, ep_size = (parallel.ep_rank(), parallel.ep_size()) if args.is_moe else (0, 1)
     for local, layer in enumerate(global_layer_numbers(model)):
-        out.extend(layer_entries(args, layer, local, names))
+        out.extend(layer_entries(args, layer, local, names, ep_rank, ep_size))
     if model.post_process:
         out.append(Entry("decoder.final_layernorm.weight", (NORM,), "replicated", None))
         if model.num_labels is not None:
@@ -127,7 +142,7 @@ def expected_hf_names(args: ModelArgs, role: str) -> list[str]:
     """HF tensor names of the full model of ``role``, in HF state_dict order."""
     names = [EMBED, NORM]
     for layer in range(args.num_hidden_layers):
-        for e in layer_entries(args, layer, 0, set()):
+        for e in layer_entries(args, layer, 0, set(), ep_rank=None):
             names.extend(e.hf)
     if role in LM_ROLES:
         if not args.tie_word_embeddings:
@@ -174,13 +189,13 @@ def shard_from_hf(entry: Entry, read: Reader, args: ModelArgs, rank: int, size: 
         return read(entry.hf[0], None, None)
     if entry.kind == "row":
         return read(entry.hf[0], _chunk(args.vocab_size, rank, size), None)
-    if entry.kind == "col":
+    if entry.kind in ("col", "ecol"):
         n = args.num_attention_heads * args.head_dim if "o_proj" in entry.hf[0] else (
-            args.intermediate_size
+            entry.inner or args.intermediate_size
         )
         return read(entry.hf[0], None, _chunk(n, rank, size))
-    if entry.kind == "fc1":
-        rows = _chunk(args.intermediate_size, rank, size)
+    if entry.kind in ("fc1", "efc1"):
+        rows = _chunk(entry.inner or args.intermediate_size, rank, size)
         return torch.cat([read(entry.hf[0], rows, None), read(entry.hf[1], rows, None)])
     if entry.kind == "qkv":
         groups = args.num_key_value_heads // size
@@ -199,9 +214,9 @@ def hf_from_shards(entry: Entry, shards: list[torch.Tensor], args: ModelArgs):
         return [(entry.hf[0], shards[0])]
     if entry.kind == "row":
         return [(entry.hf[0], torch.cat(shards, 0))]
-    if entry.kind == "col":
+    if entry.kind in ("col", "ecol"):
         return [(entry.hf[0], torch.cat(shards, 1))]
-    if entry.kind == "fc1":
+    if entry.kind in ("fc1", "efc1"):
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = torch.cat([h[0] for h in halves])
         up = torch.cat([h[1] for h in halves])
@@ -229,6 +244,10 @@ def hf_shapes(entry: Entry, args: ModelArgs, num_labels: int | None) -> list[tup
             out.append(shapes[name])
             continue
         leaf = name.split(".", 3)[3]
+        moe_shape = moe.moe_hf_shapes(args, leaf)
+        if moe_shape is not None:
+            out.append(moe_shape)
+            continue
         q_rows, kv_rows = args.num_attention_heads * hd, args.num_key_value_heads * hd
         table = {
             "input_layernorm.weight": (h,),
@@ -343,6 +362,7 @@ def load_hf_into_chunks(
     reader = HFReader(path)
     fresh_head = check_checkpoint_names(reader, args, role, num_labels)
     rank, size = parallel.tp_rank(), dist.get_world_size(parallel.tp_group())
+    expert_rank, expert_size = parallel.etp_rank(), parallel.etp_size()
     try:
         for chunk in chunks:
             params = dict(chunk.named_parameters())
@@ -355,7 +375,10 @@ def load_hf_into_chunks(
                 if entry.hf[0] in (SCORE_W, SCORE_B) and fresh_head:
                     _init_fresh_head(chunk, args, seed)
                     continue
-                shard = shard_from_hf(entry, reader.read, args, rank, size)
+                if entry.kind in moe.EXPERT_KINDS:
+                    shard = shard_from_hf(entry, reader.read, args, expert_rank, expert_size)
+                else:
+                    shard = shard_from_hf(entry, reader.read, args, rank, size)
                 if tuple(shard.shape) != tuple(param.shape):
                     raise CheckpointMismatchError(
                         f"{entry.hf} -> {entry.mcore}: shard {tuple(shard.shape)} vs parameter "
@@ -417,7 +440,9 @@ def export_hf(
         for entry in group:
             owner = _owner_stage(entry, args, layout)
             outputs = None
-            if owner == my_pp:
+            if owner == my_pp and entry.kind in moe.EXPERT_KINDS:
+                outputs = _gather_expert(entry, mine, value, args, num_labels, dtype)
+            elif owner == my_pp:
                 param, local_entry = mine[entry.hf]
                 shard = value(param)
                 if tp_size > 1 and local_entry.kind != "replicated":
@@ -438,6 +463,33 @@ def export_hf(
             ready.extend(outputs)
         yield from sorted(ready, key=lambda item: hf_sort_key(item[0]))
 
+def _gather_expert(entry: Entry, mine: dict, value, args: ModelArgs, num_labels, dtype):
+    """[(HF name, full tensor)] of one expert's entry on every rank of this pipeline stage:
+    all-gathered over the expert-tensor-parallel group on the expert-parallel rank holding the
+    expert, then broadcast from it over the expert-parallel group."""
+    ep_size = parallel.ep_size()
+    owner = entry.expert // (args.num_experts // ep_size)
+    if parallel.ep_rank() == owner:
+        param, local_entry = mine[entry.hf]
+        shard = value(param)
+        if parallel.etp_size() > 1:
+            shards = [torch.empty_like(shard) for _ in range(parallel.etp_size())]
+            dist.all_gather(shards, shard.contiguous(), group=parallel.etp_group())
+        else:
+            shards = [shard]
+        outputs = [(n, t.contiguous()) for n, t in hf_from_shards(local_entry, shards, args)]
+    else:
+        outputs = [
+            (name, torch.empty(shape, dtype=dtype, device=_device()))
+            for name, shape in zip(entry.hf, hf_shapes(entry, args, num_labels))
+        ]
+    if ep_size > 1:
+        src = dist.get_process_group_ranks(parallel.ep_group())[owner]
+        for _, tensor in outputs:
+            dist.broadcast(tensor, src=src, group=parallel.ep_group())
+    return outputs
+
+
 def _entry_groups(args: ModelArgs, role: str) -> list[list[Entry]]:
     """Entries of the full model grouped by layer (top-level tensors alone), in HF order."""
     groups: list[list[Entry]] = []
@@ -452,7 +504,7 @@ def _entry_groups(args: ModelArgs, role: str) -> list[list[Entry]]:
 def _all_entries(args: ModelArgs, role: str) -> list[Entry]:
     out = [Entry("", (EMBED,), "row", None)]
     for layer in range(args.num_hidden_layers):
-        out.extend(layer_entries(args, layer, 0, set()))
+        out.extend(layer_entries(args, layer, 0, set(), ep_rank=None))
     out.append(Entry("", (NORM,), "replicated", None))
     if role in LM_ROLES:
         if not args.tie_word_embeddings:

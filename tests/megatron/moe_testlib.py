@@ -1,0 +1,129 @@
+"""Helpers of the megatron mixture-of-experts tests (pytest files and tests/dist workers):
+tiny Qwen3-MoE / Qwen2-MoE folders, transformers references in float64 (eager experts), the
+per-expert names of transformers' fused expert gradients, and the checks one layout runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mcore_testlib as lib
+import torch
+
+# name: (family, overrides). 4 experts, top-2, head_dim 32 (megarl.models.testing); the mixed
+# model has a dense first layer (mlp_only_layers) and 8 experts (4 per rank at EP=2).
+MOE_ZOO = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe_mixed": ("qwen3_moe", {"mlp_only_layers": [0], "num_experts": 8,
+                                      "num_hidden_layers": 2}),
+    # 2 KV heads for TP=2 (head_dim stays 32)
+    "qwen3_moe_kv2": ("qwen3_moe", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "qwen2_moe_kv2": ("qwen2_moe", {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                    "hidden_size": 128}),
+}
+TEMPERATURE = 0.7
+TOL = 1e-5  # logprob / entropy, absolute, fp32 megatron vs float64 transformers
+GRAD_TOL = 1e-5  # per tensor, relative to the tensor's largest entry
+
+
+def moe_model(root: Path, name: str) -> Path:
+    family, overrides = MOE_ZOO[name]
+    return lib.make_model(Path(root) / name, family, "lm", **dict(overrides))
+
+
+def hf_moe_model(path: Path, dtype=torch.float64):
+    """transformers' model with its eager expert loop (its grouped_mm refuses float64)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, experts_implementation="eager"
+    )
+
+
+def hf_grads(model) -> dict[str, torch.Tensor]:
+    """transformers' gradients under checkpoint (per-expert) names: its fused
+    ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` split by hand;
+    parameters without a gradient count as zeros."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, inner = name.removesuffix("gate_up_proj"), g.shape[1] // 2
+            for j in range(g.shape[0]):
+                out[f"{base}{j}.gate_proj.weight"] = g[j, :inner]
+                out[f"{base}{j}.up_proj.weight"] = g[j, inner:]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for j in range(g.shape[0]):
+                out[f"{base}{j}.down_proj.weight"] = g[j]
+        else:
+            out[name] = g
+    return out
+
+
+def dp_share(batch, be):
+    """(this DP rank's rows of ``batch`` in micro-batches of 2, global response tokens)."""
+    per = batch.batch_size // be.dp_size
+    share = batch.select(slice(be.dp_rank * per, (be.dp_rank + 1) * per))
+    mbs = [share.select(slice(i, i + 2)) for i in range(0, per, 2)]
+    return mbs, float(batch.response_mask.sum())
+
+
+def moe_checks(res: dict, path: Path, key: str, **layout) -> None:
+    """Build an actor at ``layout`` from ``path`` and record, under ``key.*``: max |logprob| /
+    |entropy| differences to transformers (float64), whether the export equals the HF files
+    bit for bit, the loss difference and the largest per-tensor relative gradient difference
+    after one train_step of -sum(logprob)/tokens split over DP ranks, and the grad names."""
+    from megarl.backends.megatron import MegatronBackend
+    from megarl.models.hf_io import load_hf_state_dict
+
+    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+                         use_distributed_optimizer=False, **layout)
+    hf = hf_moe_model(path)
+    batch = lib.make_batch(B=4, seed=1)
+    ref_lp, ref_ent, _ = lib.hf_logprobs(hf, batch, temperature=TEMPERATURE)
+    lp, ent = be.logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
+    res[f"{key}.logprob"] = lib.max_diff(lp, ref_lp.detach())
+    res[f"{key}.entropy"] = lib.max_diff(ent, ref_ent.detach())
+    source = load_hf_state_dict(path)
+    exported = {k: v.cpu() for k, v in be.export_weights()}
+    res[f"{key}.export_names"] = sorted(exported) == sorted(source)
+    res[f"{key}.export_exact"] = all(torch.equal(exported[k], source[k]) for k in source)
+
+    mbs, n = dp_share(batch, be)
+    dp = be.dp_size
+    metrics = be.train_step(
+        mbs, lambda o, mb: lib.pg_loss(o, mb, n / dp), temperature=TEMPERATURE
+    )
+    ref_loss = -ref_lp.sum() / n
+    ref_loss.backward()
+    ref = hf_grads(hf)
+    grads = {k: v.cpu() for k, v in be.export_grads()}
+    res[f"{key}.loss"] = abs(metrics["loss"] - float(ref_loss.detach()))
+    res[f"{key}.grad_names"] = sorted(grads) == sorted(ref)
+    res[f"{key}.grads"] = max(lib.rel_diff(grads[k], ref[k]) for k in ref)
+    res[f"{key}.expert_grads_nonzero"] = sum(
+        float(g.abs().max()) > 0 for k, g in grads.items() if ".mlp.experts." in k
+    )
+    del be
+
+
+def failures(res: dict, key: str) -> list[str]:
+    out = []
+    for name, tol in (("logprob", TOL), ("entropy", TOL), ("loss", TOL), ("grads", GRAD_TOL)):
+        if not res[f"{key}.{name}"] < tol:
+            out.append(f"{key}.{name} = {res[f'{key}.{name}']} (tolerance {tol})")
+    for flag in ("export_names", "export_exact", "grad_names"):
+        if not res[f"{key}.{flag}"]:
+            out.append(f"{key}.{flag} is False")
+    return out
+
+
+def next_step(be) -> dict[str, torch.Tensor]:
+    """One more train_step (batch seed 5, this DP rank's rows in micro-batches of 2, loss
+    -sum(logprob) / global tokens x dp_size) on ``be``; returns the full HF-named weights
+    afterwards (collective)."""
+    batch = lib.make_batch(B=4, seed=5)
+    mbs, n = dp_share(batch, be)
+    be.train_step(mbs, lambda o, mb: lib.pg_loss(o, mb, n / be.dp_size))
+    return {k: v.detach().cpu().contiguous() for k, v in be.export_weights()}
