@@ -9,6 +9,8 @@ Layout under the assets root (``$MEGARL_ASSETS``, default ``<repo>/assets``)::
     arith/       train.parquet (3-op RL prompts), val.parquet (held-out 3-op),
                  sft.parquet (1-3 ops, with a "response" column), metadata.json
     policy/      Qwen2ForCausalLM after the SFT warm start (+ tokenizer files)
+    policy_moe/  Qwen2MoeForCausalLM upcycled from policy/ (4 experts, top-2, a shared expert;
+                 `megarl.models.upcycle`): the mixture-of-experts demo policy
     critic/      the policy body as a 1-label token classifier, score head zero
     prm/         Qwen2ForTokenClassification, 2 labels (1 = correct step)
 
@@ -33,9 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ASSETS_VERSION = 2
-COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm")
+COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm", "policy_moe")
 DEPENDS = {"tokenizer": (), "arith": (), "policy": ("tokenizer", "arith"),
-           "critic": ("policy",), "prm": ("policy",)}
+           "critic": ("policy",), "prm": ("policy",), "policy_moe": ("policy",)}
 ARITH_FILES = ("train.parquet", "val.parquet", "sft.parquet")
 SCHEME = "embedded://"
 
@@ -81,6 +83,9 @@ class BuildConfig:
     prm_lr: float = 1e-3
     n_prm_train: int = 20000
     n_prm_eval: int = 500
+    moe_experts: int = 4  # the upcycled MoE policy: routed experts, top-k, expert weight noise
+    moe_top_k: int = 2
+    moe_noise: float = 0.05
 
 
 def repo_root() -> Path:
@@ -208,18 +213,19 @@ def _quiet(msg: str) -> None:
 
 
 def resolve_uri(uri: str, root: str | os.PathLike | None = None) -> str:
-    """``embedded://policy|critic|prm|tokenizer|arith/<file>.parquet`` -> a local path (built on
-    first use); any other string is returned unchanged."""
+    """``embedded://policy|policy_moe|critic|prm|tokenizer|arith/<file>.parquet`` -> a local
+    path (built on first use); any other string is returned unchanged."""
     if not isinstance(uri, str) or not uri.startswith(SCHEME):
         return uri
     name = uri[len(SCHEME):].strip("/")
     component, _, rest = name.partition("/")
-    if component in ("policy", "critic", "prm", "tokenizer") and not rest:
+    if component in ("policy", "policy_moe", "critic", "prm", "tokenizer") and not rest:
         return str(ensure(component, root))
     if component == "arith" and (not rest or rest in ARITH_FILES):
         return str(ensure("arith", root) / rest) if rest else str(ensure("arith", root))
     raise ValueError(
-        f"unknown embedded asset {uri!r}; use embedded://policy, embedded://critic, "
+        f"unknown embedded asset {uri!r}; use embedded://policy, embedded://policy_moe, "
+        f"embedded://critic, "
         f"embedded://prm, embedded://tokenizer or embedded://arith/{{{','.join(ARITH_FILES)}}}"
     )
 
@@ -267,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(component: str, meta: dict) -> str:
+    if component == "policy_moe":
+        return (f"{meta.get('num_experts')} experts, top-{meta.get('top_k')}, greedy held-out "
+                f"accuracy {meta.get('val_accuracy')} (dense: {meta.get('dense_val_accuracy')})")
     if component == "policy":
         s = meta.get("sft", {})
         return (f"SFT {s.get('steps')} steps in {s.get('seconds')}s, greedy held-out accuracy "

@@ -128,6 +128,51 @@ def build_policy(staging: Path, base: Path, config: BuildConfig, log: Log) -> di
     }
 
 
+def build_policy_moe(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:
+    """The dense SFT policy upcycled into a Qwen2-MoE (`megarl.models.upcycle`): same start,
+    no training of its own."""
+    from safetensors.torch import load_file
+
+    from megarl.demo.sft import arith_accuracy
+    from megarl.models import ModelArgs, Transformer, read_hf_config, save_model
+    from megarl.models.hf_io import hf_weight_map
+    from megarl.models.upcycle import upcycle_qwen2_config, upcycle_qwen2_state
+
+    dense: dict[str, torch.Tensor] = {}
+    for file in sorted(set(hf_weight_map(base / "policy").values())):
+        dense.update(load_file(base / "policy" / file))
+    hf_config = upcycle_qwen2_config(read_hf_config(base / "policy"), config.moe_experts,
+                                     config.moe_top_k)
+    state = upcycle_qwen2_state(dense, hf_config, noise=config.moe_noise, seed=_seed(config, 30))
+    model = Transformer(ModelArgs.from_hf_config(hf_config), head="lm")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"upcycled weights do not fit the MoE model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    model.tie_weights()
+    tok = _load_tokenizer(base)
+    val = _arith_problems(base / "arith" / "val.parquet")
+    val_acc = arith_accuracy(model, tok, val)
+    dense_acc = (_read_json(base / "policy" / "metadata.json") or {}).get("val_accuracy")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"  policy_moe: qwen2_moe, {n_params / 1e6:.2f}M params, {config.moe_experts} experts "
+        f"top-{config.moe_top_k}; greedy held-out accuracy {val_acc:.3f} (dense {dense_acc})")
+    save_model(model, staging, source_dir=base / "tokenizer")
+    return {"params": n_params, "num_experts": config.moe_experts, "top_k": config.moe_top_k,
+            "noise": config.moe_noise, "val_accuracy": round(val_acc, 4),
+            "dense_val_accuracy": dense_acc,
+            "init": "sparse upcycling of policy/ (megarl.models.upcycle)"}
+
+
+def _read_json(path: Path) -> dict | None:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def build_critic(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:
     from megarl.models import load_model, save_model
 
