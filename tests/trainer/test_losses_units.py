@@ -125,12 +125,12 @@ def test_actor_ppo_loss_gradient_and_metrics(agg_mode, entropy_coeff):
     pg = _agg(rows, agg_mode)
     want = pg - entropy_coeff * _agg(ent.tolist(), agg_mode)
     want.backward()
-    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     torch.testing.assert_close(out.logprob.grad.double(), lp.grad, rtol=1e-5, atol=1e-7)
     assert clip > 0 and lower > 0  # both clips exercised
     ent_mean = sum(sum(r[:n]) for r, n in zip(ent.tolist(), LENGTHS)) / 14
     assert metrics == pytest.approx({
-        "actor/pg_loss": float(pg), "actor/pg_clipfrac": clip * SHARE,
+        "actor/pg_loss": pg.item(), "actor/pg_clipfrac": clip * SHARE,
         "actor/pg_clipfrac_lower": lower * SHARE, "actor/ppo_kl": kl * SHARE,
         "actor/entropy": ent_mean * SHARE}, rel=1e-5)
 
@@ -157,9 +157,9 @@ def test_actor_kl_loss_and_dual_clip_bound():
     want = _agg(rows, "seq-mean-token-mean") + 0.05 * kl_loss
     want.backward()
     assert lower > 0
-    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     torch.testing.assert_close(out.logprob.grad.double(), lp.grad, rtol=1e-5, atol=1e-7)
-    assert metrics["actor/kl_loss"] == pytest.approx(float(kl_loss), rel=1e-5)
+    assert metrics["actor/kl_loss"] == pytest.approx(kl_loss.item(), rel=1e-5)
     assert metrics["actor/kl_coef"] == pytest.approx(0.05 * SHARE, rel=1e-6)
     assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(lower * SHARE, rel=1e-5)
 
@@ -174,7 +174,7 @@ def test_actor_on_policy_and_another_loss_mode():
     out = _outputs(_micro_batch(seed=4), seed=5)
     loss, metrics = actor_loss_fn(_settings(on_policy=True), NORM)(out, mb)
     adv = mb.tensors["advantages"].double().tolist()
-    assert float(loss) == pytest.approx(_agg([[-a for a in r] for r in adv], "token-mean"), rel=1e-5)
+    assert loss.item() == pytest.approx(_agg([[-a for a in r] for r in adv], "token-mean"), rel=1e-5)
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
 
     mb = _micro_batch(seed=4)
@@ -182,7 +182,7 @@ def test_actor_on_policy_and_another_loss_mode():
     loss, metrics = actor_loss_fn(_settings(loss_mode="reinforce"), NORM)(out, mb)
     lp = out.logprob.detach().double().tolist()
     want = _agg([[-a * x for a, x in zip(ra, rl)] for ra, rl in zip(adv, lp)], "token-mean")
-    assert float(loss) == pytest.approx(want, rel=1e-5)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
     assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/pg_clipfrac_lower"] == 0.0
 
 
@@ -207,11 +207,11 @@ def test_actor_pacs_wiring_and_rescale():
         norm_adv_by_std=False)
     want = want * (4 / 10 * 2)
     want.backward()
-    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
     torch.testing.assert_close(out.logprob.grad, lp.grad)
     assert out.entropy.grad is None  # no entropy term in the PACS loss
     assert set(metrics) == {"actor/pacs_loss", "actor/entropy"}
-    assert metrics["actor/pacs_loss"] == pytest.approx(float(want), rel=1e-6)
+    assert metrics["actor/pacs_loss"] == pytest.approx(want.item(), rel=1e-6)
 
 
 def test_actor_fused_path_from_hidden_states():
@@ -249,10 +249,10 @@ def test_actor_fused_path_from_hidden_states():
     want = pg - 0.02 * _agg([[ent_pad[i, t] for t in range(L)] for i in range(4)],
                             "seq-mean-token-sum")
     want.backward()
-    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
     assert metrics == pytest.approx({
-        "actor/pg_loss": float(pg), "actor/pg_clipfrac": clip * SHARE,
+        "actor/pg_loss": pg.item(), "actor/pg_clipfrac": clip * SHARE,
         "actor/pg_clipfrac_lower": lower * SHARE, "actor/ppo_kl": kl * SHARE,
         "actor/entropy": float(ent.mean()) * SHARE}, rel=1e-5)
     assert s.use_fused(out) and not _settings(use_kl_loss=True).use_fused(out)
@@ -266,7 +266,7 @@ def test_actor_fused_path_from_hidden_states():
     del mb.tensors["old_logprob"]
     loss, metrics = actor_loss_fn(_settings(on_policy=True), NORM)(out, mb)
     adv = mb.tensors["advantages"].double().tolist()
-    assert float(loss) == pytest.approx(_agg([[-a for a in r] for r in adv], "token-mean"), rel=1e-5)
+    assert loss.item() == pytest.approx(_agg([[-a for a in r] for r in adv], "token-mean"), rel=1e-5)
     assert metrics["actor/ppo_kl"] == 0.0
 
 
@@ -300,10 +300,10 @@ def test_critic_clipped_value_loss_and_metrics(agg_mode):
     want = _agg(rows, agg_mode)
     want.backward()
     assert clipped > 0
-    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     torch.testing.assert_close(out.values.grad.double(), v64.grad, rtol=1e-5, atol=1e-7)
     vmean = sum(float(vp[i, t]) for i, n in enumerate(LENGTHS) for t in range(n)) / 14
-    assert metrics == pytest.approx({"critic/vf_loss": float(want),
+    assert metrics == pytest.approx({"critic/vf_loss": want.item(),
                                      "critic/vf_clipfrac": clipped / 14 * SHARE,
                                      "critic/vpred_mean": vmean * SHARE}, rel=1e-5)
 
