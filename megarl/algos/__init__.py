@@ -27,6 +27,7 @@ from megarl.algos.registry import (
     register_advantage_estimator,
     register_policy_loss,
 )
+from megarl.algos.rollout_correction import ROLLOUT_IS_LEVELS, compute_rollout_is_weights
 from megarl.algos.value import value_loss
 
 __all__ = [
@@ -34,12 +35,14 @@ __all__ = [
     "AGG_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "apply_kl_in_reward",
     "build_kl_controller",
     "compute_advantages",
+    "compute_rollout_is_weights",
     "entropy_from_logits",
     "kl_penalty",
     "masked_mean",
