@@ -254,7 +254,7 @@ def test_actor_fused_path_from_hidden_states():
     assert metrics == pytest.approx({
         "actor/pg_loss": pg.item(), "actor/pg_clipfrac": clip * SHARE,
         "actor/pg_clipfrac_lower": lower * SHARE, "actor/ppo_kl": kl * SHARE,
-        "actor/entropy": float(ent.mean()) * SHARE}, rel=1e-5)
+        "actor/entropy": ent.mean().item() * SHARE}, rel=1e-5)
     assert s.use_fused(out) and not _settings(use_kl_loss=True).use_fused(out)
     assert not _settings(pacs=True).use_fused(out) and not _settings(fused=False).use_fused(out)
     assert not _settings(loss_mode="gspo").use_fused(out)
