@@ -294,7 +294,7 @@ def test_critic_clipped_value_loss_and_metrics(agg_mode):
             vc = torch.clamp(v64[i, t], float(V[i, t]) - 0.3, float(V[i, t]) + 0.3)
             a, b = (v64[i, t] - R[i, t]) ** 2, (vc - R[i, t]) ** 2
             if t < n:
-                clipped += int(float(b) > float(a))
+                clipped += int(float(b.detach()) > float(a.detach()))
             row.append(0.5 * torch.maximum(a, b))
         rows.append(row)
     want = _agg(rows, agg_mode)
