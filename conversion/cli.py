@@ -1,6 +1,6 @@
 """``python -m conversion`` / ``megarl-convert``: argument parsing, process launch, error lines.
 
-Layout decision for ``hf-to-megatron --tp N --pp M``: megatron's torch_dist checkpoints are
+Layout decision for ``hf-to-megatron --tp N --pp M`` (``--ep E`` / ``--etp T`` for experts): megatron's torch_dist checkpoints are
 layout-independent (global tensor keys and shapes; the loader reshards), so the written
 checkpoint loads at any TP/PP. The tool still *writes* it from the asked layout, launching
 itself under ``torchrun --standalone`` with N x M processes (gloo on CPU; NCCL when there are
@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
     a.add_argument("--tp", type=int, default=1, help="tensor parallel size to write from")
     a.add_argument("--pp", type=int, default=1, help="pipeline parallel size to write from")
+    a.add_argument("--ep", type=int, default=1,
+                   help="expert parallel size to write from (mixture-of-experts models)")
+    a.add_argument("--etp", type=int, default=None,
+                   help="expert tensor parallel size (default: --tp)")
     a.add_argument("--role", choices=("actor", "critic", "prm"), default="actor")
     a.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="parameter dtype stored (fp32 keeps bf16 sources bit-exact)")
@@ -120,16 +124,26 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """Processes ``hf-to-megatron`` runs: the smallest world that both the dense grid
+    (TP x DP) and the expert grid (ETP x EP x expert-DP) divide, times PP."""
+    import math
+
+    return math.lcm(tp, (tp if etp is None else etp) * ep) * pp
+
+
 def _hf_to_megatron(args: argparse.Namespace) -> int:
     if args.tp < 1 or args.pp < 1:
         raise ConversionError(f"--tp and --pp must be >= 1, got {args.tp} and {args.pp}")
+    if args.ep < 1 or (args.etp is not None and args.etp < 1):
+        raise ConversionError(f"--ep and --etp must be >= 1, got {args.ep} and {args.etp}")
     _need_hf(args.hf)
     if args.worker_dir is not None:  # one of the TP x PP processes launched below
         return _worker(args)
     check_output(args.out, args.force)
     tmp = temp_sibling(args.out)
     try:
-        n = args.tp * args.pp
+        n = world_size(args.tp, args.pp, args.ep, args.etp)
         if n == 1:
             from conversion import ops
 
@@ -159,9 +173,11 @@ def _launch(args: argparse.Namespace, tmp: Path, n: int) -> str:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
         "-m", "conversion", "hf-to-megatron", "--hf", str(args.hf), "--out", str(args.out),
-        "--tp", str(args.tp), "--pp", str(args.pp), "--role", args.role,
+        "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep), "--role", args.role,
         "--dtype", args.dtype, _WORKER_FLAG, str(tmp),
     ]
+    if args.etp is not None:
+        cmd[-2:-2] = ["--etp", str(args.etp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     out = proc.stdout + "\n" + proc.stderr
     if proc.returncode != 0:
@@ -182,7 +198,8 @@ def _worker(args: argparse.Namespace) -> int:
     from conversion import ops
 
     summary = ops.hf_to_megatron(
-        args.hf, args.worker_dir, role=args.role, tp=args.tp, pp=args.pp, dtype=args.dtype
+        args.hf, args.worker_dir, role=args.role, tp=args.tp, pp=args.pp, dtype=args.dtype,
+        ep=args.ep, etp=args.etp,
     )
     if summary:
         print(summary, flush=True)

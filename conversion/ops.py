@@ -35,19 +35,28 @@ def init_process_group() -> None:
     init_distributed(resolve_device("auto"))
 
 
-def hf_to_megatron(hf: Path, tmp: Path, *, role: str, tp: int, pp: int, dtype: str) -> str:
-    """Collective: load ``hf`` at TP x PP and save it (model only) into the empty ``tmp``;
-    rank 0 checks every expected tensor is there. Returns a one-line summary."""
+def hf_to_megatron(
+    hf: Path, tmp: Path, *, role: str, tp: int, pp: int, dtype: str, ep: int = 1,
+    etp: int | None = None,
+) -> str:
+    """Collective: load ``hf`` at TP x PP (x EP / ETP for experts) and save it (model only) into
+    the empty ``tmp``; rank 0 checks every expected tensor is there. Returns a one-line
+    summary."""
+    from conversion.cli import world_size
+
     quiet()
     init_process_group()
-    world = dist.get_world_size()
-    if world != tp * pp:
-        raise ConversionError(f"--tp {tp} x --pp {pp} needs {tp * pp} processes, got {world}")
+    world, need = dist.get_world_size(), world_size(tp, pp, ep, etp)
+    if world != need:
+        raise ConversionError(
+            f"--tp {tp} x --pp {pp} (--ep {ep}, --etp {etp}) needs {need} processes, got {world}"
+        )
     from megarl.backends.megatron import MegatronBackend
     from megarl.backends.megatron.checkpoint import check_model_tensors
     from megarl.models.hf_io import hf_weight_map
 
-    backend = MegatronBackend(role, str(hf), tp=tp, pp=pp, dtype=dtype, train=False)
+    backend = MegatronBackend(role, str(hf), tp=tp, pp=pp, ep=ep, etp=etp, dtype=dtype,
+                              train=False)
     backend.save(str(tmp), include_optimizer=False)
     summary = ""
     if dist.get_rank() == 0:
@@ -55,7 +64,7 @@ def hf_to_megatron(hf: Path, tmp: Path, *, role: str, tp: int, pp: int, dtype: s
         n_hf = len(hf_weight_map(hf))
         summary = (
             f"wrote {n} megatron tensors (from {n_hf} HF tensors, {backend.args.model_type} "
-            f"{role}, {dtype}) at TP={tp} PP={pp}"
+            f"{role}, {dtype}) at TP={tp} PP={pp}" + (f" EP={ep}" if ep > 1 else "")
         )
     dist.barrier()
     return summary

@@ -190,7 +190,8 @@ def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
 
 def expected_model_tensors(args, role: str, num_labels: int | None) -> dict[str, tuple]:
     """{dist-checkpoint key: global shape} of the model tensors a checkpoint of ``role`` holds,
-    whatever layout wrote it: layers stacked along a leading [num_layers] axis, pre-norms under
+    whatever layout wrote it: layers stacked along a leading [num_layers] axis (MoE models: one
+    key per layer, the experts of a layer stacked along a leading [num_experts] axis), pre-norms under
     TransformerEngine's names (megatron's local spec maps its keys onto them), a tied LM head
     stored once as the embedding."""
     from megarl.backends.megatron.model import LM_ROLES
@@ -210,7 +211,17 @@ def expected_model_tensors(args, role: str, num_labels: int | None) -> dict[str,
     if args.qk_norm:
         layer["self_attention.q_layernorm.weight"] = (hd,)
         layer["self_attention.k_layernorm.weight"] = (hd,)
-    out = {f"decoder.layers.{k}": (L, *v) for k, v in layer.items()}
+    if args.is_moe:
+        # MoE models (megatron's moe_layer_freq list): one key per layer, experts stacked.
+        out = {}
+        for i in range(L):
+            keys = dict(layer)
+            if args.is_moe_layer(i):
+                del keys["mlp.linear_fc1.weight"], keys["mlp.linear_fc2.weight"]
+                keys.update(moe_model_tensors(args))
+            out.update({f"decoder.layers.{i}.{k}": v for k, v in keys.items()})
+    else:
+        out = {f"decoder.layers.{k}": (L, *v) for k, v in layer.items()}
     out["embedding.word_embeddings.weight"] = (args.vocab_size, h)
     out["decoder.final_layernorm.weight"] = (h,)
     if role in LM_ROLES:
@@ -219,6 +230,22 @@ def expected_model_tensors(args, role: str, num_labels: int | None) -> dict[str,
     else:
         out["score.weight"] = (num_labels, h)
         out["score.bias"] = (num_labels,)
+    return out
+
+
+def moe_model_tensors(args) -> dict[str, tuple]:
+    """{key under ``decoder.layers.{i}.``: global shape} of one sparse layer's MLP."""
+    h, E, inner = args.hidden_size, args.num_experts, args.moe_intermediate_size
+    out = {
+        "mlp.router.weight": (E, h),
+        "mlp.experts.experts.linear_fc1.weight": (E, 2 * inner, h),
+        "mlp.experts.experts.linear_fc2.weight": (E, h, inner),
+    }
+    shared = args.shared_expert_intermediate_size
+    if shared:
+        out["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
+        out["mlp.shared_experts.linear_fc2.weight"] = (h, shared)
+        out["mlp.shared_experts.gate_weight"] = (1, h)
     return out
 
 
