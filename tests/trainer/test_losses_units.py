@@ -302,7 +302,7 @@ def test_critic_clipped_value_loss_and_metrics(agg_mode):
     assert clipped > 0
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     torch.testing.assert_close(out.values.grad.double(), v64.grad, rtol=1e-5, atol=1e-7)
-    vmean = sum(float(vp[i, t]) for i, n in enumerate(LENGTHS) for t in range(n)) / 14
+    vmean = sum(float(vp[i, t].detach()) for i, n in enumerate(LENGTHS) for t in range(n)) / 14
     assert metrics == pytest.approx({"critic/vf_loss": want.item(),
                                      "critic/vf_clipfrac": clipped / 14 * SHARE,
                                      "critic/vpred_mean": vmean * SHARE}, rel=1e-5)
