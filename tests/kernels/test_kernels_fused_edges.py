@@ -137,7 +137,7 @@ def test_fused_pacs_weight_modes_and_group_shapes_against_float64(
     r_loss, r, psi, ent, r_dh, r_dw = _ref_grads(
         lambda lp: _pacs_ref(lp, old, seq, GROUPS, SCORES, **kw), hidden, weight, labels)
     assert f_loss.dtype == torch.float32
-    assert float(f_loss) == pytest.approx(float(r_loss), rel=1e-5)
+    assert float(f_loss) == pytest.approx(r_loss.item(), rel=1e-5)
     assert f_met["pacs_loss"] == pytest.approx(float(r_loss), rel=1e-5)
     assert f_met["reward_mean"] == pytest.approx(float(sum(r).detach()) / len(r), rel=1e-5, abs=1e-6)
     assert f_met["adv_mean"] == pytest.approx(float(sum(psi).detach()) / len(psi), rel=1e-5, abs=1e-6)
@@ -165,7 +165,7 @@ def test_fused_pacs_grpo_all_equal_group_uses_std_zero():
         lambda lp: _pacs_ref(lp, old, seq, groups, scores, zero_std=(0,), **kw),
         hidden, weight, labels)
     assert torch.isfinite(f_dh).all() and torch.isfinite(f_dw).all()
-    assert float(f_loss) == pytest.approx(float(r_loss), rel=1e-5)
+    assert float(f_loss) == pytest.approx(r_loss.item(), rel=1e-5)
     assert float(r_dh.abs().max()) > 1e4
     assert_close_scaled(f_dh, r_dh, 1e-4, "dh")
     # the two copies' weight gradients cancel exactly in float64; float32 leaves ~1e-7 of scale
@@ -193,7 +193,7 @@ def _ppo_ref(lp, old, adv, scale, ent, *, low, high, c, entropy_coeff):
         rho, a = torch.exp(d), float(adv[t])
         lc = torch.maximum(-a * rho, -a * torch.clamp(rho, 1 - low, 1 + high))
         lt = torch.minimum(lc, torch.tensor(-a * c, dtype=lc.dtype)) if a < 0 else lc
-        dual += int(a < 0 and float(lc) > -a * c)
+        dual += int(a < 0 and float(lc.detach()) > -a * c)
         loss = loss + float(scale[t]) * (lt - entropy_coeff * ent[t])
     return loss, sum(kl) / len(kl), dual / len(kl)
 
@@ -226,7 +226,7 @@ def test_fused_ppo_edges_against_float64():
                        high=0.28, c=1.5, entropy_coeff=0.0)
     r_loss.backward()
     assert f_loss.dtype == torch.float32
-    assert float(f_loss) == pytest.approx(float(r_loss), rel=1e-5)
+    assert float(f_loss) == pytest.approx(r_loss.item(), rel=1e-5)
     assert f_met["pg_loss"] == pytest.approx(float(r_pg), rel=1e-5)
     assert f_met["ppo_kl"] == pytest.approx(r_kl, rel=1e-5)
     assert r_dual > 0 and f_met["pg_clipfrac_lower"] == pytest.approx(r_dual, rel=1e-6)
