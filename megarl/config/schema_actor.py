@@ -106,6 +106,21 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """``actor.router_replay``: routing replay for MoE policies (verl's key; its megatron
+    spelling ``actor.megatron.router_replay.mode`` is read as this one).
+
+    R3 (rollout routing replay): the rollout engine records the experts each prompt and response
+    token was routed to in every sparse layer, and the actor's forwards (old logprobs and the
+    update) route each token to those experts, weighted by the current router's probabilities
+    at them (the router still trains). Needs a mixture-of-experts policy, strategy torch and
+    rollout.name torch (vLLM 0.32 can return routed experts, ``enable_return_routed_experts``,
+    but megarl's vLLM adapter does not ask for them yet)."""
+
+    mode: Literal["disabled", "R3"] = "disabled"
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor``: PPO-style updates of the policy."""
 
@@ -133,6 +148,7 @@ class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass

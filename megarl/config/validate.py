@@ -140,7 +140,28 @@ def check(cfg: Config, bad_keys: set[str]) -> list[str]:
     _check_algorithm(cfg, c)
     _check_batches(cfg, c)
     _check_layout(cfg, c)
+    _check_router_replay(cfg, c)
     return c.problems
+
+
+def _check_router_replay(cfg: Config, c: _Checker) -> None:
+    """R3 routing replay: the torch backend replays, the torch engine records (the policy being
+    a mixture of experts is checked when the model is built)."""
+    arr = cfg.actor_rollout_ref
+    key = "actor_rollout_ref.actor.router_replay.mode"
+    if arr.actor.router_replay.mode == "disabled":
+        return
+    if arr.actor.strategy != "torch":
+        c.fail((key, "actor_rollout_ref.actor.strategy"),
+               f"{arr.actor.router_replay.mode} needs actor_rollout_ref.actor.strategy=torch "
+               "(the megatron backend does not replay routing); use strategy=torch or "
+               f"{key}=disabled")
+    if arr.rollout.name != "torch":
+        c.fail((key, "actor_rollout_ref.rollout.name"),
+               f"{arr.actor.router_replay.mode} needs actor_rollout_ref.rollout.name=torch: only "
+               "megarl's torch engine returns the experts it routed each token to (vLLM 0.32 "
+               "can, through enable_return_routed_experts, but megarl's vLLM adapter does not "
+               f"request them yet); use rollout.name=torch or {key}=disabled")
 
 
 def _check_ranges(cfg: Config, c: _Checker) -> None:

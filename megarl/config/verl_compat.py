@@ -215,8 +215,11 @@ RULES: tuple[Rule, ...] = (
            "needs CUDA; use the torch backend's ulysses_sequence_parallel_size, or TP with "
            "sequence_parallel"),
     *_each(_MEGATRON, "expert_*", "rejected", _MOE),
-    *_each(_MEGATRON, "router_replay.mode", "rejected", _MOE),
-    *_each(_MEGATRON, "router_replay.*", "inert", _ONLY_WHEN.format(what="router_replay.mode")),
+    Rule(f"{_ACTOR}.megatron.router_replay.mode", "mapped", f"{_ACTOR}.router_replay.mode"),
+    *_each(_MEGATRON[1:], "router_replay.mode", "rejected", "routing replay applies to the "
+           "actor (actor_rollout_ref.actor.router_replay.mode); {p} routes with its own router"),
+    *_each(_MEGATRON, "router_replay.*", "inert", "record / replay files of verl's R2 mode; "
+           "megarl's R3 replays the experts the rollout engine recorded"),
     *_each(_MEGATRON, "param_offload", "inert", _OFFLOAD),
     *_each(_MEGATRON, "grad_offload", "inert", _OFFLOAD),
     *_each(_MEGATRON, "optimizer_offload", "inert", _OFFLOAD),
@@ -325,7 +328,8 @@ RULES: tuple[Rule, ...] = (
          "not implemented"),
     Rule(f"{_ROLLOUT}.disaggregation.*", "inert", _ONLY_WHEN.format(what="disaggregation.enabled")),
     Rule(f"{_ROLLOUT}.dtype", "inert", "the engine runs in actor_rollout_ref.model.dtype"),
-    Rule(f"{_ROLLOUT}.enable_rollout_routing_replay", "rejected", _MOE),
+    Rule(f"{_ROLLOUT}.enable_rollout_routing_replay", "inert", "the torch engine records "
+         f"routing whenever {_ACTOR}.router_replay.mode=R3"),
     Rule(f"{_ROLLOUT}.moe_load_balance_metrics_interval", "inert", _MOE),
     Rule(f"{_ROLLOUT}.engine_kwargs.*", "rejected", "extra engine arguments are not passed "
          "through yet"),
@@ -354,14 +358,12 @@ RULES: tuple[Rule, ...] = (
          "one at a time"),
     Rule("algorithm.use_pf_ppo", "rejected", "PF-PPO reweighting is not implemented"),
     Rule("algorithm.pf_ppo.*", "inert", _ONLY_WHEN.format(what="algorithm.use_pf_ppo")),
-    Rule("algorithm.rollout_correction.rollout_is", "rejected", "rollout/trainer importance "
-         "sampling correction is not implemented; rollout.check_logprobs measures the mismatch"),
     Rule("algorithm.rollout_correction.rollout_rs", "rejected", "rollout rejection sampling is "
          "not implemented"),
     Rule("algorithm.rollout_correction.bypass_mode", "rejected", "old logprobs are always "
          "recomputed by the trainer"),
     Rule("algorithm.rollout_correction.*", "inert",
-         _ONLY_WHEN.format(what="rollout_correction.rollout_is / rollout_rs")),
+         _ONLY_WHEN.format(what="rollout_correction.rollout_rs / bypass_mode")),
     # reward (verl's `reward.*` section and its older `reward_model.*` spellings)
     Rule("reward.custom_reward_function.*", "mapped", "custom_reward_function.*"),
     Rule("reward.reward_manager.name", "mapped", "reward_model.reward_manager"),
@@ -383,7 +385,6 @@ RULES: tuple[Rule, ...] = (
     Rule("reward_model.model.use_remove_padding", "inert", "the PRM packs sequences like the "
          "actor (actor_rollout_ref.model.use_remove_padding)"),
     Rule("reward_model.model.fsdp_config.*", "inert", _OFFLOAD),
-    Rule(f"{_ACTOR}.router_replay.mode", "rejected", _MOE),
     Rule("reward_model.model.trust_remote_code", "mapped", f"{_ARR}.model.trust_remote_code"),
     Rule("reward_model.reward_loop_*", "rejected", "custom reward loops are not loaded; use "
          "custom_reward_function"),

@@ -3,6 +3,9 @@
 Tensors are padded per batch (prompt left-padded to P, response right-padded to L, both the
 largest in the batch) and every rank holds the same full batch once the rollout is gathered.
 Per-token tensors are [B, L] aligned with ``response_ids``; per-response tensors are [B].
+The one exception is ``routed_experts`` [B, P + L, n_sparse, k] int16 (routing replay of MoE
+policies): aligned with the whole ``[prompt | response]`` row, -1 on padding and on tokens the
+engine did not route (each response's last token).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class RolloutSample:
     ground_truth: Any
     extra_info: dict
     policy_version: int | None = None  # weights version that sampled it (asynchronous rollout)
+    # [len(prompt_ids) + len(response_ids), n_sparse, k] experts of each token (routing replay)
+    routed_experts: torch.Tensor | None = None
 
 
 def _pad(rows: list[list], width: int, value, left: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -38,6 +43,23 @@ def _pad(rows: list[list], width: int, value, left: bool, dtype: torch.dtype) ->
                 out[i, width - len(row):] = torch.tensor(row, dtype=dtype)
             else:
                 out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def _routing_rows(samples: list[RolloutSample], P: int, L: int) -> torch.Tensor:
+    """[B, P + L, n_sparse, k]: each sample's routing at its prompt's (left-padded) and
+    response's (right-padded) columns, -1 elsewhere."""
+    first = samples[0].routed_experts
+    out = torch.full((len(samples), P + L, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, s in enumerate(samples):
+        r, n_p = s.routed_experts, len(s.prompt_ids)
+        if tuple(r.shape) != (n_p + len(s.response_ids), *first.shape[1:]):
+            raise ValueError(
+                f"sample {i}: routed_experts has shape {tuple(r.shape)}, expected "
+                f"({n_p + len(s.response_ids)}, {', '.join(map(str, first.shape[1:]))}) "
+                "(prompt + response tokens, sparse layers, top-k)"
+            )
+        out[i, P - n_p: P + len(s.response_ids)] = r.to(first.dtype)
     return out
 
 
@@ -78,6 +100,8 @@ class RolloutBatch:
         if all(s.policy_version is not None for s in samples):  # [B] int64
             batch.tensors["policy_version"] = torch.tensor([s.policy_version for s in samples],
                                                            dtype=torch.long)
+        if all(s.routed_experts is not None for s in samples):
+            batch.tensors["routed_experts"] = _routing_rows(samples, P, L)
         return batch
 
     @property
@@ -90,10 +114,13 @@ class RolloutBatch:
 
     def sequence_batch(self, keys: tuple[str, ...] = ()) -> SequenceBatch:
         """The backend view: input_ids = [prompt | response], with the named tensors attached
-        (``response_mask`` and ``group_index`` are always attached)."""
+        (``response_mask`` and ``group_index`` always, ``routed_experts`` whenever the batch
+        has it: a backend with routing replay on reads it from every batch it is given)."""
         tensors = {k: self.tensors[k] for k in keys}
         tensors["response_mask"] = self.response_mask
         tensors["group_index"] = self.group_index
+        if "routed_experts" in self.tensors:
+            tensors["routed_experts"] = self.tensors["routed_experts"]
         return SequenceBatch(
             input_ids=torch.cat([self.prompt_ids, self.response_ids], dim=1),
             attention_mask=torch.cat([self.prompt_mask, self.response_mask.long()], dim=1),

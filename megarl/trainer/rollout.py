@@ -75,6 +75,7 @@ def generate(
             ground_truth=item.ground_truth,
             extra_info=dict(item.extra_info or {}),
             policy_version=getattr(c, "policy_version", None),
+            routed_experts=getattr(c, "routed_experts", None),
         )))
         seen[k] += 1
     gathered = [x for part in mdist.all_gather_objects(local) for x in part]

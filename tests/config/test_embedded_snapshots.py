@@ -21,6 +21,7 @@ ADDED: dict[str, object] = {
     "data.on_bad_row": "error",
     "reward_model.overlong_buffer.log": False,
     "reward_model.overlong_buffer.max_resp_len": None,
+    "actor_rollout_ref.actor.router_replay.mode": "disabled",
     **{f"{role}.parallel.ulysses_sequence_parallel_size": 1
        for role in ("actor_rollout_ref.actor", "critic", "reward_model")},
 }

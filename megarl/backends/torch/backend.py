@@ -42,6 +42,7 @@ from megarl.backends.torch import checkpoint as ckpt
 from megarl.backends.torch import parallelize as par
 from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scores, value_outputs
 from megarl.backends.torch.layout import Layout, build_mesh, fsdp_mesh, world_size
+from megarl.backends.torch.moe import check_router_replay, replay_context
 from megarl.backends.torch.optim import (
     OptimSettings,
     align_grad_placements,
@@ -97,6 +98,10 @@ class TorchBackend:
     use_fused_kernels, kernel_impl, chunk_size: logprob/entropy through megarl_kernels
                  (impl "auto" | "torch" | "triton") or the naive log_softmax path.
     forward_max_tokens, forward_micro_batch_size: micro-batching of the no-grad methods.
+    router_replay: MoE routing replay: forwards route each token to the experts in the batch's
+                 ``routed_experts`` tensor (recorded by the rollout engine) instead of the
+                 routers' top-k (`moe.replay_context`); batches without it route as usual.
+                 LM roles of MoE models, without pipeline or Ulysses parallelism.
     seed:        initialisation of a fresh head. device: default CUDA (current) else CPU.
     With a world of one, fp32 and no parallelism, the model is not wrapped at all.
     """
@@ -129,6 +134,7 @@ class TorchBackend:
         forward_max_tokens: int | None = 16384,
         forward_micro_batch_size: int | None = None,
         num_labels: int | None = None,
+        router_replay: bool = False,
         seed: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
@@ -159,6 +165,9 @@ class TorchBackend:
 
         self.hf_config = read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(self.hf_config)
+        self.router_replay = bool(router_replay)
+        if self.router_replay:
+            check_router_replay(self.args, self.layout, role)
         self._shard = self._seq_shard()
         self.head = "lm" if role in LM_ROLES else "token_cls"
         self.num_labels = None
@@ -362,9 +371,10 @@ class TorchBackend:
         if self._runner is None:
             for mb in mbs:
                 p = pack(mb, self.device, multiple=self._multiple)
-                out = self._run(p)
-                loss = self._loss(out, p, mb, loss_fn, temperature, sums)
-                loss.backward()
+                with replay_context(self, mb, p):  # forward and backward (recomputes)
+                    out = self._run(p)
+                    loss = self._loss(out, p, mb, loss_fn, temperature, sums)
+                    loss.backward()
         else:
             self._train_pipeline(mbs, loss_fn, temperature, sums)
         return self._reduce_metrics(sums)
@@ -535,7 +545,10 @@ class TorchBackend:
         self.model.eval()
         with torch.no_grad():
             if self._runner is None:
-                outputs = [self._run(p) for p in packed]
+                outputs = []
+                for pc, p in zip(pieces, packed):
+                    with replay_context(self, pc, p):
+                        outputs.append(self._run(p))
             else:
                 outputs = self._runner.forward(packed)
             for rows, p, o in zip(mine, packed, outputs):

@@ -1,7 +1,8 @@
 """Project config -> `TorchBackend` keyword arguments, per role.
 
     actor  actor_rollout_ref.model (dtype, enable_gradient_checkpointing, use_fused_kernels,
-           fused_kernel_options), actor_rollout_ref.actor.{parallel, optim, grad_clip};
+           fused_kernel_options), actor_rollout_ref.actor.{parallel, optim, grad_clip,
+           router_replay.mode (R3: router_replay=True)};
            no-grad micro-batching from actor_rollout_ref.rollout.log_prob_*
     ref    the actor's model and parallel settings, no optimizer; micro-batching from
            actor_rollout_ref.ref.log_prob_* (None = the rollout's)
@@ -78,6 +79,7 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
         ro = arr.rollout
         if role == "actor":
             kw.update(_optim(arr.actor.optim, arr.actor.grad_clip))
+            kw["router_replay"] = arr.actor.router_replay.mode == "R3"
             kw.update(_micro(ro.log_prob_use_dynamic_bsz, ro.log_prob_max_token_len_per_gpu,
                              ro.log_prob_micro_batch_size_per_gpu))
         else:

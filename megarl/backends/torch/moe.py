@@ -8,17 +8,24 @@ routers (`megarl.models.moe.capture_router_logits`), and returns the metrics of
 `megarl.models.moe_metrics.routing_metrics` over the batch's real tokens (padding excluded):
 per-layer expert load (max / mean tokens per expert), router entropy, the load imbalance and
 the auxiliary load-balancing loss.
+
+Routing replay (``router_replay`` of `TorchBackend`): `replay_context` routes a packed
+micro-batch's forward (and its backward: activation-checkpointing recomputes see the same
+experts) with the batch's ``routed_experts`` tensor [B, P + L, n_sparse, k] (what the rollout
+engine recorded, carried by `megarl.trainer.batch.RolloutBatch`), packed like the tokens.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from megarl.backends.protocol import SequenceBatch
-from megarl.backends.torch.packing import pack
-from megarl.models.moe import capture_router_logits
+from megarl.backends.torch.packing import Packed, pack
+from megarl.errors import UserInputError
+from megarl.models.moe import capture_router_logits, replay_experts
 from megarl.models.moe_metrics import routing_metrics as _routing_metrics
 
 
@@ -52,3 +59,42 @@ def routing_metrics(backend: Any, batch: SequenceBatch, *, prefix: str = "moe/"
     real[: p.num_tokens] = True
     return _routing_metrics(router, args.num_experts, args.num_experts_per_tok, real,
                             prefix=prefix)
+
+
+def check_router_replay(args: Any, layout: Any, role: str) -> None:
+    """Refuse routing replay where it cannot apply, naming the key to change."""
+    where = "actor_rollout_ref.actor.router_replay.mode"
+    if not args.is_moe:
+        raise UserInputError(f"{where}=R3 needs a mixture-of-experts policy; this model is dense "
+                             f"(set {where}=disabled)")
+    if role not in ("actor", "ref"):
+        raise UserInputError(f"routing replay applies to the policy (actor / ref), not {role}")
+    if layout.pp > 1 or layout.ulysses > 1:
+        raise UserInputError(
+            f"{where}=R3 on the torch backend needs pipeline_model_parallel_size=1 and "
+            "ulysses_sequence_parallel_size=1 (the replayed experts are not split over stages "
+            "or sequence shards yet); use FSDP2 (data_parallel_shard) alone"
+        )
+
+
+def packed_routing(batch: SequenceBatch, p: Packed, device: torch.device) -> torch.Tensor:
+    """[T, n_sparse, k] routing of ``batch`` packed as ``p`` (`packing.pack`): the real tokens'
+    rows in row order, -1 on the padding tail (routed by the router)."""
+    routing = batch.tensors["routed_experts"]
+    if routing.dim() != 4 or tuple(routing.shape[:2]) != tuple(batch.input_ids.shape):
+        raise ValueError(
+            f"routed_experts must be [B, P+L, n_sparse, k] like input_ids "
+            f"{tuple(batch.input_ids.shape)}, got {tuple(routing.shape)}"
+        )
+    real = routing.to(device)[batch.attention_mask.to(device).bool()]
+    out = torch.full((p.seq_len, *routing.shape[2:]), -1, dtype=routing.dtype, device=device)
+    out[: p.num_tokens] = real
+    return out
+
+
+def replay_context(backend: Any, batch: SequenceBatch, p: Packed) -> AbstractContextManager:
+    """The routing of ``batch``'s forward: its recorded experts when ``backend.router_replay``
+    is on and the batch carries ``routed_experts``; the routers' own choice otherwise."""
+    if not backend.router_replay or "routed_experts" not in batch.tensors:
+        return nullcontext()
+    return replay_experts(backend.model, packed_routing(batch, p, backend.device))

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megarl.errors import UserInputError
 from megarl.models import Transformer, load_model, read_hf_config
 from megarl.models.moe import record_experts, routing_dtype, sparse_layers, stack_layers
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
@@ -114,9 +115,10 @@ class TorchRolloutEngine:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if return_routed_experts and not model.args.is_moe:
-            raise ValueError(
+            raise UserInputError(
                 "return_routed_experts needs a mixture-of-experts model; this one is dense "
-                "(routing replay applies to MoE policies only)"
+                "(routing replay applies to MoE policies only: set "
+                "actor_rollout_ref.actor.router_replay.mode=disabled)"
             )
         self.return_routed_experts = bool(return_routed_experts)
         self.model = model
@@ -175,7 +177,8 @@ class TorchRolloutEngine:
         actor_rollout_ref.rollout.{max_num_seqs, gpu_memory_utilization} and
         data.{max_prompt_length, max_response_length} (their sum is max_model_len). The KV
         cache gets at most gpu_memory_utilization x the device's free memory (CUDA: total
-        minus allocated; CPU: MemAvailable) when the engine is built."""
+        minus allocated; CPU: MemAvailable) when the engine is built. With
+        actor_rollout_ref.actor.router_replay.mode=R3 the engine records routed experts."""
         from megarl.data.locations import resolve_path
 
         arr = cfg.actor_rollout_ref
@@ -194,6 +197,7 @@ class TorchRolloutEngine:
             max_num_seqs=arr.rollout.max_num_seqs,
             max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
             kv_cache_bytes=_cache_budget(device, arr.rollout.gpu_memory_utilization),
+            return_routed_experts=arr.actor.router_replay.mode == "R3",
         )
 
     # ------------------------------------------------------------------------- protocol

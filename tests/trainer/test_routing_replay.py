@@ -1,0 +1,192 @@
+"""Rollout routing replay (R3, ``actor_rollout_ref.actor.router_replay.mode=R3``) end to end:
+the torch engine records each token's experts (`Completion.routed_experts`), the step's
+`RolloutBatch` carries them (``tensors["routed_experts"]`` [B, P + L, n_sparse, k], -1 on
+padding), and a `TorchBackend` with ``router_replay`` routes its forwards (``logprobs`` and
+the update's) with them.
+
+Reference for the mismatch: the engine's own logprobs of the tokens it sampled, compared with
+`megarl.rollout.consistency.logprob_diff_metrics` (the trainer's ``rollout/logprob_abs_diff_*``
+metrics). With the engine's weights, replayed logprobs equal the engine's within the dense
+models' 1e-5 (tests/rollout/test_rollout_logprobs.py). The trainer's router then moves while the
+engine's does not (noise of std 0.001, 1% of the routers' weights, added to every router
+weight of the trainer's model only, as an engine/trainer numerics gap or an update would):
+without replay, tokens whose top-k set flips change their experts outright; with replay they
+keep the engine's experts and only the mixing weights move by ~1%. Measured (qwen3_moe /
+qwen2_moe, 16 responses of 24 tokens, 1008 routing decisions): 10 / 7 top-k sets flipped; max
+|engine - trainer| 5.8 / 0.52 without replay, 0.042 / 0.023 with it (mean 0.052 / 0.0076
+without, 0.0052 / 0.0027 with). Same weights, with replay: max 5.2e-6 / 4.1e-6.
+
+Planted bugs (run by hand): `RolloutBatch.sequence_batch` not attaching ``routed_experts``
+(the backend never sees them): the replayed mismatch stays 5.8 / 0.52, fails; the packed routing
+rows shifted by one token (`backends.torch.moe.packed_routing`): same-weights mismatch 6.7 / 3.2,
+fails; the update's forward run outside `replay_context` (``forward_backward``): its logprobs
+are not the replayed ``logprobs``, fails.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.backends.torch import TorchBackend
+from megarl.models.moe import moe_blocks
+from megarl.rollout.consistency import METRIC_MAX, METRIC_MEAN, logprob_diff_metrics
+from megarl.rollout.protocol import SamplingParams
+from megarl.rollout.torch import TorchRolloutEngine
+from megarl.trainer import rollout as R
+from megarl.trainer.batch import RolloutBatch
+from megarl.utils import dist as mdist
+
+torch.set_num_threads(1)
+FAMILIES = ("qwen3_moe", "qwen2_moe")
+DENSE_BOUND = 1e-5  # engine vs trainer logprobs of the same weights in fp32 (tests/rollout)
+SP = SamplingParams(n=2, temperature=1.0, seed=3, max_new_tokens=24, ignore_eos=True)
+
+
+def items(n: int = 8) -> list[SimpleNamespace]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(3, 12, (1,), generator=g))
+        out.append(SimpleNamespace(
+            prompt_ids=[1] + torch.randint(3, 100, (length,), generator=g).tolist(),
+            data_source="t", ground_truth=str(i), extra_info={}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """family -> (model folder, completions' RolloutBatch, per-completion routing)."""
+    from megarl.models.testing import make_tiny_hf_model
+
+    mdist.init_distributed(torch.device("cpu"))
+    out = {}
+    for fam in FAMILIES:
+        path = make_tiny_hf_model(tmp_path_factory.mktemp(fam) / "m", fam, lm_head_scale=3.0)
+        engine = TorchRolloutEngine.from_pretrained(path, max_num_seqs=5,
+                                                    return_routed_experts=True)
+        its = items()
+        completions = engine.generate([it.prompt_ids for it in its], SP)
+        samples = R.generate(engine, its, SP, group_offset=0)
+        out[fam] = (path, RolloutBatch.from_samples(samples, pad_id=0), completions, its)
+    return out
+
+
+def actor(path, replay: bool) -> TorchBackend:
+    return TorchBackend("actor", str(path), device="cpu", dtype="fp32", router_replay=replay,
+                        lr=1e-3, grad_clip=None)
+
+
+def mismatch(backend: TorchBackend, batch: RolloutBatch) -> dict[str, float]:
+    lp, _ = backend.logprobs(batch.sequence_batch())
+    return logprob_diff_metrics(batch.tensors["rollout_logprob"], lp, batch.response_mask)
+
+
+def perturb_routers(backend: TorchBackend, std: float = 0.001) -> None:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for block in moe_blocks(backend.model).values():
+            w = block.gate.weight
+            w.add_(std * torch.randn(w.shape, generator=g, dtype=w.dtype))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_carries_each_tokens_recorded_experts(runs, family):
+    """[B, P + L, 2, 2] int16: each completion's routing at its prompt's (left-padded) and
+    response's (right-padded) columns, -1 on padding and on the last response token."""
+    _, batch, completions, its = runs[family]
+    routed = batch.tensors["routed_experts"]
+    P, L = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    assert routed.shape == (16, P + L, 2, 2) and routed.dtype == torch.int16
+    real = torch.cat([batch.prompt_mask, batch.response_mask.long()], 1).bool()
+    assert (routed[~real] == -1).all()
+    for i, c in enumerate(completions):
+        prompt = its[c.prompt_index].prompt_ids
+        row = routed[i, P - len(prompt): P + len(c.token_ids)]
+        assert torch.equal(row, c.routed_experts)
+        assert (row[-1] == -1).all() and (row[:-1] >= 0).all()
+    seq = batch.sequence_batch()
+    assert torch.equal(seq.tensors["routed_experts"], routed)
+    assert torch.equal(batch.select([3, 1]).sequence_batch().tensors["routed_experts"],
+                       routed[[3, 1]])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_logprobs_equal_the_engines(runs, family):
+    path, batch, _, _ = runs[family]
+    m = mismatch(actor(path, replay=True), batch)
+    print(family, "same weights, replay:", m)
+    assert m[METRIC_MAX] <= DENSE_BOUND, m
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_moved_mismatch_large_without_replay_small_with(runs, family):
+    from megarl.models.moe import record_experts, stack_layers
+
+    path, batch, _, _ = runs[family]
+    backend = actor(path, replay=False)
+    perturb_routers(backend)
+    seq = batch.sequence_batch()
+    with torch.no_grad(), record_experts(backend.model) as chosen:  # the trainer's own choice
+        backend.model(seq.input_ids, attention_mask=seq.attention_mask)
+    own = stack_layers(chosen, backend.model.args).view(batch.batch_size, -1, 2, 2)
+    recorded = batch.tensors["routed_experts"]
+    ran = (recorded >= 0).all(-1)
+    flipped = int(((own.sort(-1).values != recorded.sort(-1).values).any(-1) & ran).sum())
+    without = mismatch(backend, batch)
+    backend.router_replay = True
+    with_replay = mismatch(backend, batch)
+    print(f"{family}: {flipped} of {int(ran.sum())} decisions flipped; without replay "
+          f"{without}; with replay {with_replay}")
+    assert flipped > 0
+    assert without[METRIC_MAX] > 0.1
+    assert with_replay[METRIC_MAX] < min(0.05, without[METRIC_MAX] / 10)
+    assert with_replay[METRIC_MEAN] < without[METRIC_MEAN] / 2
+
+
+@pytest.mark.parametrize("family", FAMILIES[:1])
+def test_update_forward_replays_too(runs, family):
+    """The logprobs a ``train_step`` loss sees are the replayed ``logprobs`` bitwise, and the
+    router gets a gradient through the replayed weights."""
+    path, batch, _, _ = runs[family]
+    backend = actor(path, replay=True)
+    perturb_routers(backend)
+    seq = batch.sequence_batch()
+    replayed, _ = backend.logprobs(seq)
+    backend.router_replay = False
+    plain, _ = backend.logprobs(seq)
+    backend.router_replay = True
+    assert (replayed - plain).abs().max() > 1e-3
+    seen = []
+
+    def loss_fn(out, mb):
+        seen.append(out.logprob.detach())
+        return -(out.logprob * mb.tensors["response_mask"]).sum(), {}
+
+    backend.forward_backward([seq], loss_fn)
+    assert torch.equal(seen[0], replayed)
+    router_grads = [float(b.gate.weight.grad.abs().max()) for b in moe_blocks(backend.model).values()]
+    assert min(router_grads) > 0
+
+
+def test_refusals(runs, tmp_path):
+    from megarl.config import load_config
+    from megarl.config.errors import ConfigError
+    from megarl.errors import UserInputError
+    from megarl.models.testing import make_tiny_hf_model
+
+    dense = make_tiny_hf_model(tmp_path / "dense", "qwen2", tokenizer=False)
+    with pytest.raises(UserInputError, match=r"router_replay.mode=R3 needs a mixture-of-experts"):
+        actor(dense, replay=True)
+    on = "actor_rollout_ref.actor.router_replay.mode=R3"
+    with pytest.raises(ConfigError, match=r"R3 needs actor_rollout_ref.rollout.name=torch: only "
+                                          r"megarl's torch engine"):
+        load_config("grpo", [on, "actor_rollout_ref.rollout.name=vllm"])
+    with pytest.raises(ConfigError, match=r"R3 needs actor_rollout_ref.actor.strategy=torch"):
+        load_config("grpo", [on, "actor_rollout_ref.actor.strategy=megatron"])
+    cfg = load_config("grpo", ["actor_rollout_ref.actor.megatron.router_replay.mode=R3"])
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R3"  # verl's megatron spelling
+    with pytest.raises(ConfigError, match="router_replay.mode"):
+        load_config("grpo", ["actor_rollout_ref.actor.router_replay.mode=R2"])
