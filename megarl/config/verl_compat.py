@@ -358,12 +358,14 @@ RULES: tuple[Rule, ...] = (
          "one at a time"),
     Rule("algorithm.use_pf_ppo", "rejected", "PF-PPO reweighting is not implemented"),
     Rule("algorithm.pf_ppo.*", "inert", _ONLY_WHEN.format(what="algorithm.use_pf_ppo")),
+    Rule("algorithm.rollout_correction.rollout_is", "rejected", "rollout/trainer importance "
+         "sampling correction is not implemented; rollout.check_logprobs measures the mismatch"),
     Rule("algorithm.rollout_correction.rollout_rs", "rejected", "rollout rejection sampling is "
          "not implemented"),
     Rule("algorithm.rollout_correction.bypass_mode", "rejected", "old logprobs are always "
          "recomputed by the trainer"),
     Rule("algorithm.rollout_correction.*", "inert",
-         _ONLY_WHEN.format(what="rollout_correction.rollout_rs / bypass_mode")),
+         _ONLY_WHEN.format(what="rollout_correction.rollout_is / rollout_rs")),
     # reward (verl's `reward.*` section and its older `reward_model.*` spellings)
     Rule("reward.custom_reward_function.*", "mapped", "custom_reward_function.*"),
     Rule("reward.reward_manager.name", "mapped", "reward_model.reward_manager"),
