@@ -6,7 +6,8 @@
 - ``tp2_ep2``: TP=2 + SP for attention, experts split over EP=2 (expert TP 1);
 - ``tp2_etp2``: TP=2 + SP, every expert split over expert-TP 2 (EP 1).
 
-Then at EP=2: one AdamW step with the distributed optimizer, a checkpoint, and the weights after
+At each layout also the load-balancing loss (`moe_testlib.aux_checks`). Then at EP=2: one AdamW
+step with the distributed optimizer, a checkpoint, and the weights after
 the next step (the uninterrupted run) for the EP=2 -> EP=1 resharding check of the test.
 
 usage: torchrun --standalone --nproc_per_node=2 tests/dist/megatron_moe.py ROOT RESULTS CKPT
@@ -49,6 +50,8 @@ def main():
     for layout in only:
         for name in MODELS[layout]:
             ml.moe_checks(res, ml.moe_model(root, name), f"{layout}.{name}", **LAYOUTS[layout])
+        first = MODELS[layout][0]
+        ml.aux_checks(res, ml.moe_model(root, first), f"{layout}.{first}.aux", **LAYOUTS[layout])
         reset_parallel_state()
 
     # EP=2 checkpoint with the distributed optimizer (one step in), then the next step

@@ -127,3 +127,70 @@ def next_step(be) -> dict[str, torch.Tensor]:
     mbs, n = dp_share(batch, be)
     be.train_step(mbs, lambda o, mb: lib.pg_loss(o, mb, n / be.dp_size))
     return {k: v.detach().cpu().contiguous() for k, v in be.export_weights()}
+
+
+AUX_COEFF = 0.5  # large enough that the load-balancing gradient is far above GRAD_TOL
+
+
+def hf_aux_loss(model, mb) -> torch.Tensor:
+    """megatron's Switch load-balancing loss of one micro-batch written out on transformers'
+    router logits (float64): per sparse layer ``E / (k T^2) * sum_e (sum_x p_xe) * count_e``
+    over the T real tokens x (softmax probabilities p, count_e = tokens with e in their top
+    k), summed over layers."""
+    mask = mb.attention_mask
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=mb.input_ids, attention_mask=mask, position_ids=pos,
+                output_router_logits=True)
+    m = mask.reshape(-1).double()
+    E, k = model.config.num_experts, model.config.num_experts_per_tok
+    total = torch.zeros((), dtype=torch.float64)
+    T = m.sum()
+    for logits in out.router_logits:
+        p = torch.softmax(logits.double(), dim=-1) * m[:, None]
+        chosen = torch.topk(logits.double(), k, dim=-1).indices
+        counts = torch.zeros(E, dtype=torch.float64).index_add(
+            0, chosen.reshape(-1), m.repeat_interleave(k)
+        )
+        total = total + E / (k * T * T) * (p.sum(0) * counts).sum()
+    return total
+
+
+def aux_checks(res: dict, path: Path, key: str, **layout) -> None:
+    """One train_step with ``moe_aux_loss_coeff=AUX_COEFF`` against transformers (float64):
+    loss -sum(logprob)/tokens + AUX_COEFF x (mean over this DP rank's micro-batches of
+    `hf_aux_loss`, averaged over DP ranks). Records the largest relative gradient difference,
+    the reported ``moe_aux_loss`` against the reference, and how far the reference gradient
+    moves when the aux term is dropped (what ignoring the coefficient would cost)."""
+    import torch.distributed as dist
+
+    from megarl.backends.megatron import MegatronBackend
+
+    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+                         use_distributed_optimizer=False, moe_aux_loss_coeff=AUX_COEFF, **layout)
+    hf = hf_moe_model(path)
+    batch = lib.make_batch(B=4, seed=1)
+    mbs, n = dp_share(batch, be)
+    dp, rank = be.dp_size, be.dp_rank
+    metrics = be.train_step(mbs, lambda o, mb: lib.pg_loss(o, mb, n / dp))
+    grads = {k: v.cpu() for k, v in be.export_grads()}
+
+    ref_lp, _, _ = lib.hf_logprobs(hf, batch)
+    main = -ref_lp.sum() / n
+    per = batch.batch_size // dp
+    aux_per_rank = []
+    for r in range(dp):
+        share = batch.select(slice(r * per, (r + 1) * per))
+        rank_mbs = [share.select(slice(i, i + 2)) for i in range(0, per, 2)]
+        aux_per_rank.append(sum(hf_aux_loss(hf, mb) for mb in rank_mbs) / len(rank_mbs))
+    aux = sum(aux_per_rank) / dp
+    main.backward(retain_graph=True)
+    main_only = {k: g.clone() for k, g in hf_grads(hf).items()}
+    (AUX_COEFF * aux).backward()
+    ref = hf_grads(hf)
+    res[f"{key}.aux_grads"] = max(lib.rel_diff(grads[k], ref[k]) for k in ref)
+    res[f"{key}.aux_metric"] = abs(metrics["moe_aux_loss"] - float(aux.detach()))
+    res[f"{key}.aux_value"] = float(aux.detach())
+    res[f"{key}.aux_effect"] = max(lib.rel_diff(main_only[k], ref[k]) for k in ref)
+    del be, rank
+    if dist.is_initialized():
+        dist.barrier()

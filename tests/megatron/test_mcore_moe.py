@@ -81,10 +81,43 @@ def test_planted_bugs_fail(moe_zoo, mcore_dist, monkeypatch, name, bug):
     assert res[f"{name}.logprob"] > 100 * ml.TOL, res
 
 
+AUX_TOL = 1e-5  # moe_aux_loss metric (absolute) and gradients (relative), as GRAD_TOL
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "qwen3_moe_mixed"])
+def test_aux_loss_matches_switch_loss_on_transformers_router_logits(moe_zoo, mcore_dist, name):
+    """moe_aux_loss_coeff=0.5: the gradients equal transformers' (float64) of
+    -sum(logprob)/tokens + 0.5 x (megatron's Switch loss per micro-batch over real tokens,
+    summed over sparse layers, averaged over the 2 micro-batches), written out in
+    `moe_testlib.hf_aux_loss`; the reported moe_aux_loss equals that average. Measured:
+    gradients 1.1e-6 to 1.3e-6, metric 4.9e-8 to 1.5e-7. Dropping the aux term moves the
+    reference gradients by 0.77 to 0.87 (relative); planted padding mask with the convention
+    megatron's docstrings state (True = real token; its code reads True as padding): gradients
+    off by 1.9 to 2.1, metric by 0.29 to 0.51."""
+    res = {}
+    ml.aux_checks(res, ml.moe_model(moe_zoo, name), name)
+    assert res[f"{name}.aux_grads"] < AUX_TOL, res
+    assert res[f"{name}.aux_metric"] < AUX_TOL, res
+    assert res[f"{name}.aux_effect"] > 1e4 * AUX_TOL, res
+
+
+def test_aux_loss_planted_padding_convention_fails(moe_zoo, mcore_dist, monkeypatch):
+    from megarl.backends.megatron import moe
+
+    real = moe.padding_mask
+    monkeypatch.setattr(moe, "padding_mask", lambda *a: ~real(*a))
+    res = {}
+    ml.aux_checks(res, ml.moe_model(moe_zoo, "qwen3_moe"), "planted")
+    assert res["planted.aux_grads"] > 1e4 * AUX_TOL, res
+    assert res["planted.aux_metric"] > 1e3 * AUX_TOL, res
+
+
 @pytest.mark.dist
 def test_ep2_tp2_layouts_and_checkpoint_resharding(moe_zoo, tmp_path, mcore_dist):
     """On 2 gloo ranks: EP=2 (three models, one with a dense layer and 8 experts), TP=2+SP x
-    EP=2 and TP=2+SP with expert-TP 2, each against transformers; then a checkpoint written at
+    EP=2 and TP=2+SP with expert-TP 2, each against transformers, and at each layout the
+    load-balancing loss (moe_aux_loss_coeff=0.5; per DP rank's micro-batches, DP-averaged);
+    then a checkpoint written at
     EP=2 (distributed optimizer, one AdamW step in, DP=2) loads here at EP=1: logprobs equal
     the trained EP=2 model's and the next AdamW step lands on the weights of the uninterrupted
     EP=2 run within RESHARD_TOL (measured 3.7e-8; zeroed Adam moments: far outside)."""
@@ -94,6 +127,10 @@ def test_ep2_tp2_layouts_and_checkpoint_resharding(moe_zoo, tmp_path, mcore_dist
     res = lib.read_results(tmp_path / "moe.json")
     failures = []
     for key in sorted({k.rsplit(".", 1)[0] for k in res if not k.startswith("ckpt.")}):
+        if key.endswith(".aux"):
+            failures += [f"{key}.{m} = {res[f'{key}.{m}']}" for m in ("aux_grads", "aux_metric")
+                         if not res[f"{key}.{m}"] < AUX_TOL]
+            continue
         failures += ml.failures(res, key)
     assert not failures, "\n".join(failures)
     assert res["ckpt.dp_size"] == 2

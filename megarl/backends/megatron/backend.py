@@ -30,7 +30,7 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megarl.backends.megatron import checkpoint, cpu_compat, parallel
+from megarl.backends.megatron import checkpoint, cpu_compat, moe, parallel
 from megarl.backends.megatron.batching import (
     MicroBatch,
     chunk_rows,
@@ -100,6 +100,11 @@ class MegatronBackend:
     num_labels:  PRM label count (default: the HF config's, else 2).
     hf_config:   with ``model_path=None``: build from this config.json dict without loading
                  weights (they are uninitialised until `load`; see `from_checkpoint`).
+    moe_aux_loss_coeff: weight of megatron's load-balancing loss of an MoE model, added to the
+                 training loss (see `megarl.backends.megatron.moe.aux_loss_metric` for its
+                 definition: per layer and micro-batch over the real tokens, summed over
+                 layers, averaged over micro-batches and DP ranks); ``train_step`` reports it
+                 (without the coefficient) as ``moe_aux_loss``. 0: off.
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class MegatronBackend:
         forward_micro_batch_size: int | None = None,
         num_labels: int | None = None,
         hf_config: dict[str, Any] | None = None,
+        moe_aux_loss_coeff: float = 0.0,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -157,8 +163,10 @@ class MegatronBackend:
         self.use_te = spec == "te" or (spec == "auto" and te_available())
         if spec == "te" and not te_available():
             raise RuntimeError("spec='te' needs TransformerEngine and CUDA; use spec='local'")
+        self.moe_aux_loss_coeff = float(moe_aux_loss_coeff) if self.args.is_moe else 0.0
         self.config = transformer_config(
-            self.args, self.layout, dtype=self.dtype, recompute=_recompute_settings(recompute)
+            self.args, self.layout, dtype=self.dtype, recompute=_recompute_settings(recompute),
+            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
         )
         with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(vpp):
             self.chunks = build_model_chunks(
@@ -263,6 +271,10 @@ class MegatronBackend:
             seed=int(_get(_get(cfg, "trainer"), "seed") or 1),
             use_fused_kernels=True if use_fused is None else bool(use_fused),
             forward_micro_batch_size=fwd_mbs,
+            ep=int(_get(mega, "expert_model_parallel_size") or 1),
+            etp=_get(mega, "expert_tensor_parallel_size"),
+            moe_aux_loss_coeff=float(_get(mega, "moe_aux_loss_coeff") or 0.0)
+            if role in TRAINABLE_ROLES else 0.0,
         )
 
     # ------------------------------------------------------------------ construction helpers
@@ -358,6 +370,13 @@ class MegatronBackend:
         self.optimizer.zero_grad()
         stored = self._run_schedule(mbs, loss_func, forward_only=False)
         metrics = self._reduce_metrics(stored)
+        if self.moe_aux_loss_coeff > 0:
+            aux = moe.aux_loss_metric(M, parallel.tp_group(), parallel.pp_group())
+            if self.dp_size > 1:
+                box = torch.tensor([aux], dtype=torch.float64, device=_device())
+                dist.all_reduce(box, group=parallel.dp_group())
+                aux = float(box) / self.dp_size
+            metrics["moe_aux_loss"] = aux
         grad_norm, skipped, lr = optimizer_step(self.optimizer, self.optim, self.step)
         if not skipped:
             self.step += 1
@@ -465,6 +484,8 @@ class MegatronBackend:
     def _forward_step(self, loss_func, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         kwargs = {"fp32_output": False} if self.dtype == torch.bfloat16 else {}
+        if self.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
+            kwargs["padding_mask"] = moe.padding_mask(mb.lengths, *mb.input_ids.shape)
         hidden = model(mb.input_ids, mb.position_ids, None, **kwargs)
         return hidden, functools.partial(loss_func, mb)
 
@@ -475,7 +496,9 @@ class MegatronBackend:
         seq_len = max(mb.seq_len for mb in mbs)
         rows = max(mb.input_ids.shape[0] for mb in mbs)
         if self._experts_cross_dp():
-            mbs, seq_len, rows = self._align_over_dp(mbs, seq_len, rows, forward_only)
+            mbs, seq_len, rows = moe.align_over_dp(
+                mbs, seq_len, rows, forward_only, parallel.dp_group(), self.dp_rank
+            )
         if self.layout.pp > 1 or self._experts_cross_dp():
             mbs = [pad_to(mb, seq_len, rows) for mb in mbs]
         iters = [iter(mbs) for _ in self.modules]
@@ -492,31 +515,10 @@ class MegatronBackend:
             )
 
     def _experts_cross_dp(self) -> bool:
-        """Whether the MoE token exchange spans data-parallel ranks (EP > 1 or an expert-TP
-        size other than TP): megatron's all-gather dispatcher then needs the same token count,
-        and every exchange the same number of forwards, on all of them."""
-        return self.args.is_moe and (
+        """Whether the MoE token exchange spans data-parallel ranks (see `moe.align_over_dp`)."""
+        return self.args.is_moe and self.dp_size > 1 and (
             self.layout.ep > 1 or self.layout.expert_tp != self.layout.tp
-        ) and self.dp_size > 1
-
-    def _align_over_dp(self, mbs: list[MicroBatch], seq_len: int, rows: int, forward_only: bool):
-        """(micro-batches, seq_len, rows) agreed over the DP group: the largest sizes, and for
-        forwards the largest count (extra micro-batches repeat the last one; their outputs fall
-        after this rank's rows and are dropped); a train_step needs the same count on every DP rank."""
-        sizes = torch.tensor([len(mbs), seq_len, rows], dtype=torch.long, device=_device())
-        low = -sizes.clone()
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=parallel.dp_group())
-        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=parallel.dp_group())
-        count, seq_len, rows = sizes.tolist()
-        if count != -int(low[0]):
-            if not forward_only:
-                raise ValueError(
-                    f"train_step got {len(mbs)} micro-batches on data-parallel rank "
-                    f"{self.dp_rank}, and the DP ranks disagree ({-int(low[0])} to {count}): "
-                    "with expert parallelism every DP rank must run the same number"
-                )
-            mbs = mbs + [mbs[-1]] * (count - len(mbs))  # outputs past the share are dropped
-        return mbs, seq_len, rows
+        )
 
     def _forward_no_grad(self, batch: SequenceBatch, collect, temperature: float, width: int):
         """[width, B, L] of ``collect(outputs)`` ([width, b, L] per micro-batch) for the full

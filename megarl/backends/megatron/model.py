@@ -110,6 +110,7 @@ def transformer_config(
     *,
     dtype: torch.dtype,
     recompute: dict[str, Any] | None = None,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> TransformerConfig:
     """The TransformerConfig of ``args`` (an HF config) at ``layout``; all fusions off, no
     dropout (RL)."""
@@ -161,7 +162,9 @@ def transformer_config(
         recompute_method=recompute.get("method"),
         recompute_num_layers=recompute.get("num_layers"),
         recompute_modules=recompute.get("modules"),
-        **moe.moe_config_kwargs(args, layout.ep, layout.expert_tp),
+        **moe.moe_config_kwargs(
+            args, layout.ep, layout.expert_tp, aux_loss_coeff=moe_aux_loss_coeff
+        ),
     )
 
 

@@ -96,9 +96,12 @@ def default_dispatcher() -> str:
 
 
 def moe_config_kwargs(
-    args: ModelArgs, ep: int, etp: int, dispatcher: str | None = None
+    args: ModelArgs, ep: int, etp: int, dispatcher: str | None = None, aux_loss_coeff: float = 0.0
 ) -> dict[str, Any]:
-    """TransformerConfig fields of the MoE layers (empty for a dense model)."""
+    """TransformerConfig fields of the MoE layers (empty for a dense model); ``aux_loss_coeff``
+    > 0 turns on megatron's load-balancing loss (see `aux_loss_metric`)."""
+    if aux_loss_coeff < 0:
+        raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {aux_loss_coeff}")
     if not args.is_moe:
         return {}
     if args.mlp_bias:
@@ -113,8 +116,8 @@ def moe_config_kwargs(
         "moe_router_pre_softmax": not args.norm_topk_prob,
         "moe_router_topk_scaling_factor": None,
         "moe_router_dtype": "fp32",
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "aux_loss" if aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": float(aux_loss_coeff),
         "moe_expert_capacity_factor": None,
         "moe_token_dispatcher_type": dispatcher or default_dispatcher(),
         "moe_grouped_gemm": False,
@@ -206,3 +209,71 @@ def moe_hf_shapes(args: ModelArgs, leaf: str) -> tuple[int, ...] | None:
         "mlp.shared_expert_gate.weight": (1, h),
     }
     return table.get(leaf)
+
+
+def aux_loss_metric(num_microbatches: int, tp_group, pp_group) -> float:
+    """The load-balancing loss of the last train_step (without its coefficient), as the
+    gradient saw it: per sparse layer and micro-batch megatron's Switch loss
+    ``E / (k T^2) * sum_e (sum_x p_xe) * (tokens routed to e)`` over the T real tokens of the
+    micro-batch (padding excluded), summed over layers, averaged over micro-batches (the
+    caller averages over DP). Reads and clears megatron's layer-wise tracker. Collective over
+    TP (each rank holds its sequence shard's share) and PP (each stage its layers)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    total = torch.zeros((), dtype=torch.float64)
+    if entry is not None:
+        total = entry["values"].detach().double().sum().cpu()
+    device = entry["values"].device if entry is not None else torch.device("cpu")
+    total = total.to(device)
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(total, group=tp_group)
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    clear_aux_losses_tracker()
+    return float(total) / num_microbatches
+
+
+def padding_mask(lengths, rows: int, seq_len: int):
+    """[rows, seq_len] bool, True at padding: row i's real tokens are its first ``lengths[i]``
+    columns, rows past ``len(lengths)`` are padding. megatron 0.16.1's router reads True as
+    padding (``compute_routing_scores_for_aux_loss`` keeps ``~padding_mask``), whatever its
+    docstrings say; the load-balancing loss then counts real tokens only."""
+    import torch
+
+    cols = torch.arange(seq_len, device=lengths.device)
+    full = torch.zeros(rows, dtype=lengths.dtype, device=lengths.device)
+    full[: lengths.shape[0]] = lengths
+    return cols[None] >= full[:, None]
+
+
+def align_over_dp(mbs: list, seq_len: int, rows: int, forward_only: bool, dp_group, dp_rank: int):
+    """(micro-batches, seq_len, rows) agreed over the data-parallel group, for MoE layouts whose
+    token exchange spans DP ranks (EP > 1, or an expert-TP size other than TP): megatron's
+    all-gather dispatcher needs the same token count on all of them, and every exchange the same
+    number of forwards. Sizes: the largest; for forwards also the largest count (extra
+    micro-batches repeat the last one, their outputs fall after this rank's rows and are
+    dropped); a train_step needs the same count on every DP rank (ValueError otherwise)."""
+    import torch
+    import torch.distributed as dist
+
+    device = mbs[0].input_ids.device
+    sizes = torch.tensor([len(mbs), seq_len, rows], dtype=torch.long, device=device)
+    low = -sizes.clone()
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=dp_group)
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=dp_group)
+    count, seq_len, rows = sizes.tolist()
+    if count != -int(low[0]):
+        if not forward_only:
+            raise ValueError(
+                f"train_step got {len(mbs)} micro-batches on data-parallel rank {dp_rank}, and "
+                f"the DP ranks disagree ({-int(low[0])} to {count}): with expert parallelism "
+                "every DP rank must run the same number"
+            )
+        mbs = mbs + [mbs[-1]] * (count - len(mbs))
+    return mbs, seq_len, rows
