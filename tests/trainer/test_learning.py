@@ -6,7 +6,9 @@ measure is the greedy accuracy on the 500 held-out problems (validation at steps
 far less noisy than the sampled training reward; the SFT start is 23-24%. Trials on a 2-core box
 (one process each) gained at step 20: GRPO +11.2, PACS +14.8, PURE-PRM+VR +9.8 (GRPO with
 vLLM rollouts: see the closing measurement in docs/demo.md); the bar here is 5 points, also with
-asynchronous rollout (staleness 1: each batch sampled by the weights one update old). The sampled training reward must rise too (mean of
+asynchronous rollout (staleness 1: each batch sampled by the weights one update old) and for a
+mixture-of-experts policy (embedded://policy_moe: the SFT policy upcycled to a Qwen2-MoE with 4
+experts, top-2 and a shared expert; start 23.2%). The sampled training reward must rise too (mean of
 the first 10 steps vs the last 10).
 """
 
@@ -33,6 +35,8 @@ STEPS = 20
     pytest.param("grpo", ["async_training.staleness_threshold=1"], id="grpo-async1"),
     pytest.param("pure_prm_vr", ["async_training.staleness_threshold=1"],
                  id="pure_prm_vr-async1"),
+    # a mixture-of-experts policy: the SFT policy upcycled to 4 experts, top-2 (policy_moe)
+    pytest.param("grpo", ["actor_rollout_ref.model.path=embedded://policy_moe"], id="grpo-moe"),
 ])
 def test_recipe_learns(tmp_path, demo_assets, recipe, extra):
     train(tmp_path, recipe, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=10",
