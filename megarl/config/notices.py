@@ -99,6 +99,14 @@ def startup_notices(cfg: Config) -> list[str]:
                     f"algorithm.pure.{name}{alias}", value,
                     f"it shapes PURE's advantage pipeline, algorithm.adv_estimator=pure_rloo, "
                     f"and this run uses {cfg.algorithm.adv_estimator}"))
+    rc, at = cfg.algorithm.rollout_correction, cfg.async_training
+    if rc.rollout_is is not None and at.staleness_threshold > 0 and at.use_rollout_log_probs:
+        out.append(_line(
+            "algorithm.rollout_correction.rollout_is", rc.rollout_is,
+            "async_training.use_rollout_log_probs=true takes the PPO ratio against the engine's "
+            "logprobs, which already corrects for the behaviour policy (verl's bypass mode), so "
+            "the weights are logged (rollout_corr/rollout_is_*) but not applied; set "
+            "async_training.use_rollout_log_probs=false to apply them"))
     ob = cfg.reward_model.overlong_buffer
     if ob.log and not ob.enable:
         out.append(_line("reward_model.overlong_buffer.log", True,

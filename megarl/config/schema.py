@@ -114,6 +114,18 @@ class PureConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction`` (verl's names): truncated importance sampling on the
+    gap between the engine's sampling logprobs and the trainer's recomputed old logprobs
+    (`megarl.algos.compute_rollout_is_weights`); the weights multiply each token's policy loss."""
+
+    # null = off; token: w_t = pi_old/mu per token; sequence: the product over the response
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: float = 2.0  # upper truncation of the weights (> 0)
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+
+
+@dataclass
 class AlgorithmConfig:
     """``algorithm``: advantage estimation and KL in the reward."""
 
@@ -126,6 +138,7 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     pure: PureConfig = field(default_factory=PureConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -254,6 +267,7 @@ __all__ = [
     "RewardModelConfig",
     "RewardModelModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "SamplingConfig",
     "TrainerConfig",
 ]

@@ -322,6 +322,14 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
                "(logp = old_logp): the std is 0 and the gradient is scaled by 1/1e-6; set "
                "pacs.adv_estimator=rloo (PACS's default), pacs.norm_adv_by_std_in_grpo=false or "
                "pacs.reward_method=2")
+    rc = alg.rollout_correction
+    c.positive("algorithm.rollout_correction.rollout_is_threshold", rc.rollout_is_threshold,
+               " (the upper truncation of the importance weights; verl's default is 2.0)")
+    if rc.rollout_is is not None and pacs.enable:
+        c.fail(("algorithm.rollout_correction.rollout_is", "pacs.enable"),
+               f"{rc.rollout_is!r} weights the policy loss per token, but PACS (pacs.enable) "
+               "trains with its BCE loss, which takes no importance weights; set "
+               "algorithm.rollout_correction.rollout_is=null or pacs.enable=false")
     if est == "remax" and not rollout.do_sample:
         c.fail(("algorithm.adv_estimator", "actor_rollout_ref.rollout.do_sample"),
                "remax needs actor_rollout_ref.rollout.do_sample=true (its baseline is a greedy "

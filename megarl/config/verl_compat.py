@@ -207,6 +207,8 @@ RULES: tuple[Rule, ...] = (
     *[Rule(f"{m}.override_transformer_config.recompute_{k}", "mapped",
            f"{m}.recompute_{k}") for m in (f"{_ACTOR}.megatron", "critic.megatron")
       for k in ("granularity", "method", "num_layers")],
+    *[Rule(f"{m}.override_transformer_config.moe_aux_loss_coeff", "mapped",
+           f"{m}.moe_aux_loss_coeff") for m in (f"{_ACTOR}.megatron", "critic.megatron")],
     *_each(_MEGATRON, "override_transformer_config*", "inert", "megarl builds the "
            "TransformerConfig from the HF config; attention backend and fusions are its choice"),
     *_each(_MEGATRON, "context_parallel_size", "rejected", "context parallelism is not "
@@ -214,7 +216,6 @@ RULES: tuple[Rule, ...] = (
            "context_parallel_size == 1 and leaves it to TransformerEngine's attention, which "
            "needs CUDA; use the torch backend's ulysses_sequence_parallel_size, or TP with "
            "sequence_parallel"),
-    *_each(_MEGATRON, "expert_*", "rejected", _MOE),
     Rule(f"{_ACTOR}.megatron.router_replay.mode", "mapped", f"{_ACTOR}.router_replay.mode"),
     *_each(_MEGATRON[1:], "router_replay.mode", "rejected", "routing replay applies to the "
            "actor (actor_rollout_ref.actor.router_replay.mode); {p} routes with its own router"),
@@ -358,14 +359,12 @@ RULES: tuple[Rule, ...] = (
          "one at a time"),
     Rule("algorithm.use_pf_ppo", "rejected", "PF-PPO reweighting is not implemented"),
     Rule("algorithm.pf_ppo.*", "inert", _ONLY_WHEN.format(what="algorithm.use_pf_ppo")),
-    Rule("algorithm.rollout_correction.rollout_is", "rejected", "rollout/trainer importance "
-         "sampling correction is not implemented; rollout.check_logprobs measures the mismatch"),
     Rule("algorithm.rollout_correction.rollout_rs", "rejected", "rollout rejection sampling is "
          "not implemented"),
     Rule("algorithm.rollout_correction.bypass_mode", "rejected", "old logprobs are always "
          "recomputed by the trainer"),
     Rule("algorithm.rollout_correction.*", "inert",
-         _ONLY_WHEN.format(what="rollout_correction.rollout_is / rollout_rs")),
+         _ONLY_WHEN.format(what="rollout_correction.rollout_rs / bypass_mode")),
     # reward (verl's `reward.*` section and its older `reward_model.*` spellings)
     Rule("reward.custom_reward_function.*", "mapped", "custom_reward_function.*"),
     Rule("reward.reward_manager.name", "mapped", "reward_model.reward_manager"),
