@@ -22,7 +22,10 @@ behaviour policy's logprobs, i.e. the engine's sampling logprobs of the version 
 history kept on the trainer). The trainer's own recomputation with its current weights (one
 version newer) is still made and gives the mismatch metrics ``rollout_corr/*``; with
 ``use_rollout_log_probs=false`` it is the ratio's denominator instead (the proximal policy of
-decoupled PPO; the behaviour logprobs then enter only through the metrics).
+decoupled PPO; the behaviour logprobs then enter only through the metrics, and through the
+truncated importance weights `pi_prox / mu` of ``algorithm.rollout_correction.rollout_is``, which
+are applied in this mode only: against the behaviour logprobs the ratio already corrects, see
+`megarl.trainer.correction`).
 
 Exact resume: a checkpoint waits for the batches in flight and stores them per rank
 (``async/rank{r}.pt``: prompts, keys, sampling and completions with their versions); the

@@ -76,10 +76,12 @@ class ActorLossSettings:
 
 def actor_loss_fn(s: ActorLossSettings, norm: Norm):
     """loss_fn(outputs, micro_batch) for the actor; micro_batch.tensors holds old_logprob,
-    advantages (PPO family) or scores (PACS), ref_logprob (KL loss) and response_mask."""
+    advantages (PPO family) or scores (PACS), ref_logprob (KL loss), response_mask and, with
+    rollout correction, rollout_is_weights (multiply each token's policy loss; the fused
+    kernel takes no weights, so the unfused path runs then)."""
 
     def loss_fn(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        if s.use_fused(out):
+        if s.use_fused(out) and "rollout_is_weights" not in mb.tensors:
             return fused_ppo(out, mb)
         t = mb.tensors
         mask = t["response_mask"].to(torch.float32)
@@ -102,7 +104,8 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
                 s.loss_mode, logprob=logprob, old_logprob=old_logprob,
                 advantages=t["advantages"], response_mask=mask,
                 clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
-                clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode, **norm.kwargs())
+                clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode,
+                rollout_is_weights=t.get("rollout_is_weights"), **norm.kwargs())
             metrics["actor/pg_loss"] = float(m["pg_loss"])
             for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                 metrics[f"actor/{key}"] = float(m[key]) * share

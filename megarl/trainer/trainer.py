@@ -28,6 +28,7 @@ from megarl.trainer import rollout as R
 from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.correction import add_rollout_is_weights, require_rollout_logprobs
 from megarl.trainer.dump import dump_generations
 from megarl.trainer.flops import mfu, peak_flops
 from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
@@ -193,9 +194,14 @@ class RLTrainer:
         # The engine/trainer logprob gap is always measured on the first step (a wrong weight
         # sync or sampler shows at once), and on every step with rollout.check_logprobs.
         check = "rollout_logprob" in t and (arr.rollout.check_logprobs or self.step == 1)
+        # importance weights on the engine/trainer gap need both logprobs (correction.py)
+        rc = cfg.algorithm.rollout_correction
+        if rc.rollout_is is not None:
+            require_rollout_logprobs(batch, rc.rollout_is)
         # On-policy, the update's own forward gives old_logprob (= logprob.detach()), so the
         # separate pass is only run when something else reads it before the update.
-        if (not on_policy and not behaviour_only) or check or cfg.algorithm.use_kl_in_reward:
+        if ((not on_policy and not behaviour_only) or check or cfg.algorithm.use_kl_in_reward
+                or rc.rollout_is is not None):
             with timer("old_log_prob"):
                 old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
                 t["old_logprob"] = old
@@ -208,6 +214,8 @@ class RLTrainer:
                                                     batch.response_mask))
         if lagged:
             self.behaviour_logprobs(batch, metrics)
+        if rc.rollout_is is not None:
+            metrics.update(add_rollout_is_weights(batch, rc))
         if p.ref is not None:
             with timer("ref"):
                 t["ref_logprob"], _ = p.ref.logprobs(seq, temperature=temperature)
@@ -242,6 +250,8 @@ class RLTrainer:
                     keys += ("old_logprob",)
                 if a.use_kl_loss:
                     keys += ("ref_logprob",)
+                if "rollout_is_weights" in t:
+                    keys += ("rollout_is_weights",)
                 if cfg.pacs.enable:
                     t["scores"] = t["verifiable"]
                 settings = dataclasses.replace(self.actor_settings, on_policy=on_policy)
