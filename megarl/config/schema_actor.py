@@ -90,6 +90,11 @@ class MegatronConfig:
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
     param_dtype: Dtype | None = aliased(None, DTYPE_ALIASES)  # None = model.dtype
+    # mixture-of-experts models: experts split over this many ranks, each expert over
+    # expert_tensor_parallel_size ranks (None = tensor_model_parallel_size)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    moe_aux_loss_coeff: float = 0.0  # weight of megatron's load-balancing loss (0 = off)
 
 
 @dataclass

@@ -27,6 +27,9 @@ ADDED: dict[str, object] = {
     "actor_rollout_ref.actor.router_replay.mode": "disabled",
     **{f"{role}.parallel.ulysses_sequence_parallel_size": 1
        for role in ("actor_rollout_ref.actor", "critic", "reward_model")},
+    **{f"{role}.megatron.{key}": value for role in ("actor_rollout_ref.actor", "critic")
+       for key, value in (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None),
+                          ("moe_aux_loss_coeff", 0.0))},
 }
 
 

@@ -157,3 +157,32 @@ def test_ep2_tp2_layouts_and_checkpoint_resharding(moe_zoo, tmp_path, mcore_dist
     after = ml.next_step(planted)
     diff = max(lib.max_diff(after[k], uninterrupted[k]) for k in after)
     assert diff > 100 * RESHARD_TOL, f"zeroed Adam moments stay within {diff}"
+
+
+def test_from_config_reads_verls_expert_keys_and_aux_coefficient(moe_zoo, mcore_dist):
+    """verl's spellings: actor.megatron.expert_model_parallel_size / expert_tensor_parallel_size
+    (read as written) and megatron.override_transformer_config.moe_aux_loss_coeff (mapped onto
+    actor.megatron.moe_aux_loss_coeff) reach the backend; a dense model refuses EP > 1 with the
+    key to change. Planted: from_config not reading moe_aux_loss_coeff fails (0.0 != 0.01)."""
+    from megarl.backends.megatron import MegatronBackend
+    from megarl.config.loader import validate
+    from megarl.config.schema import Config
+
+    cfg = Config()
+    cfg.actor_rollout_ref.model.path = str(ml.moe_model(moe_zoo, "qwen3_moe"))
+    cfg.actor_rollout_ref.model.dtype = "fp32"
+    cfg.actor_rollout_ref.actor.strategy = "megatron"
+    cfg.data.train_files = "train.parquet"
+    prefix = "actor_rollout_ref.actor.megatron"
+    cfg = validate(cfg, [f"{prefix}.expert_model_parallel_size=1",
+                         f"{prefix}.expert_tensor_parallel_size=1",
+                         f"+{prefix}.override_transformer_config.moe_aux_loss_coeff=0.01"])
+    assert cfg.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff == 0.01
+    be = MegatronBackend.from_config("actor", cfg)
+    assert be.moe_aux_loss_coeff == 0.01 and be.config.moe_aux_loss_coeff == 0.01
+    assert be.config.moe_router_load_balancing_type == "aux_loss"
+    assert (be.layout.ep, be.layout.expert_tp) == (1, 1)
+    ref = MegatronBackend.from_config("ref", cfg)
+    assert ref.moe_aux_loss_coeff == 0.0 and ref.layout.ep == 1
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2"):
+        MegatronBackend("actor", str(lib.zoo_model(moe_zoo, "qwen2_bias")), ep=2)

@@ -159,7 +159,10 @@ class MegatronBackend:
         self.seed = seed
         self.step = 0  # optimizer updates applied (the LR schedule position)
 
-        parallel.ensure_model_parallel(tp, pp, seed, ep=ep, etp=self.layout.expert_tp)
+        dense_any = not self.args.is_moe and ep == 1 and etp is None  # EP groups unused
+        parallel.ensure_model_parallel(
+            tp, pp, seed, ep=None if dense_any else ep, etp=None if dense_any else etp
+        )
         self.use_te = spec == "te" or (spec == "auto" and te_available())
         if spec == "te" and not te_available():
             raise RuntimeError("spec='te' needs TransformerEngine and CUDA; use spec='local'")

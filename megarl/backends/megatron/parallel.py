@@ -24,13 +24,16 @@ _WORLD: object | None = None  # the default process group megatron's groups were
 
 
 def ensure_model_parallel(
-    tp: int, pp: int, seed: int, ep: int = 1, etp: int | None = None
+    tp: int, pp: int, seed: int, ep: int | None = 1, etp: int | None = None
 ) -> None:
     """Initialise megatron's process groups for (tp, pp) and the expert layout (``ep`` expert
     parallel ranks, ``etp`` tensor-parallel ranks per expert, default ``tp``) unless already
     done with the same sizes; the caller must have called
-    ``torch.distributed.init_process_group``."""
+    ``torch.distributed.init_process_group``. ``ep=None`` (a dense model): any expert layout
+    already initialised is fine, a fresh one has none."""
     global _SEEDED, _WORLD
+    any_experts = ep is None
+    ep = 1 if ep is None else ep
     etp = tp if etp is None else etp
     if not dist.is_initialized():
         raise RuntimeError(
@@ -54,6 +57,8 @@ def ensure_model_parallel(
             ps.get_expert_model_parallel_world_size(),
             ps.get_expert_tensor_parallel_world_size(),
         )
+        if any_experts:
+            ep, etp = have[2:]
         if have != (tp, pp, ep, etp):
             raise ValueError(
                 f"megatron parallel_state is already initialised with tensor/pipeline/expert/"
