@@ -101,3 +101,20 @@ def test_missing_engine_logprobs_name_the_key():
         require_rollout_logprobs(_batch(old_logprob=torch.zeros(2, 3)), "sequence")
     text = str(err.value)
     assert f"{RC}.rollout_is='sequence'" in text and f"{RC}.rollout_is=null" in text
+
+
+def test_async_ratio_against_engine_logprobs_is_not_weighted(tmp_path, demo_assets):
+    """Asynchronous rollout with use_rollout_log_probs=true (verl's bypass mode): the weights
+    are measured (every one truncated to 0.5 here) but the update is the one without them.
+    Planted: storing the weights in bypass mode too halves pg_loss (0.00329 vs 0.00658)."""
+    rows = {}
+    for name, extra in (("plain", []), ("is", [f"{RC}.rollout_is=token",
+                                               f"{RC}.rollout_is_threshold=0.5"])):
+        train(tmp_path / name, "grpo", *ONE_STEP, "async_training.staleness_threshold=1",
+              *extra)
+        (rows[name],) = train_rows(tmp_path / name)
+    plain, weighted = rows["plain"], rows["is"]
+    assert weighted["rollout_corr/rollout_is_truncated_mean"] == 0.5
+    assert abs(plain["actor/pg_loss"]) > 1e-4
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert weighted[key] == pytest.approx(plain[key], rel=1e-5), key
