@@ -21,7 +21,9 @@ Planted bugs (run by hand): `RolloutBatch.sequence_batch` not attaching ``routed
 (the backend never sees them): the replayed mismatch stays 5.8 / 0.52, fails; the packed routing
 rows shifted by one token (`backends.torch.moe.packed_routing`): same-weights mismatch 6.7 / 3.2,
 fails; the update's forward run outside `replay_context` (``forward_backward``): its logprobs
-are not the replayed ``logprobs``, fails.
+are not the replayed ``logprobs``, fails; the backward run outside it (activation-checkpointing
+recomputes routed by the router): the recompute saves other tensors than the forward
+(torch's CheckpointError, 99 vs 93), fails.
 """
 
 from __future__ import annotations
@@ -171,6 +173,14 @@ def test_update_forward_replays_too(runs, family):
     assert torch.equal(seen[0], replayed)
     router_grads = [float(b.gate.weight.grad.abs().max()) for b in moe_blocks(backend.model).values()]
     assert min(router_grads) > 0
+    # activation checkpointing recomputes each block in backward: with the same replayed experts
+    ckpt = TorchBackend("actor", str(path), device="cpu", dtype="fp32", router_replay=True,
+                        activation_checkpointing=True)
+    perturb_routers(ckpt)
+    ckpt.forward_backward([seq], loss_fn)
+    want = dict(backend.full_grads())
+    for name, g in ckpt.full_grads():
+        assert (g - want[name]).abs().max() <= 1e-6, name
 
 
 def test_refusals(runs, tmp_path):
