@@ -4,13 +4,15 @@
 
 - ``ep2``: expert parallelism 2 (2 experts per rank; attention data-parallel over the 2 ranks);
 - ``tp2_ep2``: TP=2 + SP for attention, experts split over EP=2 (expert TP 1);
-- ``tp2_etp2``: TP=2 + SP, every expert split over expert-TP 2 (EP 1).
+- ``tp2_etp2``: TP=2 + SP, every expert split over expert-TP 2 (EP 1);
+- ``ep2_pp2`` (only when named, 4 ranks): EP=2 x PP=2.
 
 At each layout also the load-balancing loss (`moe_testlib.aux_checks`). Then at EP=2: one AdamW
-step with the distributed optimizer, a checkpoint, and the weights after
-the next step (the uninterrupted run) for the EP=2 -> EP=1 resharding check of the test.
+step with the distributed optimizer, a checkpoint, and the weights after the next step (the
+uninterrupted run) for the EP=2 -> EP=1 resharding check of the test (2 ranks only).
 
 usage: torchrun --standalone --nproc_per_node=2 tests/dist/megatron_moe.py ROOT RESULTS CKPT
+       [LAYOUT,...]     (ep2_pp2: --nproc_per_node=4)
 """
 
 import sys
@@ -25,10 +27,11 @@ LAYOUTS = {
     "ep2": {"ep": 2},
     "tp2_ep2": {"tp": 2, "sp": True, "ep": 2, "etp": 1},
     "tp2_etp2": {"tp": 2, "sp": True, "etp": 2},
+    "ep2_pp2": {"ep": 2, "pp": 2},  # 4 ranks
 }
 MODELS = {"ep2": ("qwen3_moe", "qwen2_moe", "qwen3_moe_mixed"),
           "tp2_ep2": ("qwen3_moe_kv2", "qwen2_moe_kv2"),
-          "tp2_etp2": ("qwen3_moe_kv2", "qwen2_moe_kv2")}
+          "tp2_etp2": ("qwen3_moe_kv2", "qwen2_moe_kv2"), "ep2_pp2": ("qwen3_moe", "qwen2_moe")}
 
 
 def reset_parallel_state() -> None:
@@ -45,7 +48,8 @@ def main():
 
     lib.worker_setup()
     root, results, ckpt = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    only = [x for x in sys.argv[4].split(",") if x in LAYOUTS] if len(sys.argv) > 4 else list(LAYOUTS)
+    only = [x for x in sys.argv[4].split(",") if x in LAYOUTS] if len(sys.argv) > 4 else [
+        k for k in LAYOUTS if k != "ep2_pp2"]
     res = {}
     for layout in only:
         for name in MODELS[layout]:
@@ -54,6 +58,12 @@ def main():
         ml.aux_checks(res, ml.moe_model(root, first), f"{layout}.{first}.aux", **LAYOUTS[layout])
         reset_parallel_state()
 
+    if dist.get_world_size() != 2:
+        if dist.get_rank() == 0:
+            lib.write_results(results, res)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     # EP=2 checkpoint with the distributed optimizer (one step in), then the next step
     path = ml.moe_model(root, "qwen3_moe")
     be = MegatronBackend("actor", str(path), ep=2, optim_config=lib.RESHARD_OPTIM)
