@@ -1,0 +1,59 @@
+"""GRPO on megatron with a mixture-of-experts policy and expert parallelism, end to end: 2
+steps on the embedded task with the demo's Qwen2-MoE policy (4 experts, shared expert, tied
+head; `assets/policy_moe`) on 2 gloo ranks at
+``actor_rollout_ref.actor.megatron.expert_model_parallel_size=2`` and verl's
+``override_transformer_config.moe_aux_loss_coeff``. The rollouts run on megarl's own engine (its
+own MoE implementation) fed with the weights the megatron actor exports (gathered over EP), and
+``rollout.check_logprobs`` compares its logprobs with the megatron actor's on both steps: within
+1e-5 (measured 4.9e-6 / 6.0e-6). The aux loss reaches the metrics (about 1 per sparse layer
+for balanced routing: measured 4.07 / 4.06 over 4 layers).
+
+Planted: the expert export sending each EP rank's other local expert under the expert's name
+(`weights._gather_expert` reading expert j ^ 1: the engine gets experts 0<->1 and 2<->3
+swapped): logprob gap 0.11 at step 1."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import mcore_testlib as lib
+import pytest
+
+pytestmark = pytest.mark.dist
+BOUND = 1e-5
+
+
+@pytest.fixture(scope="module")
+def demo_assets():
+    """The embedded demo assets (built once, cached under assets/)."""
+    from megarl.demo.assets import build_all
+
+    return build_all()
+
+
+def test_grpo_two_steps_at_ep2_engine_and_trainer_agree(tmp_path, demo_assets):
+    policy = lib.REPO / "assets" / "policy_moe"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(lib.REPO))
+    env.pop("TRITON_INTERPRET", None)
+    mega = "actor_rollout_ref.actor.megatron"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "launch/train.py", "--config", "grpo", "--demo", "on",
+           f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
+           "data.max_response_length=48", "trainer.test_freq=-1",
+           "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.export_hf=false",
+           "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2",
+           f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.strategy=megatron",
+           f"{mega}.expert_model_parallel_size=2", "actor_rollout_ref.rollout.check_logprobs=true",
+           f"+{mega}.override_transformer_config.moe_aux_loss_coeff=0.001"]
+    proc = subprocess.run(cmd, cwd=lib.REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_abs_diff_max"] <= BOUND, r["rollout/logprob_abs_diff_max"]
+        assert math.isfinite(r["actor/moe_aux_loss"]) and r["actor/moe_aux_loss"] > 0
