@@ -21,7 +21,8 @@ Planted bugs (run by hand): `RolloutBatch.sequence_batch` not attaching ``routed
 (the backend never sees them): the replayed mismatch stays 5.8 / 0.52, fails; the packed routing
 rows shifted by one token (`backends.torch.moe.packed_routing`): same-weights mismatch 6.7 / 3.2,
 fails; the update's forward run outside `replay_context` (``forward_backward``): its logprobs
-are not the replayed ``logprobs``, fails; the backward run outside it (activation-checkpointing
+are not the replayed ``logprobs``, fails; `replay_metrics` counting expert order swaps
+as flips (ordered rows compared instead of sets): its flipped fraction differs, fails; the backward run outside it (activation-checkpointing
 recomputes routed by the router): the recompute saves other tensors than the forward
 (torch's CheckpointError, 99 vs 93), fails.
 """
@@ -35,6 +36,7 @@ import torch
 from trainer_helpers import FAST, env
 
 from megarl.backends.torch import TorchBackend
+from megarl.backends.torch.moe import replay_metrics
 from megarl.models.moe import moe_blocks
 from megarl.rollout.consistency import METRIC_MAX, METRIC_MEAN, logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
@@ -140,12 +142,18 @@ def test_router_moved_mismatch_large_without_replay_small_with(runs, family):
     ran = (recorded >= 0).all(-1)
     flipped = int(((own.sort(-1).values != recorded.sort(-1).values).any(-1) & ran).sum())
     without = mismatch(backend, batch)
+    assert replay_metrics(backend, seq, batch.tensors["rollout_logprob"]) == {}  # replay off
     backend.router_replay = True
     with_replay = mismatch(backend, batch)
     print(f"{family}: {flipped} of {int(ran.sum())} decisions flipped; without replay "
           f"{without}; with replay {with_replay}")
     assert flipped > 0
     assert without[METRIC_MAX] > 0.1
+    logged = replay_metrics(backend, seq, batch.tensors["rollout_logprob"])
+    assert logged == {f"{METRIC_MEAN}_no_replay": without[METRIC_MEAN],
+                      f"{METRIC_MAX}_no_replay": without[METRIC_MAX],
+                      "moe/replay_flipped_fraction": flipped / int(ran.sum())}, logged
+    assert backend.router_replay is True
     assert with_replay[METRIC_MAX] < min(0.05, without[METRIC_MAX] / 10)
     assert with_replay[METRIC_MEAN] < without[METRIC_MEAN] / 2
 

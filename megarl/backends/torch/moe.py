@@ -13,6 +13,9 @@ Routing replay (``router_replay`` of `TorchBackend`): `replay_context` routes a 
 micro-batch's forward (and its backward: activation-checkpointing recomputes see the same
 experts) with the batch's ``routed_experts`` tensor [B, P + L, n_sparse, k] (what the rollout
 engine recorded, carried by `megarl.trainer.batch.RolloutBatch`), packed like the tokens.
+`replay_metrics` measures what replay changes on a batch: the logprob gap to the engine had
+the trainer routed by its own routers, and the fraction of recorded routing decisions its
+routers would have flipped.
 """
 
 from __future__ import annotations
@@ -98,3 +101,44 @@ def replay_context(backend: Any, batch: SequenceBatch, p: Packed) -> AbstractCon
     if not backend.router_replay or "routed_experts" not in batch.tensors:
         return nullcontext()
     return replay_experts(backend.model, packed_routing(batch, p, backend.device))
+
+
+@torch.no_grad()
+def replay_metrics(backend: Any, batch: SequenceBatch, rollout_logprob: torch.Tensor,
+                   temperature: float = 1.0) -> dict[str, float]:
+    """What routing replay changes on ``batch`` (a rollout with ``routed_experts``), for a
+    check step of a backend with ``router_replay`` on ({} otherwise):
+
+    ``rollout/logprob_abs_diff_{mean,max}_no_replay``: the engine/trainer logprob gap
+    (`megarl.rollout.consistency.logprob_diff_metrics`) had the trainer routed by its own
+    routers; ``moe/replay_flipped_fraction``: the fraction of (token, sparse layer) routing
+    decisions the engine recorded whose expert set the trainer's routers would not choose.
+    Collective like ``logprobs``; without pipeline parallelism."""
+    from megarl.models.moe import record_experts, sparse_layers
+    from megarl.rollout.consistency import logprob_diff_metrics
+
+    if not backend.router_replay or "routed_experts" not in batch.tensors:
+        return {}
+    backend.router_replay = False
+    try:
+        plain, _ = backend.logprobs(batch, temperature=temperature)
+    finally:
+        backend.router_replay = True
+    out = {f"{k}_no_replay": v for k, v in logprob_diff_metrics(
+        rollout_logprob, plain, batch.tensors.get("response_mask", batch.response_mask)).items()}
+    model = backend.model
+    was_training = model.training
+    model.eval()
+    try:
+        p = pack(batch, backend.device)
+        with record_experts(model) as chosen:
+            model(p.input_ids, position_ids=p.position_ids, segment_ids=p.segment_ids,
+                  output="hidden")
+    finally:
+        model.train(was_training)
+    own = torch.stack([chosen[i] for i in sparse_layers(model.args)], dim=1)[: p.num_tokens]
+    recorded = packed_routing(batch, p, backend.device)[: p.num_tokens].long()
+    ran = (recorded >= 0).all(-1)
+    flipped = (own.sort(-1).values != recorded.sort(-1).values).any(-1) & ran
+    out["moe/replay_flipped_fraction"] = float(flipped.sum()) / max(int(ran.sum()), 1)
+    return out
