@@ -1,5 +1,6 @@
 """algorithm.rollout_correction.rollout_is in the trainer: the weights reach the actor's loss
-and gradient (real 1-step runs of the demo GRPO recipe, torch engine and backend, fp32), and
+and gradient (real 1-step runs of the demo GRPO recipe, torch engine, torch and megatron
+backends, fp32), and
 the step's pairing of logprobs (correction.py) on hand-built batches.
 
 With fp32 engine and trainer the token ratios old/rollout are 1 within 1e-5 (measured:
@@ -28,15 +29,17 @@ RC = "algorithm.rollout_correction"
 ONE_STEP = ["trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=false"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, demo_assets):
-    d = tmp_path_factory.mktemp("rollout_is")
+@pytest.fixture(scope="module", params=["torch", "megatron"])
+def runs(request, tmp_path_factory, demo_assets):
+    """One step each of plain, threshold-1e6 and threshold-0.5 runs on the backend."""
+    d = tmp_path_factory.mktemp(f"rollout_is_{request.param}")
     extra = {"plain": [],
              "wide": [f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=1e6"],
              "half": [f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=0.5"]}
     rows = {}
     for name, overrides in extra.items():
-        train(d / name, "grpo", *ONE_STEP, *overrides)
+        train(d / name, "grpo", *ONE_STEP, *overrides,
+              f"actor_rollout_ref.actor.strategy={request.param}")
         (rows[name],) = train_rows(d / name)
     return rows
 
