@@ -233,3 +233,32 @@ def test_recompute_gives_the_same_gradients_and_aux_loss(moe_zoo, mcore_dist, mo
                         lambda self, probs, *a, **k: real(self, real(self, probs, *a, **k), *a, **k))
     grads, _ = _grads_after_step(path, recompute="full")
     assert max(lib.rel_diff(grads[k], plain[k]) for k in plain) > 1e-2
+
+
+@pytest.mark.parametrize(("layout", "match"), [
+    ({"ep": 3}, r"expert_model_parallel_size=3 must divide num_experts \(4\)"),
+    ({"etp": 5}, r"expert_tensor_parallel_size=5 must divide moe_intermediate_size \(48\)"),
+    ({"tp": 2, "ep": 2}, r"tensor_model_parallel_size=2 on a mixture-of-experts model needs "
+                         r"sequence_parallel=True"),
+])
+def test_bad_expert_layouts_are_refused_naming_the_key(layout, match):
+    """Layout checks run before any process group is touched (pure function of the config)."""
+    from megarl.backends.megatron.moe import check_moe_supported
+    from megarl.models.args import ModelArgs
+    from megarl.models.testing import tiny_hf_config
+
+    args = ModelArgs.from_hf_config(tiny_hf_config("qwen3_moe").to_dict())
+    tp = layout.get("tp", 1)
+    with pytest.raises(ValueError, match=match):
+        check_moe_supported(args, tp, layout.get("ep", 1), layout.get("etp", tp), False)
+
+
+def test_dense_model_refuses_expert_tensor_parallel_size():
+    from megarl.backends.megatron.moe import check_moe_supported
+    from megarl.models.args import ModelArgs
+    from megarl.models.testing import tiny_hf_config
+
+    args = ModelArgs.from_hf_config(tiny_hf_config("qwen3").to_dict())
+    with pytest.raises(ValueError, match="need a mixture-of-experts model; qwen3 has no experts"):
+        check_moe_supported(args, 1, 1, 2, False)
+    check_moe_supported(args, 2, 1, 2, True)  # the defaults of a dense model pass
