@@ -253,6 +253,9 @@ def test_refusals(runs, tmp_path):
         load_config("grpo", [on, "actor_rollout_ref.rollout.name=vllm"])
     with pytest.raises(ConfigError, match=r"R3 needs actor_rollout_ref.actor.strategy=torch"):
         load_config("grpo", [on, "actor_rollout_ref.actor.strategy=megatron"])
+    with pytest.raises(ConfigError, match=r"R3 with asynchronous rollout \(staleness_threshold=1\)"
+                                          r": the engine process does not return routed"):
+        load_config("grpo", [on, "async_training.staleness_threshold=1"])
     cfg = load_config("grpo", ["actor_rollout_ref.actor.megatron.router_replay.mode=R3"])
     assert cfg.actor_rollout_ref.actor.router_replay.mode == "R3"  # verl's megatron spelling
     with pytest.raises(ConfigError, match="router_replay.mode"):

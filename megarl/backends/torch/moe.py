@@ -20,6 +20,7 @@ routers would have flipped.
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -30,6 +31,8 @@ from megarl.backends.torch.packing import Packed, pack
 from megarl.errors import UserInputError
 from megarl.models.moe import capture_router_logits, replay_experts
 from megarl.models.moe_metrics import routing_metrics as _routing_metrics
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -98,7 +101,13 @@ def packed_routing(batch: SequenceBatch, p: Packed, device: torch.device) -> tor
 def replay_context(backend: Any, batch: SequenceBatch, p: Packed) -> AbstractContextManager:
     """The routing of ``batch``'s forward: its recorded experts when ``backend.router_replay``
     is on and the batch carries ``routed_experts``; the routers' own choice otherwise."""
-    if not backend.router_replay or "routed_experts" not in batch.tensors:
+    if not backend.router_replay:
+        return nullcontext()
+    if "routed_experts" not in batch.tensors:
+        if not getattr(backend, "_warned_no_routing", False):
+            logger.warning("%s: router_replay is on but a batch carries no routed_experts; its "
+                           "forwards route with the current routers", backend.role)
+            backend._warned_no_routing = True
         return nullcontext()
     return replay_experts(backend.model, packed_routing(batch, p, backend.device))
 
