@@ -118,9 +118,9 @@ class RouterReplayConfig:
     R3 (rollout routing replay): the rollout engine records the experts each prompt and response
     token was routed to in every sparse layer, and the actor's forwards (old logprobs and the
     update) route each token to those experts, weighted by the current router's probabilities
-    at them (the router still trains). Needs a mixture-of-experts policy, strategy torch and
+    at them (the router still trains). Needs a mixture-of-experts policy, strategy torch,
     rollout.name torch (vLLM 0.32 can return routed experts, ``enable_return_routed_experts``,
-    but megarl's vLLM adapter does not ask for them yet)."""
+    but megarl's vLLM adapter does not ask for them yet) and synchronous rollout."""
 
     mode: Literal["disabled", "R3"] = "disabled"
 
