@@ -160,8 +160,9 @@ def _check_router_replay(cfg: Config, c: _Checker) -> None:
         c.fail((key, "actor_rollout_ref.rollout.name"),
                f"{arr.actor.router_replay.mode} needs actor_rollout_ref.rollout.name=torch: only "
                "megarl's torch engine returns the experts it routed each token to (vLLM 0.32 "
-               "can, through enable_return_routed_experts, but megarl's vLLM adapter does not "
-               f"request them yet); use rollout.name=torch or {key}=disabled")
+               "can on GPUs, through enable_return_routed_experts with its Triton-only model "
+               "runner V2, but megarl's vLLM adapter does not request them yet); use "
+               f"rollout.name=torch or {key}=disabled")
     if cfg.async_training.staleness_threshold > 0:
         c.fail((key, "async_training.staleness_threshold"),
                f"{arr.actor.router_replay.mode} with asynchronous rollout "
