@@ -125,10 +125,14 @@ def _whiten(rows):
 
 def test_last_token_mask_and_pure_mode():
     """One-hot at the last valid token, all zero for an empty response (planted bug: `lengths`
-    instead of `lengths - 1` puts it one to the right, an off-by-one in every reward)."""
+    instead of `lengths - 1` puts it one to the right, an off-by-one in every reward; the
+    result in the mask's dtype, a bool one-hot for a bool mask)."""
     got = last_token_mask(_mask([3, 0, 5, 1]))
     want = [[0, 0, 1, 0, 0], [0] * 5, [0, 0, 0, 0, 1], [1, 0, 0, 0, 0]]
     assert got.dtype == torch.float32 and got.tolist() == want
+    for dtype in (torch.bool, torch.int64):  # float32 whatever the mask's dtype
+        got = last_token_mask(_mask([3, 0, 5, 1]).to(dtype))
+        assert got.dtype == torch.float32 and got.tolist() == want
     assert pure_mode(AdvantageSettings(prm_enabled=True)) == "prm_vr"
     assert pure_mode(AdvantageSettings(prm_enabled=True, vr_enabled=False)) == "prm"
     assert pure_mode(AdvantageSettings(prm_enabled=False)) == "vr"

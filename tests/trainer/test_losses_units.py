@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import megarl_kernels
 from megarl import algos
 from megarl.backends.protocol import SequenceBatch
 from megarl.trainer.losses import ActorLossSettings, Norm, actor_loss_fn, critic_loss_fn
@@ -70,7 +71,7 @@ def _agg(rows, mode, norm=NORM):
     return sum(sum(r[:n]) / n for r, n in zip(rows, LENGTHS)) / norm.global_batch_size * norm.dp_size
 
 
-def _ppo_rows(lp, old, adv, low=0.2, high=0.28, c=3.0):
+def _ppo_rows(lp, old, adv, low=0.15, high=0.28, c=3.0, weights=None):
     """float64 per-token vanilla PPO loss (differentiable in lp) and the clip indicators."""
     rows, clip, lower, kl = [], 0, 0, 0.0
     for i, n in enumerate(LENGTHS):
@@ -88,7 +89,7 @@ def _ppo_rows(lp, old, adv, low=0.2, high=0.28, c=3.0):
                 lower += int(float(lc.detach()) > -a * c)
                 lc = torch.clamp(lc, max=-a * c)
             kl += -float(d.detach())
-            row.append(lc)
+            row.append(lc if weights is None else lc * float(weights[i, t]))
         rows.append(row)
     return rows, clip / 14, lower / 14, kl / 14
 
@@ -100,11 +101,11 @@ def reference(hidden, weight, labels, temperature):
 
 
 def _settings(**kw):
-    return ActorLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.28, **kw)
+    return ActorLossSettings(clip_ratio_low=0.15, clip_ratio_high=0.28, **kw)
 
 
 @pytest.mark.parametrize("agg_mode", AGG_MODES)
-@pytest.mark.parametrize("entropy_coeff", [0.0, 0.03])
+@pytest.mark.parametrize("entropy_coeff", [0.0, 1.0])
 def test_actor_ppo_loss_gradient_and_metrics(agg_mode, entropy_coeff):
     """Vanilla PPO (unfused: no hidden states), every aggregation, with and without the entropy
     bonus. Metrics: pg_loss is the normalised policy loss; clip fractions, ppo_kl and entropy are
@@ -112,7 +113,8 @@ def test_actor_ppo_loss_gradient_and_metrics(agg_mode, entropy_coeff):
 
     Planted bugs: the norm not passed (token-mean over 14 tokens, not 40 / 2: loss x1.4);
     agg_mode not passed; the entropy bonus added instead of subtracted; the share left out of a
-    ratio metric (x1/0.7) or put on pg_loss; clip_ratio_high not passed (0.2 instead of 0.28)."""
+    ratio metric (x1/0.7) or put on pg_loss; clip_ratio_low / high not passed (0.2 instead of
+    0.15 / 0.28); the bonus skipped for entropy_coeff == 1 (`!= 1.0`)."""
     mb = _micro_batch()
     out = _outputs(mb)
     loss, metrics = actor_loss_fn(_settings(agg_mode=agg_mode, entropy_coeff=entropy_coeff),
@@ -186,16 +188,18 @@ def test_actor_on_policy_and_another_loss_mode():
     assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/pg_clipfrac_lower"] == 0.0
 
 
-def test_actor_pacs_wiring_and_rescale():
+@pytest.mark.parametrize("norm_adv_by_std", [True, False])
+def test_actor_pacs_wiring_and_rescale(norm_adv_by_std):
     """PACS: every setting reaches algos.pacs_loss (beta, reward method, estimator, weights,
     norm) with scores / group_index from the micro-batch, and the micro-batch mean is rescaled
     to the mini-batch: x B / global_batch_size x dp = 4 / 10 x 2. No entropy bonus and no KL loss
-    even when configured. Planted bugs: the rescale left out (x1.25) or dp dropped (x0.5);
-    beta or the estimator not passed; the entropy bonus applied to PACS."""
+    even when configured; a global batch size of 1 divides by 1. Planted bugs: the rescale left
+    out (x1.25) or dp dropped (x0.5); beta, the estimator or norm_adv_by_std not passed (None:
+    std never used); the entropy bonus applied to PACS; `max(global_batch_size, 2)` (x0.5)."""
     mb = _micro_batch(seed=6)
     out = _outputs(mb, seed=7)
     s = _settings(pacs=True, pacs_beta=0.4, pacs_reward_method="2", pacs_adv_estimator="grpo",
-                  pacs_weight_mode="only_positive", pacs_norm_adv_by_std=False,
+                  pacs_weight_mode="only_positive", pacs_norm_adv_by_std=norm_adv_by_std,
                   entropy_coeff=0.5, use_kl_loss=True)
     loss, metrics = actor_loss_fn(s, NORM)(out, mb)
     loss.backward()
@@ -204,7 +208,7 @@ def test_actor_pacs_wiring_and_rescale():
         logprob=lp, old_logprob=mb.tensors["old_logprob"], response_mask=_mask(),
         scores=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_index=torch.tensor([0, 0, 1, 1]),
         beta=0.4, reward_method="2", adv_estimator="grpo", weight_mode="only_positive",
-        norm_adv_by_std=False)
+        norm_adv_by_std=norm_adv_by_std)
     want = want * (4 / 10 * 2)
     want.backward()
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
@@ -212,15 +216,18 @@ def test_actor_pacs_wiring_and_rescale():
     assert out.entropy.grad is None  # no entropy term in the PACS loss
     assert set(metrics) == {"actor/pacs_loss", "actor/entropy"}
     assert metrics["actor/pacs_loss"] == pytest.approx(want.item(), rel=1e-6)
+    one, _ = actor_loss_fn(s, Norm(1, 40, 1, 1.0))(_outputs(mb, seed=7), mb)
+    assert one.item() == pytest.approx(want.item() / (4 / 10 * 2) * 4, rel=1e-6)
 
 
-def test_actor_fused_path_from_hidden_states():
+def test_actor_fused_path_from_hidden_states(monkeypatch):
     """Vanilla PPO with hidden states goes through megarl_kernels.fused_ppo_loss: loss, gradient
     w.r.t. the hidden states and metrics equal the float64 full-logits reference (log-probs at
     temperature 0.7, seq-mean-token-sum aggregation, entropy bonus). With a KL loss the unfused
     path is taken. Planted bugs: old_logprob / advantages gathered at (cols, rows) or not
-    gathered; the agg mode or norm not passed to loss_scale_from_agg; entropy_coeff dropped;
-    the share missing from a ratio metric; the temperature not passed."""
+    gathered; the agg mode or norm not passed to loss_scale_from_agg; entropy_coeff,
+    clip_ratio_low or clip_ratio_c (2 here, 3 by default) dropped; the share missing from a ratio
+    metric; the temperature or the TP group not passed."""
     mb = _micro_batch(seed=8)
     mask = _mask()
     rows, cols = mask.nonzero(as_tuple=True)
@@ -234,17 +241,27 @@ def test_actor_fused_path_from_hidden_states():
     old[0, 1] = float(lp0[1]) - 1.5  # dual clip (A = -1 there)
     mb.tensors["old_logprob"] = old
     h = hidden.clone().requires_grad_()
+    group = object()  # stands for a TP process group: must reach the kernel unchanged
     out = SimpleNamespace(hidden=h, weight=weight, labels=labels, flat_index=(rows, cols),
-                          temperature=0.7, tp_group=None)
-    s = _settings(agg_mode="seq-mean-token-sum", entropy_coeff=0.02)
+                          temperature=0.7, tp_group=group)
+    s = _settings(agg_mode="seq-mean-token-sum", entropy_coeff=0.02, clip_ratio_c=2.0)
+    seen = []
+    real = megarl_kernels.fused_ppo_loss
+
+    def spy(*a, tp_group, **kw):
+        seen.append(tp_group)
+        return real(*a, tp_group=None, **kw)
+
+    monkeypatch.setattr(megarl_kernels, "fused_ppo_loss", spy)
     loss, metrics = actor_loss_fn(s, NORM)(out, mb)
     loss.backward()
+    assert seen == [group]
 
     h64 = hidden.double().requires_grad_()
     lp, ent = reference(h64, weight, labels, 0.7)
     lp_pad = torch.zeros(4, L, dtype=torch.float64).index_put((rows, cols), lp)
     ent_pad = torch.zeros(4, L, dtype=torch.float64).index_put((rows, cols), ent)
-    prow, clip, lower, kl = _ppo_rows(lp_pad, old, mb.tensors["advantages"])
+    prow, clip, lower, kl = _ppo_rows(lp_pad, old, mb.tensors["advantages"], c=2.0)
     pg = _agg(prow, "seq-mean-token-sum")
     want = pg - 0.02 * _agg([[ent_pad[i, t] for t in range(L)] for i in range(4)],
                             "seq-mean-token-sum")
@@ -259,6 +276,7 @@ def test_actor_fused_path_from_hidden_states():
     assert not _settings(pacs=True).use_fused(out) and not _settings(fused=False).use_fused(out)
     assert not _settings(loss_mode="gspo").use_fused(out)
     assert not s.use_fused(SimpleNamespace(hidden=None)) and s.needs_entropy
+    assert not s.use_fused(SimpleNamespace(logprob=None))  # outputs without the raw pieces
 
     # on-policy through the fused path: ratio 1, loss = agg(-A) whatever the logits
     out = SimpleNamespace(hidden=hidden, weight=weight, labels=labels, flat_index=(rows, cols),
@@ -268,6 +286,50 @@ def test_actor_fused_path_from_hidden_states():
     adv = mb.tensors["advantages"].double().tolist()
     assert loss.item() == pytest.approx(_agg([[-a for a in r] for r in adv], "token-mean"), rel=1e-5)
     assert metrics["actor/ppo_kl"] == 0.0
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64])
+def test_actor_rollout_is_weights_take_the_unfused_path(mask_dtype):
+    """With rollout_is_weights in the micro-batch each token's policy loss is multiplied by its
+    weight, through the unfused path even when hidden states are there (the kernel takes no
+    weights); an int64 response_mask works the same. Planted bugs: the weights not passed or
+    read under another key (loss of the unweighted PPO, ~30% off); the fused kernel used despite
+    the weights (it would run on the placeholder hidden states and fail)."""
+    mb = _micro_batch(seed=11)
+    mask = _mask()
+    w = (0.2 + torch.rand(4, L, generator=torch.Generator().manual_seed(12)) * 1.5) * mask
+    mb.tensors["rollout_is_weights"] = w
+    mb.tensors["response_mask"] = mask.to(mask_dtype)
+    out = _outputs(mb, seed=13)
+    out.hidden = torch.zeros(1)  # present, but must not be used
+    loss, metrics = actor_loss_fn(_settings(agg_mode="seq-mean-token-mean"), NORM)(out, mb)
+    lp = out.logprob.detach().double()
+    rows, *_ = _ppo_rows(lp, mb.tensors["old_logprob"], mb.tensors["advantages"], weights=w)
+    want = _agg(rows, "seq-mean-token-mean")
+    assert loss.item() == pytest.approx(float(want), rel=1e-5)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(want), rel=1e-5)
+    ent = out.entropy.detach().double()
+    assert metrics["actor/entropy"] == pytest.approx(float((ent * mask).sum()) / 14 * SHARE, rel=1e-5)
+
+
+def test_one_valid_token_means():
+    """A micro-batch with a single valid token: the entropy and vpred means are that token's
+    value times the share (planted bug: the count clamped at 2 instead of 1 halves them)."""
+    mask = torch.tensor([[0.0, 1.0, 0.0]])
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    t = {"response_mask": mask, "old_logprob": torch.tensor([[0.0, -1.0, 0.0]]),
+         "advantages": torch.tensor([[0.0, 0.5, 0.0]]), "values": torch.tensor([[0.0, 0.3, 0.0]]),
+         "returns": torch.tensor([[0.0, 0.8, 0.0]])}
+    mb = SequenceBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_length=3,
+                       tensors=t)
+    out = SimpleNamespace(logprob=torch.tensor([[0.0, -0.9, 0.0]]), hidden=None,
+                          entropy=torch.tensor([[5.0, 2.0, 7.0]]),
+                          values=torch.tensor([[9.0, 0.4, 9.0]]))
+    share = 1 / 40 * 2
+    _, metrics = actor_loss_fn(_settings(), NORM)(out, mb)
+    assert metrics["actor/entropy"] == pytest.approx(2.0 * share)
+    _, metrics = critic_loss_fn(0.3, "token-mean", NORM)(out, mb)
+    assert metrics["critic/vpred_mean"] == pytest.approx(0.4 * share)
 
 
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
