@@ -5,6 +5,7 @@
 - ``ep2``: expert parallelism 2 (2 experts per rank; attention data-parallel over the 2 ranks);
 - ``tp2_ep2``: TP=2 + SP for attention, experts split over EP=2 (expert TP 1);
 - ``tp2_etp2``: TP=2 + SP, every expert split over expert-TP 2 (EP 1);
+- ``pp2_vpp2``: interleaved pipeline 2 stages x 2 chunks, 4 layers (one dense), EP 1;
 - ``ep2_pp2`` (only when named, 4 ranks): EP=2 x PP=2.
 
 At each layout also the load-balancing loss (`moe_testlib.aux_checks`). Then at EP=2: one AdamW
@@ -27,11 +28,13 @@ LAYOUTS = {
     "ep2": {"ep": 2},
     "tp2_ep2": {"tp": 2, "sp": True, "ep": 2, "etp": 1},
     "tp2_etp2": {"tp": 2, "sp": True, "etp": 2},
+    "pp2_vpp2": {"pp": 2, "vpp": 2},
     "ep2_pp2": {"ep": 2, "pp": 2},  # 4 ranks
 }
 MODELS = {"ep2": ("qwen3_moe", "qwen2_moe", "qwen3_moe_mixed"),
           "tp2_ep2": ("qwen3_moe_kv2", "qwen2_moe_kv2"),
-          "tp2_etp2": ("qwen3_moe_kv2", "qwen2_moe_kv2"), "ep2_pp2": ("qwen3_moe", "qwen2_moe")}
+          "tp2_etp2": ("qwen3_moe_kv2", "qwen2_moe_kv2"), "ep2_pp2": ("qwen3_moe", "qwen2_moe"),
+          "pp2_vpp2": ("qwen3_moe_4l",)}
 
 
 def reset_parallel_state() -> None:

@@ -20,6 +20,8 @@ MOE_ZOO = {
     "qwen3_moe_kv2": ("qwen3_moe", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "qwen2_moe_kv2": ("qwen2_moe", {"num_attention_heads": 4, "num_key_value_heads": 2,
                                     "hidden_size": 128}),
+    # 4 layers (the second dense) for the interleaved pipeline (2 stages x 2 chunks)
+    "qwen3_moe_4l": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [1]}),
 }
 TEMPERATURE = 0.7
 TOL = 1e-5  # logprob / entropy, absolute, fp32 megatron vs float64 transformers

@@ -371,6 +371,8 @@ class MegatronBackend:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe_aux_loss_coeff > 0:
+            moe.reset_aux_tracker()
         stored = self._run_schedule(mbs, loss_func, forward_only=False)
         metrics = self._reduce_metrics(stored)
         if self.moe_aux_loss_coeff > 0:

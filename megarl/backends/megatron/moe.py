@@ -216,16 +216,12 @@ def aux_loss_metric(num_microbatches: int, tp_group, pp_group) -> float:
     gradient saw it: per sparse layer and micro-batch megatron's Switch loss
     ``E / (k T^2) * sum_e (sum_x p_xe) * (tokens routed to e)`` over the T real tokens of the
     micro-batch (padding excluded), summed over layers, averaged over micro-batches (the
-    caller averages over DP). Reads and clears megatron's layer-wise tracker. Collective over
-    TP (each rank holds its sequence shard's share) and PP (each stage its layers)."""
+    caller averages over DP). Reads and drops megatron's layer-wise tracker entry. Collective
+    over TP (each rank holds its sequence shard's share) and PP (each stage its layers)."""
     import torch
     import torch.distributed as dist
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-    )
 
-    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    entry = reset_aux_tracker()
     total = torch.zeros((), dtype=torch.float64)
     if entry is not None:
         total = entry["values"].detach().double().sum().cpu()
@@ -235,8 +231,16 @@ def aux_loss_metric(num_microbatches: int, tp_group, pp_group) -> float:
         dist.all_reduce(total, group=tp_group)
     if dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
-    clear_aux_losses_tracker()
     return float(total) / num_microbatches
+
+
+def reset_aux_tracker() -> dict | None:
+    """Remove (and return) megatron's global tracker entry of the load-balancing loss: it is
+    sized by the num_layers of the first model that wrote it, so another model in the same
+    process (more layers) would index past it."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return get_moe_layer_wise_logging_tracker().pop("load_balancing_loss", None)
 
 
 def padding_mask(lengths, rows: int, seq_len: int):
