@@ -172,7 +172,7 @@ def aux_checks(res: dict, path: Path, key: str, **layout) -> None:
     hf = hf_moe_model(path)
     batch = lib.make_batch(B=4, seed=1)
     mbs, n = dp_share(batch, be)
-    dp, rank = be.dp_size, be.dp_rank
+    dp = be.dp_size
     metrics = be.train_step(mbs, lambda o, mb: lib.pg_loss(o, mb, n / dp))
     grads = {k: v.cpu() for k, v in be.export_grads()}
 
@@ -193,6 +193,6 @@ def aux_checks(res: dict, path: Path, key: str, **layout) -> None:
     res[f"{key}.aux_metric"] = abs(metrics["moe_aux_loss"] - float(aux.detach()))
     res[f"{key}.aux_value"] = float(aux.detach())
     res[f"{key}.aux_effect"] = max(lib.rel_diff(main_only[k], ref[k]) for k in ref)
-    del be, rank
+    del be
     if dist.is_initialized():
         dist.barrier()
