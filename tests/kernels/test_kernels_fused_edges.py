@@ -120,8 +120,8 @@ def test_fused_pacs_weight_modes_and_group_shapes_against_float64(
         weight_mode, reward_method, adv_estimator, norm_adv_by_std):
     """Groups of 3 (mixed labels), 2 (all correct), 1 and 2 (all wrong), labels given as int64.
 
-    Planted bugs: only_negative weighting the positives swaps which responses count (loss off by
-    > 10%); "question" weights with `|` instead of `&` (an all-correct pair weighted 0.5 instead
+    Planted bugs: only_negative weighting the positives swaps which responses count (loss 0.77
+    instead of 0.88 with rloo); "question" weights with `|` instead of `&` (an all-correct pair weighted 0.5 instead
     of 1) or `>= 0` for a class count; singletons treated as groups (`size >= 1`: rloo divides
     0 by 0, NaN) or pairs as singletons (`size > 2`: their psi is the raw reward); grpo always
     divided by std although norm_adv_by_std=False, or `reward + mean`; labels kept int64 (BCE
@@ -174,7 +174,7 @@ def test_fused_pacs_grpo_all_equal_group_uses_std_zero():
 
 def test_fused_pacs_defaults():
     """No keyword: beta 1, method "1", rloo, "question" weights, B = len(scores), dp 1, impl auto.
-    Planted bugs: beta default 2 (loss changes by ~30%); impl default misspelt (ValueError)."""
+    Planted bugs: beta default 2 (loss +52%); impl default misspelt (ValueError)."""
     hidden, weight, labels, old, seq = _problem(seed=6)
     loss, _ = mk.fused_pacs_loss(hidden, weight, labels, old, seq, GROUPS, torch.tensor(SCORES))
     with torch.no_grad():
@@ -202,9 +202,9 @@ def test_fused_ppo_edges_against_float64():
     """entropy_coeff = 1, clip_ratio_c = 1.5, a token with log-ratio -25 (clamped to -20), a 0-d
     tensor loss_scale, float64 old_logprob and advantages, impl left to "auto".
 
-    Planted bugs: the entropy term skipped when entropy_coeff == 1 (`!= 1.0`: loss off by the
-    mean entropy, ~4); dual-clip bounds <= 2 rejected; no lower clamp of the log-ratio (ppo_kl
-    rises by 5/T = 0.17); a 0-d loss_scale treated as a [T] tensor (ValueError); side inputs kept
+    Planted bugs: the entropy term skipped when entropy_coeff == 1 (`!= 1.0`: loss 0.22 instead
+    of -2.40); dual-clip bounds <= 2 rejected; no lower clamp of the log-ratio (ppo_kl rises by
+    5/T = 0.19); a 0-d loss_scale treated as a [T] tensor (ValueError); side inputs kept
     float64 (loss float64); the metric key "pg_loss" renamed; impl default misspelt."""
     hidden, weight, labels, old, seq = _problem(seed=8)
     T = seq.numel()

@@ -145,7 +145,7 @@ def test_grpo_outcome_reward_at_the_last_token(norm):
 
     Planted bugs: vr placed at the first token (scores differ at 5 of 6 rows); the
     verifiable_reward_coef (5 here) applied without a PRM (scores x5); norm_adv_by_std ignored
-    (advantages differ by the group std, ~0.58); returns not the advantages."""
+    (advantages differ by up to 0.49); returns not the advantages."""
     batch = _batch()
     s = AdvantageSettings(norm_adv_by_std_in_grpo=norm, verifiable_reward_coef=5.0)
     metrics = compute_step_advantages(batch, s, kl_coef=0.3)
@@ -167,9 +167,10 @@ def test_rloo_and_the_kl_penalty_in_the_reward():
     """RLOO on rewards that carry k1 KL: S_i = vr_i - coef * sum_t kl_t, A_i = S_i - mean of the
     others. Metrics: the mean over responses of each response's token-mean KL, and the coef.
 
-    Planted bugs: KL not subtracted (advantages off by ~0.3), subtracted with the wrong sign,
-    the coef dropped, the metric renamed or taken as a token mean over the batch (differs by
-    ~10%), `_kl_for_controller` missing (the adaptive controller would never move)."""
+    Planted bugs: KL not subtracted (advantages off by up to 0.54), subtracted with the wrong
+    sign, the coef dropped, the metric renamed or taken as a token mean over the batch (-0.061
+    instead of -0.249), `_kl_for_controller` missing (the adaptive controller would never
+    move)."""
     batch = _batch(kl=True)
     s = AdvantageSettings(estimator="rloo", use_kl_in_reward=True, kl_penalty="kl")
     metrics = compute_step_advantages(batch, s, kl_coef=0.3)
@@ -196,7 +197,7 @@ def test_rloo_and_the_kl_penalty_in_the_reward():
 def test_kl_kind_and_when_the_kl_is_left_out():
     """kl_penalty="low_var_kl" reaches the estimator (k3 = e^-d + d - 1, not d); without
     use_kl_in_reward, or without ref_logprob, rewards are the scores and no KL metric is set.
-    Planted bugs: the kind not passed (k1 instead of k3: rewards differ by ~0.05); the flag
+    Planted bugs: the kind not passed (k1 instead of k3: rewards differ by up to 1.04); the flag
     ignored (rewards penalised although use_kl_in_reward is False)."""
     batch = _batch(kl=True, seed=1)
     s = AdvantageSettings(use_kl_in_reward=True, kl_penalty="low_var_kl")
@@ -217,7 +218,8 @@ def test_kl_kind_and_when_the_kl_is_left_out():
 def test_gae_with_critic_values():
     """GAE (gamma 0.9, lam 0.8) by the textbook recursion over each response's tokens, returns =
     A + V, advantages whitened over all valid tokens (unbiased variance). Planted bugs: gamma and
-    lam swapped (advantages differ by ~5%); the values not passed (ValueError)."""
+    lam swapped (returns differ by up to 0.27, advantages by 7% of their scale); the values not
+    passed (ValueError)."""
     batch = _batch(values=True, seed=2)
     s = AdvantageSettings(estimator="gae", gamma=0.9, lam=0.8)
     compute_step_advantages(batch, s, kl_coef=0.0)
@@ -238,7 +240,7 @@ def test_gae_with_critic_values():
 def test_reinforce_plus_plus_and_remax():
     """REINFORCE++: G_t = r_t + gamma G_{t+1} on the KL-penalised rewards, advantages whitened.
     ReMax: returns-to-go minus the greedy baseline (reward_baselines) on each token.
-    Planted bugs: gamma not passed (1 instead of 0.7: returns differ at all but last tokens);
+    Planted bugs: gamma not passed (1 instead of 0.7: returns differ by up to 0.64);
     rewards without KL given to the estimator; baselines not passed (ValueError) or
     taken from another key."""
     batch = _batch(kl=True, seed=3)
@@ -290,8 +292,9 @@ def _ref_credit(step_rewards, steps, mode):
 def test_prm_scores_credit_assignment_and_outcome_metric(mode):
     """PRM on (grpo estimator): scores = coef * vr at the last token + credit-assigned step
     rewards; `prm_token_rewards` kept; metric critic/outcome_reward/mean = mean over responses
-    of their summed PRM rewards. Planted bugs: credit_assignment not passed (0.1 always: "min"
-    and "sum" differ by ~0.3); coef 2.5 not applied with a PRM (last-token scores off by 1.5);
+    of their summed PRM rewards. Planted bugs: credit_assignment not passed (0.1 always: scores
+    differ by up to 0.17 for "min", 0.89 for "sum"); coef 2.5 not applied with a PRM
+    (last-token scores off by 1.5);
     the metric summed over the batch instead of averaged (x6)."""
     batch = _batch(prm=True, seed=4)
     s = AdvantageSettings(prm_enabled=True, credit_assignment=mode, verifiable_reward_coef=2.5)
@@ -351,7 +354,7 @@ def test_pure_wiring(prm, vr, kl):
     mask (zeros / EOS without a PRM), mode from (prm, vr), credit assignment "min", vr_coef 1.7,
     the raw verifiable rewards, KL = low_var_kl(old, ref) * mask with the step's kl_coef 0.4,
     mask_separator False, normalize True. Planted bugs: kl_coef passed as 0 (KL ignored:
-    advantages differ by ~0.1), k1 instead of the configured kind, the separator flag dropped
+    advantages differ by up to 0.19), k1 instead of the configured kind, the separator flag dropped
     (True: step-end advantages zeroed), mode fixed to "prm_vr" (a PRM-only run gets the
     verifiable term)."""
     batch = _batch(prm=prm, kl=kl, seed=5)

@@ -140,9 +140,9 @@ def test_actor_ppo_loss_gradient_and_metrics(agg_mode, entropy_coeff):
 def test_actor_kl_loss_and_dual_clip_bound():
     """use_kl_loss: loss = pg + coef * agg(k3(logp - ref)), gradient through both; metrics
     kl_loss (normalised) and kl_coef * share. clip_ratio_c = 1.4 reaches the loss.
-    Planted bugs: kl type not passed (k1 instead of low_var_kl: kl_loss differs by ~2x); the
-    KL against old_logprob instead of ref_logprob; kl_coef metric without the share; clip_ratio_c
-    not passed (3: the dual clip never binds here, loss off by ~5%)."""
+    Planted bugs: kl type not passed (k1 instead of low_var_kl: kl_loss 0.153 instead of 0.252);
+    the KL against old_logprob instead of ref_logprob; kl_coef metric without the share;
+    clip_ratio_c not passed (3: loss 0.685 instead of 0.544)."""
     mb = _micro_batch(seed=2)
     out = _outputs(mb, seed=3, spread=0.8)
     s = _settings(use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl",
@@ -170,7 +170,7 @@ def test_actor_on_policy_and_another_loss_mode():
     """on_policy: old = logprob.detach() (no old_logprob needed), ratio 1, loss = agg(-A), ppo_kl
     0. loss_mode "reinforce" reaches policy_loss: loss = agg(-A logp), clip fractions 0.
     Planted bugs: on_policy ignored (KeyError without old_logprob); loss_mode not passed
-    (vanilla instead of reinforce: the loss differs by a factor ~1/|logp|)."""
+    (vanilla instead of reinforce: loss -0.095 instead of 0.297)."""
     mb = _micro_batch(seed=4)
     del mb.tensors["old_logprob"]
     out = _outputs(_micro_batch(seed=4), seed=5)
@@ -293,7 +293,7 @@ def test_actor_rollout_is_weights_take_the_unfused_path(mask_dtype):
     """With rollout_is_weights in the micro-batch each token's policy loss is multiplied by its
     weight, through the unfused path even when hidden states are there (the kernel takes no
     weights); an int64 response_mask works the same. Planted bugs: the weights not passed or
-    read under another key (loss of the unweighted PPO, ~30% off); the fused kernel used despite
+    read under another key (the unweighted loss, 0.266 instead of 0.133); the fused kernel used despite
     the weights (it would run on the placeholder hidden states and fail)."""
     mb = _micro_batch(seed=11)
     mask = _mask()
@@ -336,7 +336,8 @@ def test_one_valid_token_means():
 def test_critic_clipped_value_loss_and_metrics(agg_mode):
     """0.5 * agg(max((v - R)^2, (clip(v, V - c, V + c) - R)^2)) with c = 0.3; metrics vf_loss,
     vf_clipfrac (token mean x share) and vpred_mean (token mean x share). Planted bugs:
-    returns and old values swapped (loss differs by ~50%); cliprange not passed (0.5 default);
+    returns and old values swapped (token-mean loss 0.381 instead of 0.654); cliprange not
+    passed (0.5 default: 0.636);
     the share missing; vpred_mean over padding too (mean x14/20)."""
     mb = _micro_batch(seed=9)
     g = torch.Generator().manual_seed(10)
