@@ -151,6 +151,13 @@ class Backend(Protocol):
         ``skipped`` (0/1). Every micro-batch list has the same length on every DP rank (the
         trainer pads with fully masked micro-batches), so collectives stay matched."""
 
+    def routing_metrics(self, batch: SequenceBatch, rollout_logprob: torch.Tensor | None = None,
+                        temperature: float = 1.0) -> dict[str, float]:
+        """Mixture-of-experts actor, on a check step: ``moe/*`` routing metrics of ``batch``
+        (expert load, router entropy, load-balancing loss) and, with routing replay, what
+        replay changes against ``rollout_logprob`` [B, L]. ``{}`` for a dense model or where
+        the layout cannot measure them. Collective."""
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream (HF name, full tensor) pairs of the current weights, in HF naming and dtype
         of the training params. Collective: every rank of the backend must iterate it."""

@@ -212,6 +212,8 @@ class RLTrainer:
             if check:
                 metrics.update(logprob_diff_metrics(t["rollout_logprob"], old,
                                                     batch.response_mask))
+                # mixture of experts: expert load, router entropy, what routing replay changes
+                metrics.update(p.actor.routing_metrics(seq, t["rollout_logprob"], temperature))
         if lagged:
             self.behaviour_logprobs(batch, metrics)
         if rc.rollout_is is not None:

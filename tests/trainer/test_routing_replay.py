@@ -286,7 +286,8 @@ def load_config_r3(path: str, mode: str = "R3"):
 def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets):
     """GRPO, 2 steps on the embedded task with a Qwen3-MoE policy and R3: the trainer's
     recomputed logprobs equal the engine's on both steps (rollout.check_logprobs) within the
-    dense bound; measured max 3.8e-6 / 6.2e-6."""
+    dense bound; measured max 3.8e-6 / 6.2e-6. Each check step also logs the routing metrics.
+    Planted: the trainer not calling Backend.routing_metrics: the moe/* keys are missing."""
     import json
     import subprocess
     import sys
@@ -306,6 +307,13 @@ def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets)
     for r in rows:
         print("step", r["step"], {k: r[k] for k in (METRIC_MEAN, METRIC_MAX)})
         assert r[METRIC_MAX] <= DENSE_BOUND, r[METRIC_MAX]
+        # the check step's routing metrics (Backend.routing_metrics; values tested in
+        # tests/models/test_moe_metrics.py): expert load, entropy, aux loss, the no-replay gap
+        for key in ("moe/router_entropy", "moe/aux_loss", "moe/load_imbalance",
+                    "moe/layer_0/load_max", "moe/replay_flipped_fraction",
+                    METRIC_MAX + "_no_replay"):
+            assert key in r, (key, sorted(k for k in r if k.startswith("moe/")))
+        assert 0 <= r["moe/replay_flipped_fraction"] <= 1
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_replay_under_fsdp2_matches_one_process

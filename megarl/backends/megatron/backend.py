@@ -389,6 +389,12 @@ class MegatronBackend:
         return metrics
 
     @torch.no_grad()
+    def routing_metrics(self, batch: SequenceBatch, rollout_logprob: torch.Tensor | None = None,
+                        temperature: float = 1.0) -> dict[str, float]:
+        """{}: on megatron an MoE model's load-balancing loss is reported by every update
+        (``moe_aux_loss``); per-expert load and router entropy are not measured here."""
+        return {}
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from export_hf(self.chunks, self.args, self.layout, self.role, self.num_labels)
 

@@ -440,6 +440,20 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ weights / checkpoints
 
+    def routing_metrics(self, batch: SequenceBatch, rollout_logprob: torch.Tensor | None = None,
+                        temperature: float = 1.0) -> dict[str, float]:
+        """`megarl.backends.torch.moe.routing_metrics` of ``batch`` plus, with routing replay
+        and ``rollout_logprob``, `replay_metrics`; {} for a dense model or under pipeline
+        parallelism (a stage sees only its own layers)."""
+        from megarl.backends.torch import moe
+
+        if not self.args.is_moe or self.layout.pp > 1:
+            return {}
+        out = moe.routing_metrics(self, batch)
+        if rollout_logprob is not None:
+            out.update(moe.replay_metrics(self, batch, rollout_logprob, temperature))
+        return out
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) in HF order and the training params' dtype (fp32 masters
         under bf16 mixed precision); tied ``lm_head.weight`` omitted as HF does. Collective."""
