@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node=2 tests/dist/rollout_reshard_worker.py \
         BACKEND LAYOUTS MODELS_JSON OUT_JSON
 
-BACKEND torch | megatron; LAYOUTS a comma list of tp2 | pp2 | one; MODELS_JSON {layout: HF
+BACKEND torch | megatron; LAYOUTS a comma list of tp2 | pp2 | ep2 (megatron, MoE) | one; MODELS_JSON {layout: HF
 folder}. Results are keyed "<layout>.<check>".
 
 Per run: one optimizer step with a large LR (so the weights differ from the folder), then
@@ -65,7 +65,7 @@ def pg_loss(outputs, mb, n_tokens: float):
 
 
 def build(backend: str, layout: str, path: str):
-    kw = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "one": {}}[layout]
+    kw = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}, "one": {}}[layout]
     if backend == "torch":
         from megarl.backends.torch import TorchBackend
 

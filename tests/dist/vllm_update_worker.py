@@ -4,7 +4,8 @@ from the weight stream of a trained backend layout, checked against transformers
     torchrun --standalone --nproc_per_node=2 tests/dist/vllm_update_worker.py \
         BACKEND LAYOUT ENGINE_TP MODEL_DIR OUT_JSON
 
-BACKEND torch | megatron; LAYOUT tp2 | pp2 | fsdp (torch: FSDP2 over both ranks); ENGINE_TP 1
+BACKEND torch | megatron; LAYOUT tp2 | pp2 | ep2 (megatron, a mixture-of-experts model: each
+rank holds half the experts) | fsdp (torch: FSDP2 over both ranks); ENGINE_TP 1
 (one engine per rank) or 2 (one engine over both ranks). As the trainer does, the engine is
 built first, then the backend; one optimizer step with a large LR moves the weights away from
 the folder, and `VLLMEngine.update_weights(backend.export_weights())` loads them (vLLM fuses
@@ -44,12 +45,21 @@ NEW = 8
 
 
 def hf_float64(state: dict[str, torch.Tensor], path: str):
-    import transformers
+    """transformers' model of ``path``'s config holding ``state`` (HF names), in float64. The
+    state goes through a folder and ``from_pretrained``, which maps per-expert checkpoint names
+    onto transformers' fused expert parameters (``load_state_dict`` would skip them)."""
+    import shutil
+    import tempfile
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
-    model.load_state_dict({k: v.double() for k, v in state.items()}, strict=False)
-    model.tie_weights()
+    import transformers
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(Path(path) / "config.json", tmp)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(tmp) / "model.safetensors"))
+        # eager experts: transformers' default grouped_mm MoE kernel has no float64
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float64, experts_implementation="eager").eval()
     return model
 
 

