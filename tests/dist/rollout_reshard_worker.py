@@ -77,19 +77,34 @@ def build(backend: str, layout: str, path: str):
                                                         "weight_decay": 0.0}, **kw)
 
 
+def hf_float64(state: dict[str, torch.Tensor], path: str):
+    """transformers' model of ``path``'s config holding ``state`` (HF names), float64, eval.
+    The state goes through a folder and ``from_pretrained``, which maps per-expert checkpoint
+    names onto transformers' fused expert parameters (``load_state_dict`` would not) and ties
+    an lm_head the stream leaves out; every model parameter must come from ``state``."""
+    import shutil
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(Path(path) / "config.json", tmp)
+        save_file({k: v.contiguous() for k, v in state.items()},
+                  str(Path(tmp) / "model.safetensors"))
+        # eager experts: transformers' default grouped_mm MoE kernel has no float64
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float64, experts_implementation="eager",
+            output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
 def hf_logprobs(
     state: dict[str, torch.Tensor], path: str, batch: SequenceBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob [B, L], logits [B, L, V]) of the response columns, float64, masked."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
-    missing, unexpected = model.load_state_dict({k: v.double() for k, v in state.items()},
-                                                strict=False)
-    assert not unexpected, unexpected
-    assert set(missing) <= {"lm_head.weight"} and (not missing or config.tie_word_embeddings)
-    model.tie_weights()
+    model = hf_float64(state, path)
     p = batch.input_ids.shape[1] - batch.response_length
     pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():

@@ -38,29 +38,10 @@ from megarl.rollout.consistency import (  # noqa: E402
     logprob_diff_metrics,
 )
 from megarl.rollout.protocol import SamplingParams  # noqa: E402
-from rollout_reshard_worker import build, make_batch, pg_loss  # noqa: E402
+from rollout_reshard_worker import build, hf_float64, make_batch, pg_loss  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 14], [1, 30, 31], [1, 77, 78, 79, 80, 81], [1, 40]]
 NEW = 8
-
-
-def hf_float64(state: dict[str, torch.Tensor], path: str):
-    """transformers' model of ``path``'s config holding ``state`` (HF names), in float64. The
-    state goes through a folder and ``from_pretrained``, which maps per-expert checkpoint names
-    onto transformers' fused expert parameters (``load_state_dict`` would skip them)."""
-    import shutil
-    import tempfile
-
-    import transformers
-    from safetensors.torch import save_file
-
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(Path(path) / "config.json", tmp)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(tmp) / "model.safetensors"))
-        # eager experts: transformers' default grouped_mm MoE kernel has no float64
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp, dtype=torch.float64, experts_implementation="eager").eval()
-    return model
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
-"""The bucketed weight stream of both training backends at TP=2 and PP=2 on gloo (and the
-torch backend in a world of one), checked by tests/dist/rollout_reshard_worker.py after one
+"""The bucketed weight stream of both training backends at TP=2 and PP=2 on gloo (megatron
+also at expert parallel 2 with a Qwen3-MoE, each rank holding half the experts; the torch
+backend also in a world of one), checked by tests/dist/rollout_reshard_worker.py after one
 optimizer step:
 
 - loaded into transformers (float64), the stream reproduces the trainer's logprobs (< 1e-5);
@@ -10,7 +11,7 @@ optimizer step:
   export holds by itself (torch: one tensor; megatron: one layer), for two bucket sizes, and
   grow with the bucket size.
 
-The four launches run concurrently (each is mostly start-up and gloo waits).
+The five launches run concurrently (each is mostly start-up and gloo waits).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def results(tmp_path_factory):
         "qwen2": make_tiny_hf_model(d / "qwen2", "qwen2", tokenizer=False),
         "tied": make_tiny_hf_model(d / "tied", "llama", tie_word_embeddings=True,
                                    tokenizer=False),
+        "qwen3_moe": make_tiny_hf_model(d / "qwen3_moe", "qwen3_moe", tokenizer=False),
     }
     launches = {
         "torch": (2, "tp2,pp2", {"tp2": models["qwen3"], "pp2": models["llama3"]}),
@@ -60,6 +62,7 @@ def results(tmp_path_factory):
     if _megatron_ok():
         launches["megatron_tp2"] = (2, "tp2", {"tp2": models["qwen2"]})
         launches["megatron_pp2"] = (2, "pp2", {"pp2": models["tied"]})
+        launches["megatron_ep2"] = (2, "ep2", {"ep2": models["qwen3_moe"]})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     procs = {}
@@ -85,7 +88,7 @@ def results(tmp_path_factory):
 
 
 CASES = [("torch", "tp2"), ("torch", "pp2"), ("torch_one", "one"), ("megatron_tp2", "tp2"),
-         ("megatron_pp2", "pp2")]
+         ("megatron_pp2", "pp2"), ("megatron_ep2", "ep2")]
 
 
 @pytest.mark.parametrize("launch,layout", CASES)
