@@ -48,7 +48,7 @@ demo: install
 lint: install
 	$(PY) -m ruff check megarl megarl_kernels launch conversion tests bench
 
-# Mutation testing of the RL math (docs/mutation.md; not in `make test` or CI, ~15 min on 2 cores).
+# Mutation testing of the RL math (docs/mutation.md; not in `make test` or CI; ~15-25 min on 2 cores).
 # MUTANTS='megarl.algos*' limits it to one module; config in pyproject.toml [tool.mutmut].
 MUTANTS ?=
 mutation: install

@@ -91,7 +91,6 @@ _OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer sta
 _LORA = "LoRA is not implemented: megarl trains all parameters; drop the LoRA keys"
 _MULTI_TURN = "multi-turn / tool rollouts are not implemented; rollouts are single-turn"
 _ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
-_MOE = "mixture-of-experts models are not supported yet"
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
 _ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
 _ULYSSES_CRITIC = "critic.parallel.ulysses_sequence_parallel_size"
@@ -331,7 +330,9 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{_ROLLOUT}.dtype", "inert", "the engine runs in actor_rollout_ref.model.dtype"),
     Rule(f"{_ROLLOUT}.enable_rollout_routing_replay", "inert", "the torch engine records "
          f"routing whenever {_ACTOR}.router_replay.mode=R3"),
-    Rule(f"{_ROLLOUT}.moe_load_balance_metrics_interval", "inert", _MOE),
+    Rule(f"{_ROLLOUT}.moe_load_balance_metrics_interval", "inert",
+         "an MoE actor's expert load, router entropy and load-balancing loss are logged on "
+         "every check step (moe/*: the first step and with rollout.check_logprobs)"),
     Rule(f"{_ROLLOUT}.engine_kwargs.*", "rejected", "extra engine arguments are not passed "
          "through yet"),
     Rule(f"{_ROLLOUT}.ignore_eos", "rejected", "responses end at EOS"),
