@@ -8,7 +8,7 @@ far less noisy than the sampled training reward; the SFT start is 23-24%. Trials
 vLLM rollouts: see the closing measurement in docs/demo.md); the bar here is 5 points, also with
 asynchronous rollout (staleness 1: each batch sampled by the weights one update old) and for a
 mixture-of-experts policy (embedded://policy_moe: the SFT policy upcycled to a Qwen2-MoE with 4
-experts, top-2 and a shared expert; start 23.2%). The sampled training reward must rise too (mean of
+experts, top-2 and a shared expert; start 23.2%, measured 36.8% at step 20, 3.5 min alone). The sampled training reward must rise too (mean of
 the first 10 steps vs the last 10).
 """
 
