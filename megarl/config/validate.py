@@ -415,6 +415,38 @@ def _check_ulysses(cfg: Config, prefix: str, par: ParallelConfig, c: _Checker) -
     return True
 
 
+def _check_expert_layout(cfg: Config, prefix: str, tp: int, pp: int, world: int,
+                         c: _Checker) -> None:
+    """megatron's expert layout (actor, critic): expert-TP x EP x PP must divide the world, as
+    megatron-core's parallel state requires. What needs the model (EP dividing the experts,
+    TP with sequence parallelism on MoE) is checked when the backend is built."""
+    if prefix == "actor_rollout_ref.actor":
+        section, strategy = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.actor.strategy
+    elif prefix == "critic":
+        section = cfg.critic
+        strategy = cfg.critic.strategy or cfg.actor_rollout_ref.actor.strategy
+    else:
+        return
+    if strategy != "megatron":
+        return
+    m = f"{prefix}.megatron"
+    ep = section.megatron.expert_model_parallel_size
+    etp = section.megatron.expert_tensor_parallel_size
+    if ep < 1 or (etp is not None and etp < 1):
+        c.positive(f"{m}.expert_model_parallel_size", ep)
+        if etp is not None:
+            c.positive(f"{m}.expert_tensor_parallel_size", etp)
+        return
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp):
+        c.fail((f"{m}.expert_model_parallel_size", f"{m}.expert_tensor_parallel_size",
+                f"{prefix}.parallel.pipeline_model_parallel_size", "launch.nnodes",
+                "launch.nproc_per_node"),
+               f"expert TP {etp} x EP {ep} x PP {pp} does not divide the {world} ranks "
+               "(launch.nnodes x launch.nproc_per_node); megatron lays the experts out over "
+               "expert-TP x EP x PP ranks (expert-TP defaults to tensor_model_parallel_size)")
+
+
 def _check_layout(cfg: Config, c: _Checker) -> None:
     launch = cfg.launch
     c.positive("launch.nnodes", launch.nnodes)
@@ -458,6 +490,7 @@ def _check_layout(cfg: Config, c: _Checker) -> None:
                    f"the {world} ranks (launch.nnodes x launch.nproc_per_node)")
             continue
         dp = world // (tp * pp * sp)
+        _check_expert_layout(cfg, prefix, tp, pp, world, c)
         vpp = par.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or pp < 2):
             c.fail((f"{p}.virtual_pipeline_model_parallel_size", f"{p}.pipeline_model_parallel_size"),

@@ -269,6 +269,29 @@ def test_layout_must_divide(minimal):
     assert msg.startswith("actor_rollout_ref.actor.parallel.tensor_model_parallel_size: TP 3 x PP 1 does not divide the 4 ranks")
 
 
+def test_expert_layout_must_divide_the_world(minimal):
+    """megatron's expert-TP x EP x PP must divide the ranks (megatron-core asserts it deep in
+    its parallel state otherwise). Planted: no check: the config loads."""
+    mega = "actor_rollout_ref.actor.megatron"
+    msg = one_error(minimal, ["actor_rollout_ref.actor.strategy=megatron", "launch.nproc_per_node=2",
+                              f"{mega}.expert_model_parallel_size=4"])
+    assert msg.startswith(f"{mega}.expert_model_parallel_size: expert TP 1 x EP 4 x PP 1 does not "
+                          "divide the 2 ranks")
+    msg = one_error(minimal, ["actor_rollout_ref.actor.strategy=megatron", "launch.nproc_per_node=4",
+                              "actor_rollout_ref.actor.parallel.tensor_model_parallel_size=2",
+                              f"{mega}.expert_model_parallel_size=4"])  # expert-TP = TP = 2
+    assert "expert TP 2 x EP 4 x PP 1 does not divide the 4 ranks" in msg
+    msg = one_error(minimal, ["actor_rollout_ref.actor.strategy=megatron",
+                              f"{mega}.expert_model_parallel_size=0"])
+    assert msg.startswith(f"{mega}.expert_model_parallel_size: must be > 0")
+    load_config(minimal, ["actor_rollout_ref.actor.strategy=megatron", "launch.nproc_per_node=4",
+                          "actor_rollout_ref.actor.parallel.tensor_model_parallel_size=2",
+                          f"{mega}.expert_model_parallel_size=2",
+                          f"{mega}.expert_tensor_parallel_size=1"])
+    # the torch backend has no expert layout of its own: the key is megatron's only
+    load_config(minimal, ["launch.nproc_per_node=2", f"{mega}.expert_model_parallel_size=4"])
+
+
 def test_trainer_and_launch_sizes_must_agree(minimal):
     """trainer.n_gpus_per_node is verl's spelling of launch.nproc_per_node: both in one layer
     must agree (across layers the later one wins, tests/config/test_loading.py)."""
