@@ -16,7 +16,7 @@ import torch
 
 from megarl.data.rows import write_rows
 from megarl.demo import arith
-from megarl.demo.assets import BuildConfig
+from megarl.demo.assets import BuildConfig, _read_meta
 
 Log = Callable[[str], None]
 
@@ -153,7 +153,7 @@ def build_policy_moe(staging: Path, base: Path, config: BuildConfig, log: Log) -
     tok = _load_tokenizer(base)
     val = _arith_problems(base / "arith" / "val.parquet")
     val_acc = arith_accuracy(model, tok, val)
-    dense_acc = (_read_json(base / "policy" / "metadata.json") or {}).get("val_accuracy")
+    dense_acc = (_read_meta(base / "policy") or {}).get("val_accuracy")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  policy_moe: qwen2_moe, {n_params / 1e6:.2f}M params, {config.moe_experts} experts "
         f"top-{config.moe_top_k}; greedy held-out accuracy {val_acc:.3f} (dense {dense_acc})")
@@ -162,15 +162,6 @@ def build_policy_moe(staging: Path, base: Path, config: BuildConfig, log: Log) -
             "noise": config.moe_noise, "val_accuracy": round(val_acc, 4),
             "dense_val_accuracy": dense_acc,
             "init": "sparse upcycling of policy/ (megarl.models.upcycle)"}
-
-
-def _read_json(path: Path) -> dict | None:
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def build_critic(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:

@@ -187,3 +187,26 @@ def make_tiny_tokenizer(vocab_size: int = 128):
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def hf_grads_by_checkpoint_name(model) -> dict:
+    """transformers' gradients under checkpoint (per-expert) names: its fused
+    ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` split by hand;
+    parameters without a gradient count as zeros."""
+    import torch
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, inner = name.removesuffix("gate_up_proj"), g.shape[1] // 2
+            for j in range(g.shape[0]):
+                out[f"{base}{j}.gate_proj.weight"] = g[j, :inner]
+                out[f"{base}{j}.up_proj.weight"] = g[j, inner:]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for j in range(g.shape[0]):
+                out[f"{base}{j}.down_proj.weight"] = g[j]
+        else:
+            out[name] = g
+    return out

@@ -9,6 +9,8 @@ from pathlib import Path
 import mcore_testlib as lib
 import torch
 
+from megarl.models.testing import hf_grads_by_checkpoint_name
+
 # name: (family, overrides). 4 experts, top-2, head_dim 32 (megarl.models.testing); the mixed
 # model has a dense first layer (mlp_only_layers) and 8 experts (4 per rank at EP=2).
 MOE_ZOO = {
@@ -43,24 +45,8 @@ def hf_moe_model(path: Path, dtype=torch.float64):
 
 
 def hf_grads(model) -> dict[str, torch.Tensor]:
-    """transformers' gradients under checkpoint (per-expert) names: its fused
-    ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` split by hand;
-    parameters without a gradient count as zeros."""
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base, inner = name.removesuffix("gate_up_proj"), g.shape[1] // 2
-            for j in range(g.shape[0]):
-                out[f"{base}{j}.gate_proj.weight"] = g[j, :inner]
-                out[f"{base}{j}.up_proj.weight"] = g[j, inner:]
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for j in range(g.shape[0]):
-                out[f"{base}{j}.down_proj.weight"] = g[j]
-        else:
-            out[name] = g
-    return out
+    """transformers' gradients under checkpoint (per-expert) names."""
+    return hf_grads_by_checkpoint_name(model)
 
 
 def dp_share(batch, be):

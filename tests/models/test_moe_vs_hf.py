@@ -24,6 +24,7 @@ from megarl.models.args import ModelArgs
 from megarl.models.moe import MoEBlock, capture_router_logits
 from megarl.models.moe_metrics import load_balancing_loss
 from megarl.models.state_dict_adapter import hf_sort_key
+from megarl.models.testing import hf_grads_by_checkpoint_name
 
 ATOL = 1e-5
 
@@ -59,23 +60,8 @@ def load_pair(folder):
 
 
 def hf_grads(ref) -> dict[str, torch.Tensor]:
-    """transformers' gradients under checkpoint (per-expert) names: its fused
-    experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I] split by hand."""
-    out = {}
-    for name, p in ref.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base, inner = name.removesuffix("gate_up_proj"), g.shape[1] // 2
-            for j in range(g.shape[0]):
-                out[f"{base}{j}.gate_proj.weight"] = g[j, :inner]
-                out[f"{base}{j}.up_proj.weight"] = g[j, inner:]
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for j in range(g.shape[0]):
-                out[f"{base}{j}.down_proj.weight"] = g[j]
-        else:
-            out[name] = g
-    return out
+    """transformers' gradients under checkpoint (per-expert) names."""
+    return hf_grads_by_checkpoint_name(ref)
 
 
 @pytest.mark.parametrize(("family", "overrides"), CASES, ids=IDS)
