@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 _BLOCK = 32 * 1024
@@ -22,6 +23,8 @@ def _records(path: Path) -> list[bytes]:
             pos += _BLOCK - pos % _BLOCK
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == _FULL:
             out.append(chunk)
@@ -34,16 +37,29 @@ def _records(path: Path) -> list[bytes]:
     return out
 
 
-def read_offline_run(wandb_dir: Path) -> dict:
+def read_offline_run(wandb_dir: Path, timeout_s: float = 60.0) -> dict:
     """{"project", "name", "config": {key: value}, "history": {step: {metric: value}}} of the
-    one offline run under ``wandb_dir`` (its ``wandb/offline-run-*`` folder)."""
+    one offline run under ``wandb_dir`` (its ``wandb/offline-run-*`` folder).
+
+    wandb's service process writes the file; ``run.finish()`` can return before its buffer
+    reaches the disk on a loaded machine, so the read waits (up to ``timeout_s``) for the
+    run's closing ``exit`` record."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = []
+        for raw in _records(path):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            records.append(rec)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout_s} s"
+        time.sleep(0.2)
     run: dict = {"config": {}, "history": {}}
-    for raw in _records(path):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             run["project"], run["name"] = rec.run.project, rec.run.display_name

@@ -65,6 +65,17 @@ def sequence_logprobs(model, prompt: list[int], tokens: list[int], temperature: 
     return lp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+def tp_shm_name() -> str | None:
+    """The shared-memory segment name of the engine's TP communicator (None: not on shm)."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from vllm.distributed.parallel_state import get_tp_group
+
+    comm = get_tp_group().device_communicator
+    if not isinstance(comm.dist_module, _CPUSHMDistributed):
+        return None
+    return _CPUSHMDistributed.make_group_name(comm)
+
+
 def main() -> None:
     backend_name, layout, engine_tp, model_dir, out = sys.argv[1:6]
     torch.set_num_threads(1)
@@ -75,6 +86,7 @@ def main() -> None:
                         distributed_executor_backend="external_launcher", max_num_seqs=8,
                         max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
                         enforce_eager=True, seed=0)
+    shm_name = tp_shm_name()
     be = build(backend_name, {"fsdp": "one"}.get(layout, layout), model_dir)  # one: FSDP2
     batch = make_batch()
     n = float(batch.response_mask.sum())
@@ -99,7 +111,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         ref = hf_float64(state, model_dir)
         res = {"greedy_equal": True, "min_gap": float("inf"), "greedy_lp_err": 0.0,
-               "sampled_lp_err": 0.0, "trainer_lp_err": trainer_err, "tokens": every_rank}
+               "sampled_lp_err": 0.0, "trainer_lp_err": trainer_err, "tokens": every_rank,
+               "shm_name": shm_name}
         for prompt, c in zip(PROMPTS, greedy):
             toks, lps, gap = greedy_reference(ref, prompt)
             res["greedy_equal"] &= c.token_ids == toks

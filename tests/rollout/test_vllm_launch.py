@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megarl.rollout.memory import kv_bytes_for, kv_bytes_per_token
-from megarl.rollout.vllm.launch import executor_backend, memory_kwargs
+from megarl.rollout.vllm.launch import cpu_shm_ident, executor_backend, memory_kwargs
 
 CFG = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
        "num_hidden_layers": 3}
@@ -21,6 +21,14 @@ def test_executor_world_of_one_and_torchrun():
     assert executor_backend(2, {"RANK": "0", "LOCAL_RANK": "0"}) == "external_launcher"
     with pytest.raises(ValueError, match="torchrun --nproc_per_node 2"):
         executor_backend(2, {})
+
+
+def test_cpu_shm_named_after_the_job():
+    a = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    b = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501"}
+    assert cpu_shm_ident("external_launcher", a) != cpu_shm_ident("external_launcher", b)
+    assert cpu_shm_ident("external_launcher", a) == cpu_shm_ident("external_launcher", dict(a))
+    assert cpu_shm_ident("uni", a) is None  # vLLM's own: a free tcp port of its own
 
 
 def test_kv_bytes():

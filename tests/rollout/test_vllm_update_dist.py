@@ -79,3 +79,6 @@ def test_vllm_update_from_layout(tmp_path, models, backend, layout, engine_tp, m
     rank0, rank1 = res["tokens"]
     if engine_tp == 2:
         assert rank0 == rank1  # one engine: both shards produced the same tokens
+        # its shared memory is named after this torchrun job, not vLLM's "//" for every
+        # external_launcher engine (two jobs on one host collided: errno 17)
+        assert res["shm_name"].startswith("megarl-"), res["shm_name"]

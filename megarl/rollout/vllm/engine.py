@@ -24,6 +24,7 @@ the sampled token only; ``flat_logprobs`` must stay off).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -313,12 +314,37 @@ def import_vllm() -> Any:
 def _build_llm(vllm: Any, model: str, tokenizer: str, kwargs: dict[str, Any]) -> Any:
     """``vllm.LLM`` in this process. vLLM's CPU worker replaces ``torch.set_num_threads`` with a
     no-op for the whole process (its threads are pinned in a worker process of its own in
-    vLLM's serving mode); here the trainer shares the process, so it is put back."""
+    vLLM's serving mode); here the trainer shares the process, so it is put back. On CPU its
+    communicators' shared memory is named after this job (`launch.cpu_shm_ident`)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     set_num_threads = torch.set_num_threads
     threads = torch.get_num_threads()
+    ident = launch.cpu_shm_ident(kwargs.get("distributed_executor_backend", ""))
     try:
-        return vllm.LLM(model=model, tokenizer=tokenizer, **kwargs)
+        with _cpu_shm_named(ident if launch.vllm_platform().is_cpu() else None):
+            return vllm.LLM(model=model, tokenizer=tokenizer, **kwargs)
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _cpu_shm_named(ident: str | None) -> Iterator[None]:
+    """While the engine starts, vLLM's CPU worker sets ``VLLM_DIST_IDENT`` just before it
+    initialises its process groups; the ident is put in between (None: vLLM's own)."""
+    if ident is None:
+        yield
+        return
+    from vllm.v1.worker import cpu_worker
+
+    original = cpu_worker.init_worker_distributed_environment
+
+    def init_with_ident(*args: Any, **kwargs: Any) -> Any:
+        os.environ["VLLM_DIST_IDENT"] = ident
+        return original(*args, **kwargs)
+
+    cpu_worker.init_worker_distributed_environment = init_with_ident
+    try:
+        yield
+    finally:
+        cpu_worker.init_worker_distributed_environment = original

@@ -48,6 +48,20 @@ def executor_backend(tp_size: int, env: Mapping[str, str] = os.environ) -> str:
     return "uni"
 
 
+def cpu_shm_ident(backend: str, env: Mapping[str, str] = os.environ) -> str | None:
+    """The name vLLM's CPU build should give the shared memory of its TP / PP communicators
+    (``VLLM_DIST_IDENT``), or None to keep vLLM's own.
+
+    vLLM 0.32 derives it from the port of the distributed init method. Under
+    ``external_launcher`` that method is ``env://``, so every engine on a host gets the same
+    name and a second job's engine dies creating its segment ("create shm in SHMManager
+    failed. errno: 17"). The torchrun job's rendezvous port is shared by its ranks and unique
+    among the jobs on a host, so the name is taken from it."""
+    if backend != "external_launcher":
+        return None
+    return f"megarl-{env.get('MASTER_ADDR', 'local')}-{env.get('MASTER_PORT', '0')}"
+
+
 def memory_kwargs(
     utilization: float,
     device: torch.device,
