@@ -12,12 +12,10 @@ attending across each other) moves expert loads by 10 / 11 tokens (``metrics_err
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun import run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -36,13 +34,8 @@ def results(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("moe_backend")
     models = {fam: str(make_tiny_hf_model(d / fam, fam, tokenizer=False)) for fam in MODELS}
     out = d / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), "--models", json.dumps(models), "--work", str(d), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0 or not out.is_file():
-        pytest.fail(f"worker failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    run_torchrun(WORKER, 2, ["--models", json.dumps(models), "--work", str(d), "--out", str(out)],
+                 timeout=400, env={"TRITON_INTERPRET": None})
     return json.loads(out.read_text())
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -144,21 +142,12 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout: int = 240) -
     """Run ``tests/dist/<script>`` under ``torchrun --standalone`` (NCCL with one GPU per rank,
     else gloo on CPU; one thread per process); return its output, raise AssertionError with it
     when it fails."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    import torchrun  # tests/ is on the path of pytest, not of the workers that import this
+
+    env: dict[str, str | None] = {}
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         env["CUDA_VISIBLE_DEVICES"] = ""  # not one GPU per rank: run the workers on gloo / CPU
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(DIST_DIR / script), *args,
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} exited {proc.returncode}:\n{out[-6000:]}")
-    return out
+    return torchrun.run_torchrun(DIST_DIR / script, nproc, args, timeout, env)
 
 
 def read_results(path: Path) -> dict:
