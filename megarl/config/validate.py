@@ -427,11 +427,17 @@ def _check_expert_layout(cfg: Config, prefix: str, tp: int, pp: int, world: int,
         strategy = cfg.critic.strategy or cfg.actor_rollout_ref.actor.strategy
     else:
         return
-    if strategy != "megatron":
-        return
     m = f"{prefix}.megatron"
     ep = section.megatron.expert_model_parallel_size
     etp = section.megatron.expert_tensor_parallel_size
+    if strategy != "megatron":
+        if ep != 1 or etp not in (None, 1):
+            c.fail((f"{m}.expert_model_parallel_size", f"{m}.expert_tensor_parallel_size",
+                    f"{prefix}.strategy"),
+                   f"expert parallelism (EP {ep}, expert TP {etp}) is the megatron backend's; "
+                   f"strategy={strategy} shards experts with FSDP2 like any other parameter. "
+                   "Set strategy=megatron, or leave these at 1 / null")
+        return
     if ep < 1 or (etp is not None and etp < 1):
         c.positive(f"{m}.expert_model_parallel_size", ep)
         if etp is not None:

@@ -288,8 +288,11 @@ def test_expert_layout_must_divide_the_world(minimal):
                           "actor_rollout_ref.actor.parallel.tensor_model_parallel_size=2",
                           f"{mega}.expert_model_parallel_size=2",
                           f"{mega}.expert_tensor_parallel_size=1"])
-    # the torch backend has no expert layout of its own: the key is megatron's only
-    load_config(minimal, ["launch.nproc_per_node=2", f"{mega}.expert_model_parallel_size=4"])
+    # the torch backend has no expert layout: asking it for one is refused, not ignored
+    msg = one_error(minimal, ["launch.nproc_per_node=2", f"{mega}.expert_model_parallel_size=2"])
+    assert msg.startswith(f"{mega}.expert_model_parallel_size: expert parallelism (EP 2, expert "
+                          "TP None) is the megatron backend's; strategy=torch shards experts")
+    load_config(minimal, ["launch.nproc_per_node=2", f"{mega}.expert_tensor_parallel_size=1"])
 
 
 def test_trainer_and_launch_sizes_must_agree(minimal):
