@@ -145,17 +145,13 @@ def check(cfg: Config, bad_keys: set[str]) -> list[str]:
 
 
 def _check_router_replay(cfg: Config, c: _Checker) -> None:
-    """R3 routing replay: the torch backend replays, the torch engine records (the policy being
-    a mixture of experts is checked when the model is built)."""
+    """R3 routing replay: the torch and megatron backends replay, the torch engine records (the
+    policy being a mixture of experts, and the torch backend's layout, are checked when the
+    model is built)."""
     arr = cfg.actor_rollout_ref
     key = "actor_rollout_ref.actor.router_replay.mode"
     if arr.actor.router_replay.mode == "disabled":
         return
-    if arr.actor.strategy != "torch":
-        c.fail((key, "actor_rollout_ref.actor.strategy"),
-               f"{arr.actor.router_replay.mode} needs actor_rollout_ref.actor.strategy=torch "
-               "(the megatron backend does not replay routing); use strategy=torch or "
-               f"{key}=disabled")
     if arr.rollout.name != "torch":
         c.fail((key, "actor_rollout_ref.rollout.name"),
                f"{arr.actor.router_replay.mode} needs actor_rollout_ref.rollout.name=torch: only "

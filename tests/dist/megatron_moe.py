@@ -8,7 +8,9 @@
 - ``pp2_vpp2``: interleaved pipeline 2 stages x 2 chunks, 4 layers (one dense), EP 1;
 - ``ep2_pp2`` (only when named, 4 ranks): EP=2 x PP=2.
 
-At each layout also the load-balancing loss (`moe_testlib.aux_checks`). Then at EP=2: one AdamW
+At each layout also the load-balancing loss (`moe_testlib.aux_checks`) and routing replay
+(`moe_testlib.replay_checks`: random recorded experts, sequence slices under SP, layers over
+stages and chunks). Then at EP=2: one AdamW
 step with the distributed optimizer, a checkpoint, and the weights after the next step (the
 uninterrupted run) for the EP=2 -> EP=1 resharding check of the test (2 ranks only).
 
@@ -59,6 +61,8 @@ def main():
             ml.moe_checks(res, ml.moe_model(root, name), f"{layout}.{name}", **LAYOUTS[layout])
         first = MODELS[layout][0]
         ml.aux_checks(res, ml.moe_model(root, first), f"{layout}.{first}.aux", **LAYOUTS[layout])
+        ml.replay_checks(res, ml.moe_model(root, first), f"{layout}.{first}.replay",
+                         **LAYOUTS[layout])
         reset_parallel_state()
 
     if dist.get_world_size() != 2:

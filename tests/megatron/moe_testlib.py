@@ -182,3 +182,87 @@ def aux_checks(res: dict, path: Path, key: str, **layout) -> None:
     del be
     if dist.is_initialized():
         dist.barrier()
+
+
+def random_routing(batch, path: Path, seed: int = 3, unrecorded: float = 0.2) -> torch.Tensor:
+    """[B, P+L, n_sparse, k] distinct random experts per (token, sparse layer), -1 rows (routed
+    by the router) with probability ``unrecorded``: far from what the routers would choose."""
+    from megarl.models.args import ModelArgs
+    from megarl.models.hf_io import read_hf_config
+    from megarl.models.moe import sparse_layers
+
+    args = ModelArgs.from_hf_config(read_hf_config(path))
+    g = torch.Generator().manual_seed(seed)
+    B, T = batch.input_ids.shape
+    n, k, E = len(sparse_layers(args)), args.num_experts_per_tok, args.num_experts
+    routing = torch.rand(B, T, n, E, generator=g).argsort(-1)[..., :k]
+    routing[torch.rand(B, T, n, generator=g) < unrecorded] = -1
+    return routing
+
+
+def replayed_reference(path: Path, batch, routing: torch.Tensor, temperature: float = 1.0):
+    """(logprobs [B, L], loss -sum(logprob)/tokens, grads by HF name) of megarl's plain model in
+    float64 routed by ``routing`` (`megarl.models.moe.replay_experts`, itself checked against a
+    float64 loop over tokens in tests/models/test_moe_replay.py)."""
+    from megarl.models import load_model
+    from megarl.models.moe import replay_experts
+
+    model = load_model(path, dtype=torch.float64)
+    L = batch.response_length
+    P = batch.input_ids.shape[1] - L
+    with replay_experts(model, routing):
+        logits = model(batch.input_ids, attention_mask=batch.attention_mask)
+    logp = torch.log_softmax(logits[:, P - 1:-1].double() / temperature, -1)
+    lp = logp.gather(-1, batch.input_ids[:, P:, None])[..., 0] * batch.attention_mask[:, P:]
+    loss = -lp.sum() / float(batch.response_mask.sum())
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
+             if p.grad is not None}
+    return lp.detach(), loss.detach(), grads
+
+
+def replay_checks(res: dict, path: Path, key: str, recompute=None, **layout) -> None:
+    """An actor with routing replay at ``layout`` on a batch whose ``routed_experts`` are
+    random (`random_routing`), against `replayed_reference`: logprobs, loss and gradients
+    (router and experts included) under ``key.replay_*``; the same forward without the
+    routing, against transformers (the routers route: ``key.replay_off_logprob``); and the
+    replay metrics (``key.replay_flipped``, ``key.replay_gap``: the logprob gap without replay,
+    taking the reference's replayed logprobs as the engine's)."""
+    from megarl.backends.megatron import MegatronBackend
+    from megarl.backends.protocol import SequenceBatch
+
+    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+                         use_distributed_optimizer=False, router_replay=True,
+                         recompute=recompute, **layout)
+    batch = lib.make_batch(B=4, seed=1)
+    plain = SequenceBatch(batch.input_ids, batch.attention_mask, batch.response_length)
+    batch.tensors["routed_experts"] = random_routing(batch, path)
+    ref_lp, ref_loss, ref_grads = replayed_reference(path, batch, batch.tensors["routed_experts"],
+                                                     TEMPERATURE)
+    lp, _ = be.logprobs(batch, temperature=TEMPERATURE)
+    res[f"{key}.replay_logprob"] = lib.max_diff(lp, ref_lp)
+    hf_lp, _, _ = lib.hf_logprobs(hf_moe_model(path), plain, temperature=TEMPERATURE)
+    res[f"{key}.replay_off_logprob"] = lib.max_diff(be.logprobs(plain, temperature=TEMPERATURE)[0],
+                                                    hf_lp.detach())
+    metrics = be.routing_metrics(batch, ref_lp.float(), TEMPERATURE)
+    res[f"{key}.replay_flipped"] = metrics["moe/replay_flipped_fraction"]
+    res[f"{key}.replay_gap"] = metrics["rollout/logprob_abs_diff_max_no_replay"]
+    mbs, n = dp_share(batch, be)
+    dp = be.dp_size
+    out = be.train_step(mbs, lambda o, mb: lib.pg_loss(o, mb, n / dp), temperature=TEMPERATURE)
+    grads = {k: v.cpu() for k, v in be.export_grads()}
+    res[f"{key}.replay_loss"] = abs(out["loss"] - float(ref_loss))
+    res[f"{key}.replay_grads"] = max(lib.rel_diff(grads[k], ref_grads[k]) for k in ref_grads)
+    del be
+
+
+def replay_failures(res: dict, key: str) -> list[str]:
+    """What `replay_checks` recorded under ``key`` that is out of bounds."""
+    out = [f"{key}.{m} = {res[f'{key}.{m}']} (tolerance {TOL})"
+           for m in ("replay_logprob", "replay_loss", "replay_grads", "replay_off_logprob")
+           if not res[f"{key}.{m}"] < TOL]
+    if not res[f"{key}.replay_flipped"] > 0.5:  # random routing: most recorded rows differ
+        out.append(f"{key}.replay_flipped = {res[f'{key}.replay_flipped']} (expected > 0.5)")
+    if not res[f"{key}.replay_gap"] > 0.1:  # without replay the logprobs move
+        out.append(f"{key}.replay_gap = {res[f'{key}.replay_gap']} (expected > 0.1)")
+    return out

@@ -2,7 +2,8 @@
 the torch engine records each token's experts (`Completion.routed_experts`), the step's
 `RolloutBatch` carries them (``tensors["routed_experts"]`` [B, P + L, n_sparse, k], -1 on
 padding), and a `TorchBackend` with ``router_replay`` routes its forwards (``logprobs`` and
-the update's) with them. The config key turns both on (`backend_kwargs`, the engine's
+the update's) with them; so does a `MegatronBackend` (its layouts with random routing in
+tests/megatron/test_mcore_replay.py). The config key turns both on (`backend_kwargs`, the engine's
 ``from_config``), and a 2-step GRPO run with it keeps the trainer's logprobs on the engine's.
 
 Reference for the mismatch: the engine's own logprobs of the tokens it sampled, compared with
@@ -213,15 +214,8 @@ def test_replay_under_fsdp2_matches_one_process(runs, tmp_path):
     import sys
     from pathlib import Path
 
-    from megarl.models import load_model, save_model
-
     path, batch, _, _ = runs["qwen3_moe"]
-    moved = load_model(path)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for block in moe_blocks(moved).values():
-            block.gate.weight.add_(0.001 * torch.randn(block.gate.weight.shape, generator=g))
-    folder = str(save_model(moved, tmp_path / "moved", source_dir=path))
+    folder = moved_routers_folder(path, tmp_path / "moved")
     seq = batch.sequence_batch()
     torch.save({"seq": seq, "path": folder}, tmp_path / "in.pt")
     want = _replayed_results(folder, seq)
@@ -238,6 +232,47 @@ def test_replay_under_fsdp2_matches_one_process(runs, tmp_path):
     assert float(want["logprob"].abs().max()) > 0.1
 
 
+def moved_routers_folder(path, folder) -> str:
+    """An HF folder of ``path``'s model with every router weight moved by noise of std 0.001
+    (the same noise as `perturb_routers`)."""
+    from megarl.models import load_model, save_model
+
+    moved = load_model(path)
+    perturb_routers(SimpleNamespace(model=moved))
+    return str(save_model(moved, folder, source_dir=path))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_replays_the_engines_routing(runs, family, tmp_path):
+    """The megatron backend with ``router_replay`` on the engine's recorded routing: with the
+    engine's weights its logprobs equal the engine's within the dense bound; with moved routers
+    they equal the torch backend's replayed logprobs (1e-5), and its replay metrics equal the
+    torch backend's (the same flipped fraction, the no-replay gap within 1e-5). Layouts (TP+SP,
+    EP, PP, VPP, recompute) are covered with random routing in tests/megatron. Planted (by
+    hand): megatron's routers not armed for the forward: replayed gap 5.8 / 0.52, fails."""
+    from megarl.backends.megatron import MegatronBackend
+
+    path, batch, _, _ = runs[family]
+    seq, engine_lp = batch.sequence_batch(), batch.tensors["rollout_logprob"]
+    same = MegatronBackend("actor", str(path), dtype="fp32", router_replay=True)
+    m = logprob_diff_metrics(engine_lp, same.logprobs(seq)[0], batch.response_mask)
+    assert m[METRIC_MAX] <= DENSE_BOUND, m
+    del same
+    moved = moved_routers_folder(path, tmp_path / "moved")
+    mega = MegatronBackend("actor", moved, dtype="fp32", router_replay=True)
+    reference = actor(moved, replay=True)
+    diff = float((mega.logprobs(seq)[0] - reference.logprobs(seq)[0]).abs().max())
+    assert diff <= DENSE_BOUND, diff
+    got = mega.routing_metrics(seq, engine_lp)
+    want = replay_metrics(reference, seq, engine_lp)
+    print(family, "megatron", got, "torch", want)
+    assert got.keys() == want.keys()
+    assert got["moe/replay_flipped_fraction"] == want["moe/replay_flipped_fraction"] > 0
+    for key in (f"{METRIC_MEAN}_no_replay", f"{METRIC_MAX}_no_replay"):
+        assert abs(got[key] - want[key]) <= DENSE_BOUND, key
+    assert want[f"{METRIC_MAX}_no_replay"] > 0.1
+
+
 def test_refusals(runs, tmp_path):
     from megarl.config import load_config
     from megarl.config.errors import ConfigError
@@ -251,8 +286,7 @@ def test_refusals(runs, tmp_path):
     with pytest.raises(ConfigError, match=r"R3 needs actor_rollout_ref.rollout.name=torch: only "
                                           r"megarl's torch engine"):
         load_config("grpo", [on, "actor_rollout_ref.rollout.name=vllm"])
-    with pytest.raises(ConfigError, match=r"R3 needs actor_rollout_ref.actor.strategy=torch"):
-        load_config("grpo", [on, "actor_rollout_ref.actor.strategy=megatron"])
+    load_config("grpo", [on, "actor_rollout_ref.actor.strategy=megatron"])  # both backends
     with pytest.raises(ConfigError, match=r"R3 with asynchronous rollout \(staleness_threshold=1\)"
                                           r": the engine process does not return routed"):
         load_config("grpo", [on, "async_training.staleness_threshold=1"])
@@ -283,11 +317,24 @@ def load_config_r3(path: str, mode: str = "R3"):
                                 f"actor_rollout_ref.actor.router_replay.mode={mode}"], demo=True)
 
 
-def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets):
-    """GRPO, 2 steps on the embedded task with a Qwen3-MoE policy and R3: the trainer's
-    recomputed logprobs equal the engine's on both steps (rollout.check_logprobs) within the
-    dense bound; measured max 3.8e-6 / 6.2e-6. Each check step also logs the routing metrics.
-    Planted: the trainer not calling Backend.routing_metrics: the moe/* keys are missing."""
+# the check step's routing metrics (Backend.routing_metrics; values tested in
+# tests/models/test_moe_metrics.py and above): what replay changes on both backends; expert
+# load, router entropy and the aux loss on the torch backend (megatron reports its aux loss on
+# every update instead)
+REPLAY_KEYS = ("moe/replay_flipped_fraction", METRIC_MAX + "_no_replay")
+ROUTING_KEYS = {"torch": ("moe/router_entropy", "moe/aux_loss", "moe/load_imbalance",
+                          "moe/layer_0/load_max", *REPLAY_KEYS),
+                "megatron": REPLAY_KEYS}
+
+
+@pytest.mark.parametrize("strategy", ["torch", "megatron"])
+def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets, strategy):
+    """GRPO, 2 steps on the embedded task with a Qwen3-MoE policy and R3 on either backend:
+    the trainer's recomputed logprobs equal the engine's on both steps
+    (rollout.check_logprobs) within the dense bound; measured max 3.8e-6 / 6.2e-6 (torch),
+    3.8e-6 / 5.2e-6 (megatron). Each check step also logs the routing metrics. Planted: the trainer not
+    calling Backend.routing_metrics, or megatron's from_config not reading router_replay.mode:
+    the moe/* keys are missing."""
     import json
     import subprocess
     import sys
@@ -297,6 +344,7 @@ def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets)
     cmd = [sys.executable, "launch/train.py", "--config", "grpo", "--demo", "on",
            f"trainer.default_local_dir={tmp_path}", *FAST, "trainer.total_training_steps=2",
            f"actor_rollout_ref.model.path={runs['qwen3_moe'][0]}",
+           f"actor_rollout_ref.actor.strategy={strategy}",
            "actor_rollout_ref.actor.router_replay.mode=R3",
            "actor_rollout_ref.rollout.check_logprobs=true"]
     proc = subprocess.run(cmd, cwd=repo, env=env(), capture_output=True, text=True, timeout=600)
@@ -305,13 +353,9 @@ def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets)
     rows = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        print("step", r["step"], {k: r[k] for k in (METRIC_MEAN, METRIC_MAX)})
+        print(strategy, "step", r["step"], {k: r[k] for k in (METRIC_MEAN, METRIC_MAX)})
         assert r[METRIC_MAX] <= DENSE_BOUND, r[METRIC_MAX]
-        # the check step's routing metrics (Backend.routing_metrics; values tested in
-        # tests/models/test_moe_metrics.py): expert load, entropy, aux loss, the no-replay gap
-        for key in ("moe/router_entropy", "moe/aux_loss", "moe/load_imbalance",
-                    "moe/layer_0/load_max", "moe/replay_flipped_fraction",
-                    METRIC_MAX + "_no_replay"):
+        for key in ROUTING_KEYS[strategy]:
             assert key in r, (key, sorted(k for k in r if k.startswith("moe/")))
         assert 0 <= r["moe/replay_flipped_fraction"] <= 1
 

@@ -30,7 +30,7 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megarl.backends.megatron import checkpoint, cpu_compat, moe, parallel
+from megarl.backends.megatron import checkpoint, cpu_compat, moe, parallel, replay
 from megarl.backends.megatron.batching import (
     MicroBatch,
     chunk_rows,
@@ -105,6 +105,10 @@ class MegatronBackend:
                  definition: per layer and micro-batch over the real tokens, summed over
                  layers, averaged over micro-batches and DP ranks); ``train_step`` reports it
                  (without the coefficient) as ``moe_aux_loss``. 0: off.
+    router_replay: MoE routing replay (actor / ref): forwards route each token to the experts
+                 in the batch's ``routed_experts`` (recorded by the rollout engine) instead of
+                 the routers' top-k (`megarl.backends.megatron.replay`); batches without it
+                 route as usual.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class MegatronBackend:
         num_labels: int | None = None,
         hf_config: dict[str, Any] | None = None,
         moe_aux_loss_coeff: float = 0.0,
+        router_replay: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -189,6 +194,12 @@ class MegatronBackend:
                 Float16Module(self.config, c) if self.dtype == torch.bfloat16 else c
                 for c in self.chunks
             ]
+            self.router_replay = bool(router_replay)
+            self._replays = []
+            if self.router_replay:
+                replay.check_supported(self.args, role)
+                self._replays = replay.install(self.chunks, self.args)
+            self._measure_replay = False  # set by replay.replay_metrics
             self.optimizer = None
             if self.trainable:
                 self._wrap_for_training(use_distributed_optimizer)
@@ -278,6 +289,8 @@ class MegatronBackend:
             etp=_get(mega, "expert_tensor_parallel_size"),
             moe_aux_loss_coeff=float(_get(mega, "moe_aux_loss_coeff") or 0.0)
             if role in TRAINABLE_ROLES else 0.0,
+            router_replay=role == "actor"
+            and _get(_get(_get(arr, "actor"), "router_replay"), "mode") == "R3",
         )
 
     # ------------------------------------------------------------------ construction helpers
@@ -391,9 +404,13 @@ class MegatronBackend:
     @torch.no_grad()
     def routing_metrics(self, batch: SequenceBatch, rollout_logprob: torch.Tensor | None = None,
                         temperature: float = 1.0) -> dict[str, float]:
-        """{}: on megatron an MoE model's load-balancing loss is reported by every update
-        (``moe_aux_loss``); per-expert load and router entropy are not measured here."""
-        return {}
+        """With routing replay on and ``rollout_logprob``, what replay changes on ``batch``
+        (`replay.replay_metrics`); {} otherwise. An MoE model's load-balancing loss is
+        reported by every update (``moe_aux_loss``); per-expert load and router entropy are
+        not measured on megatron."""
+        if not self.router_replay or rollout_logprob is None:
+            return {}
+        return replay.replay_metrics(self, batch, rollout_logprob, temperature)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from export_hf(self.chunks, self.args, self.layout, self.role, self.num_labels)
@@ -497,6 +514,13 @@ class MegatronBackend:
         kwargs = {"fp32_output": False} if self.dtype == torch.bfloat16 else {}
         if self.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
             kwargs["padding_mask"] = moe.padding_mask(mb.lengths, *mb.input_ids.shape)
+        if self.router_replay:
+            seen = (id(mb), id(model))  # align_over_dp may repeat a micro-batch
+            first = seen not in self._counted
+            self._counted.add(seen)
+            replay.arm(model, mb, tp=self.layout.tp, tp_rank=parallel.tp_rank(),
+                       sequence_parallel=self.layout.sp, counting=self._measure_replay and first,
+                       apply=not self._measure_replay)
         hidden = model(mb.input_ids, mb.position_ids, None, **kwargs)
         return hidden, functools.partial(loss_func, mb)
 
@@ -513,7 +537,9 @@ class MegatronBackend:
         if self.layout.pp > 1 or self._experts_cross_dp():
             mbs = [pad_to(mb, seq_len, rows) for mb in mbs]
         iters = [iter(mbs) for _ in self.modules]
-        with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(self.layout.vpp):
+        self._counted: set[tuple[int, int]] = set()  # micro-batches whose routing flips were counted
+        with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(self.layout.vpp), \
+                replay.disarmed_after(self._replays):
             return fb(
                 forward_step_func=functools.partial(self._forward_step, loss_func),
                 data_iterator=iters if len(iters) > 1 else iters[0],
