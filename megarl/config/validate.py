@@ -159,12 +159,6 @@ def _check_router_replay(cfg: Config, c: _Checker) -> None:
                "can on GPUs, through enable_return_routed_experts with its Triton-only model "
                "runner V2, but megarl's vLLM adapter does not request them yet); use "
                f"rollout.name=torch or {key}=disabled")
-    if cfg.async_training.staleness_threshold > 0:
-        c.fail((key, "async_training.staleness_threshold"),
-               f"{arr.actor.router_replay.mode} with asynchronous rollout "
-               f"(staleness_threshold={cfg.async_training.staleness_threshold}): the engine "
-               "process does not return routed experts yet; set "
-               f"async_training.staleness_threshold=0 or {key}=disabled")
 
 
 def _check_ranges(cfg: Config, c: _Checker) -> None:

@@ -58,6 +58,8 @@ class EngineSpec:
         arguments, see `VLLMEngine.engine_settings`).
     cpus: CPU ids the child pins itself to (os.sched_setaffinity); empty = inherit.
     threads: torch intra-op threads in the child.
+    return_routed_experts: the torch engine records each token's experts (routing replay);
+        completions carry them back.
     """
 
     model_path: str
@@ -71,6 +73,7 @@ class EngineSpec:
     kv_cache_bytes: int | None = None
     cpus: list[int] = field(default_factory=list)
     threads: int = 1
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -94,7 +97,8 @@ class EngineSpec:
                    max_num_seqs=arr.rollout.max_num_seqs,
                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                    kv_cache_bytes=_cache_budget(device, arr.rollout.gpu_memory_utilization),
-                   cpus=list(cpus))
+                   cpus=list(cpus),
+                   return_routed_experts=arr.actor.router_replay.mode == "R3")
 
     @classmethod
     def _vllm_from_config(cls, cfg: Any, model_path: str, cpus: Sequence[int]) -> EngineSpec:
@@ -383,16 +387,21 @@ def _match_key(prompts: list[list[int]], sampling: SamplingParams,
 
 
 def _completion_state(c: Completion) -> dict[str, Any]:
+    """A completion as plain Python (sent through the pipe and saved with prefetched work)."""
+    routed = c.routed_experts
     return {"prompt_index": c.prompt_index, "token_ids": list(c.token_ids),
             "logprobs": None if c.logprobs is None else c.logprobs.tolist(),
-            "finish_reason": c.finish_reason, "policy_version": c.policy_version}
+            "finish_reason": c.finish_reason, "policy_version": c.policy_version,
+            "routed_experts": None if routed is None else routed.tolist()}
 
 
 def _completion_from_state(d: dict[str, Any]) -> Completion:
-    lp = d["logprobs"]
+    lp, routed = d["logprobs"], d.get("routed_experts")
     return Completion(prompt_index=d["prompt_index"], token_ids=list(d["token_ids"]),
                       logprobs=None if lp is None else torch.tensor(lp, dtype=torch.float32),
-                      finish_reason=d["finish_reason"], policy_version=d["policy_version"])
+                      finish_reason=d["finish_reason"], policy_version=d["policy_version"],
+                      routed_experts=None if routed is None else torch.tensor(
+                          routed, dtype=torch.int16))
 
 
 # ---------------------------------------------------------------------- the child
@@ -425,7 +434,7 @@ def build_engine_in_child(spec: EngineSpec) -> Any:
         spec.model_path, dtype=_DTYPES[spec.dtype], device=spec.device,
         tokenizer=spec.tokenizer, max_num_seqs=spec.max_num_seqs,
         max_model_len=spec.max_model_len, kv_cache_bytes=spec.kv_cache_bytes,
-        offload_weights_on_sleep=False)
+        offload_weights_on_sleep=False, return_routed_experts=spec.return_routed_experts)
 
 
 def _engine_main(spec: EngineSpec, conn: Any) -> None:

@@ -124,3 +124,34 @@ def test_engine_process_refuses_what_it_cannot_host(overrides, field):
     cfg = resolve_config("grpo", ["async_training.staleness_threshold=1", *overrides]).config
     with pytest.raises(UserInputError, match=re.escape(field)):
         build_async_engine(cfg, "unused", "cpu")
+
+
+def test_routed_experts_come_back_from_the_engine_process(tiny_folder):
+    """Routing replay with asynchronous rollout: the child's torch engine records each token's
+    experts and they come back through the pipe (and through the prefetched-work checkpoint)
+    equal to the in-process engine's on the same weights, with the tokens and logprobs.
+    Planted: the spec not passing return_routed_experts to the child: routed_experts None."""
+    torch.set_num_threads(1)
+    path = tiny_folder("qwen3_moe")
+    base = load_model(path, head="lm").state_dict()
+    ref = TorchRolloutEngine.from_pretrained(path, tokenizer=None, max_num_seqs=4,
+                                             return_routed_experts=True)
+    proc = ProcessRolloutEngine(EngineSpec(model_path=str(path), max_num_seqs=4,
+                                           return_routed_experts=True), slots=2)
+    try:
+        prompts = prompts_of([5, 9], seed=3)
+        sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
+        proc.update_weights(base.items())
+        proc.prefetch(prompts, sp, [0, 1])
+        saved = proc.export_prefetched()
+        got = proc.generate(prompts, sp, [0, 1])
+        want = ref.generate(prompts, sp, prompt_keys=[0, 1])
+        _same(got, want)
+        for a, b in zip(got, want):
+            assert a.routed_experts.dtype == torch.int16
+            assert torch.equal(a.routed_experts, b.routed_experts)
+        proc.import_prefetched(saved)
+        for a, b in zip(proc.generate(prompts, sp, [0, 1]), want):
+            assert torch.equal(a.routed_experts, b.routed_experts)
+    finally:
+        proc.close()
