@@ -70,8 +70,8 @@ def tp_shm_name() -> str | None:
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
     from vllm.distributed.parallel_state import get_tp_group
 
-    comm = get_tp_group().device_communicator
-    if not isinstance(comm.dist_module, _CPUSHMDistributed):
+    comm = get_tp_group().device_communicator  # None for an engine of one rank
+    if comm is None or not isinstance(comm.dist_module, _CPUSHMDistributed):
         return None
     return _CPUSHMDistributed.make_group_name(comm)
 

@@ -192,24 +192,31 @@ def test_update_forward_replays_too(runs, family):
         assert (g - want[name]).abs().max() <= 1e-6, name
 
 
-def _replayed_results(path: str, seq) -> dict[str, torch.Tensor]:
+def _replayed_results(path: str, seq, layout: dict | None = None) -> dict[str, torch.Tensor]:
     """Replayed logprobs and gradients of one update forward of ``seq`` (rank 0's view)."""
-    backend = TorchBackend("actor", path, device="cpu", dtype="fp32", router_replay=True)
+    backend = TorchBackend("actor", path, device="cpu", dtype="fp32", router_replay=True,
+                           **(layout or {}))
     lp, _ = backend.logprobs(seq)
     # one micro-batch per DP rank, the rows dealt round-robin; FSDP averages over the ranks
-    world = mdist.world_size()
-    rows = list(range(mdist.rank(), seq.batch_size, world))
+    dp = backend.dp_size
+    rows = list(range(backend.dp_rank, seq.batch_size, dp))
     backend.forward_backward([seq.select(rows)], lambda out, mb: (
-        -(out.logprob * mb.tensors["response_mask"]).sum() * world / seq.batch_size, {}))
+        -(out.logprob * mb.tensors["response_mask"]).sum() * dp / seq.batch_size, {}))
     return {"logprob": lp, **dict(backend.full_grads())}
 
 
+LAYOUTS_2 = {"fsdp2": {"dp_shard": 2}, "ulysses2": {"ulysses": 2}}
+
+
 @pytest.mark.dist
-def test_replay_under_fsdp2_matches_one_process(runs, tmp_path):
-    """FSDP2 on 2 gloo ranks (experts and routers sharded, rows split over DP): replayed
-    logprobs and gradients of a trainer whose routers moved equal the single process's within
-    1e-5 (fp32 reduction order); measured 1.4e-6. Planted (by hand): replay skipped when
-    DP > 1: logprobs off by 5.8, fails."""
+@pytest.mark.parametrize("layout", list(LAYOUTS_2))
+def test_replay_on_two_ranks_matches_one_process(runs, tmp_path, layout):
+    """On 2 gloo ranks, FSDP2 (experts and routers sharded, rows split over DP) or Ulysses
+    (each rank routes its sequence shard): replayed logprobs and gradients of a trainer whose
+    routers moved equal the single process's within 1e-5 (fp32 reduction order); measured
+    1.4e-6 (FSDP2), EDIT (Ulysses). Planted (by hand): replay skipped when DP > 1: logprobs
+    off by 5.8; the Ulysses shard given the whole row's routing: refused (shape), and its
+    rows of the other shard: EDIT; both fail."""
     import subprocess
     import sys
     from pathlib import Path
@@ -221,13 +228,13 @@ def test_replay_under_fsdp2_matches_one_process(runs, tmp_path):
     want = _replayed_results(folder, seq)
     repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           __file__, str(tmp_path)]
+           __file__, str(tmp_path), layout]
     proc = subprocess.run(cmd, cwd=repo, env=env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     got = torch.load(tmp_path / "out.pt")
     assert got.keys() == want.keys()
     errs = {k: float((got[k] - want[k]).abs().max()) for k in want}
-    print("FSDP2 vs one process:", max(errs.values()), max(errs, key=errs.get))
+    print(layout, "vs one process:", max(errs.values()), max(errs, key=errs.get))
     assert max(errs.values()) <= 1e-5, errs
     assert float(want["logprob"].abs().max()) > 0.1
 
@@ -367,14 +374,14 @@ def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets,
         assert 0 <= r["moe/replay_flipped_fraction"] <= 1
 
 
-if __name__ == "__main__":  # the 2-rank worker of test_replay_under_fsdp2_matches_one_process
+if __name__ == "__main__":  # the 2-rank worker of test_replay_on_two_ranks_matches_one_process
     import sys
     from pathlib import Path
 
     work = Path(sys.argv[1])
     mdist.init_distributed(torch.device("cpu"))
     given = torch.load(work / "in.pt", weights_only=False)
-    res = _replayed_results(given["path"], given["seq"])
+    res = _replayed_results(given["path"], given["seq"], LAYOUTS_2[sys.argv[2]])
     if mdist.rank() == 0:
         torch.save(res, work / "out.pt")
     torch.distributed.destroy_process_group()

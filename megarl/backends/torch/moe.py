@@ -12,7 +12,8 @@ the auxiliary load-balancing loss.
 Routing replay (``router_replay`` of `TorchBackend`): `replay_context` routes a packed
 micro-batch's forward (and its backward: activation-checkpointing recomputes see the same
 experts) with the batch's ``routed_experts`` tensor [B, P + L, n_sparse, k] (what the rollout
-engine recorded, carried by `megarl.trainer.batch.RolloutBatch`), packed like the tokens.
+engine recorded, carried by `megarl.trainer.batch.RolloutBatch`), packed like the tokens; under
+Ulysses each rank replays its sequence shard's rows.
 `replay_metrics` measures what replay changes on a batch: the logprob gap to the engine had
 the trainer routed by its own routers, and the fraction of recorded routing decisions its
 routers would have flipped.
@@ -75,11 +76,12 @@ def check_router_replay(args: Any, layout: Any, role: str) -> None:
                              f"(set {where}=disabled)")
     if role not in ("actor", "ref"):
         raise UserInputError(f"routing replay applies to the policy (actor / ref), not {role}")
-    if layout.pp > 1 or layout.ulysses > 1:
+    if layout.pp > 1:
         raise UserInputError(
-            f"{where}=R3 on the torch backend needs pipeline_model_parallel_size=1 and "
-            "ulysses_sequence_parallel_size=1 (the replayed experts are not split over stages "
-            "or sequence shards yet); use FSDP2 (data_parallel_shard) alone"
+            f"{where}=R3 on the torch backend needs pipeline_model_parallel_size=1 (torch's "
+            "pipeline schedule splits micro-batches itself; the replayed experts are not "
+            "split with them); use FSDP2 / Ulysses, or strategy=megatron, which replays under "
+            "pipeline parallelism"
         )
 
 
@@ -109,7 +111,11 @@ def replay_context(backend: Any, batch: SequenceBatch, p: Packed) -> AbstractCon
                            "forwards route with the current routers", backend.role)
             backend._warned_no_routing = True
         return nullcontext()
-    return replay_experts(backend.model, packed_routing(batch, p, backend.device))
+    routing = packed_routing(batch, p, backend.device)
+    if backend._shard is not None:  # Ulysses: the MoE layers see this rank's sequence shard
+        start, t = backend._shard.span(p)
+        routing = routing[start:start + t]
+    return replay_experts(backend.model, routing)
 
 
 @torch.no_grad()
