@@ -3,7 +3,8 @@
 gloo on a loaded CI machine has, once in many runs, aborted a rank from native code ("terminate
 called without an active exception", SIGABRT) with no Python error before it; the same worker
 then passes. Such a run is retried once, with a warning in the test report. A worker that fails
-any other way, or aborts twice, fails the test with its output.
+any other way, or aborts twice, fails the test with its output. Workers run with Python's fault
+handler on, so an abort prints every thread's Python stack.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def run_torchrun(worker: Path, nproc: int, args: Sequence[str], timeout: int,
     """``worker``'s combined stdout + stderr; AssertionError with its tail when it fails.
     env: variables to set on top of this process's (None: remove the variable)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "PYTHONPATH": str(REPO)}
+                "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}  # Python stacks on abort
     for key, value in (env or {}).items():
         if value is None:
             full_env.pop(key, None)

@@ -214,23 +214,20 @@ def test_replay_on_two_ranks_matches_one_process(runs, tmp_path, layout):
     """On 2 gloo ranks, FSDP2 (experts and routers sharded, rows split over DP) or Ulysses
     (each rank routes its sequence shard): replayed logprobs and gradients of a trainer whose
     routers moved equal the single process's within 1e-5 (fp32 reduction order); measured
-    1.4e-6 (FSDP2), EDIT (Ulysses). Planted (by hand): replay skipped when DP > 1: logprobs
-    off by 5.8; the Ulysses shard given the whole row's routing: refused (shape), and its
-    rows of the other shard: EDIT; both fail."""
-    import subprocess
-    import sys
+    1.4e-6 (FSDP2), 1.1e-6 (Ulysses). Planted (by hand): replay skipped when DP > 1: logprobs
+    off by 5.8; every Ulysses rank given the first shard's routing rows: logprobs off by 6.0;
+    given the whole row's: refused by the MoE block (520 rows for 260 tokens); all fail."""
     from pathlib import Path
+
+    from torchrun import run_torchrun
 
     path, batch, _, _ = runs["qwen3_moe"]
     folder = moved_routers_folder(path, tmp_path / "moved")
     seq = batch.sequence_batch()
     torch.save({"seq": seq, "path": folder}, tmp_path / "in.pt")
     want = _replayed_results(folder, seq)
-    repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           __file__, str(tmp_path), layout]
-    proc = subprocess.run(cmd, cwd=repo, env=env(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    run_torchrun(Path(__file__), 2, [str(tmp_path), layout], timeout=400,
+                 env={"TRITON_INTERPRET": None})
     got = torch.load(tmp_path / "out.pt")
     assert got.keys() == want.keys()
     errs = {k: float((got[k] - want[k]).abs().max()) for k in want}
