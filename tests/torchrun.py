@@ -20,17 +20,24 @@ REPO = Path(__file__).resolve().parents[1]
 NATIVE_ABORT = "terminate called without an active exception"
 
 
-def run_torchrun(worker: Path, nproc: int, args: Sequence[str], timeout: int,
-                 env: Mapping[str, str | None] | None = None) -> str:
-    """``worker``'s combined stdout + stderr; AssertionError with its tail when it fails.
-    env: variables to set on top of this process's (None: remove the variable)."""
+def worker_env(env: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """This process's environment for a worker: one thread, the repository importable, Python
+    stacks printed on an abort, then ``env`` on top (None: remove the variable)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}  # Python stacks on abort
+                "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     for key, value in (env or {}).items():
         if value is None:
             full_env.pop(key, None)
         else:
             full_env[key] = value
+    return full_env
+
+
+def run_torchrun(worker: Path, nproc: int, args: Sequence[str], timeout: int,
+                 env: Mapping[str, str | None] | None = None) -> str:
+    """``worker``'s combined stdout + stderr; AssertionError with its tail when it fails.
+    env: as `worker_env`."""
+    full_env = worker_env(env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(worker), *args]
     for attempt in (1, 2):

@@ -19,12 +19,12 @@ micro-batches; 3 clipped AdamW steps within 1e-5 of torch.optim.AdamW on the ref
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun import run_torchrun, worker_env
 
 pytestmark = pytest.mark.dist
 
@@ -55,20 +55,16 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 def _launch(scenario: str, nproc: int, models: dict, work: Path, timeout: int) -> dict:
     out = work / f"{scenario}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # CPU runs use the torch kernel path
-    args = [str(WORKER), scenario, "--models", json.dumps(models), "--work", str(work),
-            "--out", str(out)]
-    if nproc == 1:
-        cmd = [sys.executable, *args]
+    args = [scenario, "--models", json.dumps(models), "--work", str(work), "--out", str(out)]
+    no_triton = {"TRITON_INTERPRET": None}  # CPU runs use the torch kernel path
+    if nproc == 1:  # a plain process: the backend's world-of-one path
+        proc = subprocess.run([sys.executable, str(WORKER), *args], cwd=ROOT,
+                              env=worker_env(no_triton), capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0 or not out.is_file():
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"{scenario} worker failed (rc={proc.returncode}):\n{tail}")
+        run_torchrun(WORKER, nproc, args, timeout, env=no_triton)
+    assert out.is_file(), f"{scenario} worker wrote no results"
     return json.loads(out.read_text())
 
 

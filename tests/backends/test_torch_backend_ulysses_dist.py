@@ -25,12 +25,10 @@ Planted bugs (``planted_*``, the same actor checks with one piece swapped) fail 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun import run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -59,14 +57,9 @@ def results(tmp_path_factory) -> dict:
         "prm": tiny("prm", head="token_cls", num_labels=2),
     }
     out = d / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # CPU runs use the torch kernel path
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), "--models", json.dumps(models), "--work", str(d), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or not out.is_file():
-        pytest.fail(f"ulysses worker failed (rc={proc.returncode}):\n"
-                    f"{(proc.stdout + proc.stderr)[-6000:]}")
+    # CPU runs use the torch kernel path
+    run_torchrun(WORKER, 2, ["--models", json.dumps(models), "--work", str(d), "--out", str(out)],
+                 timeout=600, env={"TRITON_INTERPRET": None})
     return json.loads(out.read_text())
 
 
