@@ -53,19 +53,27 @@ def routing_metrics(backend: Any, batch: SequenceBatch, *, prefix: str = "moe/"
             "routing_metrics needs pipeline_model_parallel_size=1 (each stage holds only its "
             "own sparse layers)"
         )
-    was_training = model.training
-    model.eval()
-    try:
-        p = pack(batch, backend.device)
-        with capture_router_logits(model) as router:
-            model(p.input_ids, position_ids=p.position_ids, segment_ids=p.segment_ids,
-                  output="hidden")
-    finally:
-        model.train(was_training)
+    with capture_router_logits(model) as router:
+        p = _eval_forward(backend, batch)
     real = torch.zeros(p.seq_len, dtype=torch.bool, device=backend.device)
     real[: p.num_tokens] = True
     return _routing_metrics(router, args.num_experts, args.num_experts_per_tok, real,
                             prefix=prefix)
+
+
+def _eval_forward(backend: Any, batch: SequenceBatch) -> Packed:
+    """One eval-mode forward of ``batch`` packed into one row (the routers' own routing, no
+    replay); returns the packing. For the recorders wrapped around it."""
+    model = backend.model
+    was_training = model.training
+    model.eval()
+    try:
+        p = pack(batch, backend.device)
+        model(p.input_ids, position_ids=p.position_ids, segment_ids=p.segment_ids,
+              output="hidden")
+    finally:
+        model.train(was_training)
+    return p
 
 
 def check_router_replay(args: Any, layout: Any, role: str) -> None:
@@ -141,17 +149,10 @@ def replay_metrics(backend: Any, batch: SequenceBatch, rollout_logprob: torch.Te
         backend.router_replay = True
     out = {f"{k}_no_replay": v for k, v in logprob_diff_metrics(
         rollout_logprob, plain, batch.tensors.get("response_mask", batch.response_mask)).items()}
-    model = backend.model
-    was_training = model.training
-    model.eval()
-    try:
-        p = pack(batch, backend.device)
-        with record_experts(model) as chosen:
-            model(p.input_ids, position_ids=p.position_ids, segment_ids=p.segment_ids,
-                  output="hidden")
-    finally:
-        model.train(was_training)
-    own = torch.stack([chosen[i] for i in sparse_layers(model.args)], dim=1)[: p.num_tokens]
+    with record_experts(backend.model) as chosen:
+        p = _eval_forward(backend, batch)
+    own = torch.stack([chosen[i] for i in sparse_layers(backend.model.args)],
+                      dim=1)[: p.num_tokens]
     recorded = packed_routing(batch, p, backend.device)[: p.num_tokens].long()
     ran = (recorded >= 0).all(-1)
     flipped = (own.sort(-1).values != recorded.sort(-1).values).any(-1) & ran
