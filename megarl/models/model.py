@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megarl.models.args import ModelArgs
-from megarl.models.moe import MoEBlock
+from megarl.models.moe import MoEBlock, sparse_layers
 
 Head = Literal["lm", "token_cls"]
 
@@ -362,9 +362,12 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | AttentionLayout | None,
         kv_cache: KVCache | None = None,
+        routing: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """routing: [B, T, k] replayed experts of a sparse layer (see `MoEBlock.forward`)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h_mlp = self.post_attention_layernorm(h)
+        return h + (self.mlp(h_mlp, routing) if routing is not None else self.mlp(h_mlp))
 
 
 class DecoderModel(nn.Module):
@@ -474,6 +477,7 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         output: Literal["logits", "hidden"] = "logits",
         attention: AttentionLayout | None = None,
+        routing: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the decoder.
 
@@ -490,6 +494,10 @@ class Transformer(nn.Module):
         attention:      a ready `AttentionLayout` for every layer instead of the one built from
                         attention_mask / segment_ids (a backend's sequence-parallel attention,
                         where input_ids are this rank's token shard); needs position_ids.
+        routing:        [B, T, n_sparse, k] experts every token is sent to in each sparse layer
+                        (routing replay; sparse layers as `megarl.models.moe.sparse_layers`, -1
+                        rows routed by the router). An argument of each layer's call, so an
+                        activation-checkpointing recompute replays the same experts.
         Values at padding positions are finite but meaningless.
         """
         if output not in ("logits", "hidden"):
@@ -516,11 +524,13 @@ class Transformer(nn.Module):
             and self.training
             and torch.is_grad_enabled()
         )
-        for layer in m.layers.values():
+        sparse = self._sparse_index if routing is not None else {}
+        for idx, layer in m.layers.items():
+            r = routing[:, :, sparse[int(idx)]] if int(idx) in sparse else None
             if use_ckpt:
-                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, mask, None, r, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, mask, kv_cache)
+                h = layer(h, cos, sin, mask, kv_cache, r)
 
         if m.norm is None:  # not the last pipeline stage
             return h
@@ -529,6 +539,11 @@ class Transformer(nn.Module):
             return h
         head = self.lm_head if self.lm_head is not None else self.score
         return head(h) if head is not None else h
+
+    @property
+    def _sparse_index(self) -> dict[int, int]:
+        """{layer index: its position among the sparse layers} (routing's third dim)."""
+        return {layer: j for j, layer in enumerate(sparse_layers(self.args))}
 
     def extra_repr(self) -> str:
         return f"head={self.head!r}, num_labels={self.num_labels}, tied={self.tied}"

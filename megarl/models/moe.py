@@ -128,13 +128,17 @@ class MoEBlock(nn.Module):
         self.replay: torch.Tensor | None = None  # [N, k] int, -1 rows: the router decides
         self.recorded: dict[int, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, t, h] -> [b, t, h]. replay: [b, t, k] experts for this call (-1 rows: the
+        router decides), else the block's ``replay`` state (`replay_experts`), else the
+        router's top-k."""
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
         logits = self.gate(flat)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
-        if self.replay is not None:
-            weights, experts = self._replayed(logits, weights, experts)
+        given = replay.reshape(-1, replay.shape[-1]) if replay is not None else self.replay
+        if given is not None:
+            weights, experts = self._replayed(given, logits, weights, experts)
         if self.recorded is not None:
             self.recorded[self.layer_idx] = experts.detach()
         out = run_experts(flat, weights, experts, self.experts)
@@ -142,9 +146,8 @@ class MoEBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(b, t, h)
 
-    def _replayed(self, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        given = self.replay
+    def _replayed(self, given: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
+                  experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if tuple(given.shape) != tuple(experts.shape):
             raise ValueError(
                 f"layer {self.layer_idx}: replayed experts have shape {tuple(given.shape)}, the "

@@ -128,6 +128,39 @@ def test_replaying_recorded_experts_is_bitwise_the_plain_forward(hf_folder, fami
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_routing_argument_replays_like_the_context(hf_folder, checkpointing):
+    """``Transformer.forward(routing=...)`` (the backends' path: an argument of every layer's
+    call) gives bitwise the logits and gradients of `replay_experts` on random experts with
+    -1 rows, also under activation checkpointing, where the recompute replays the argument.
+    Planted: a layer given another sparse layer's routing (index off by one) changes the
+    logits; the checkpointed call not passing the routing (forward and recompute routed by
+    the router): the logits differ, fails."""
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(8))
+    routing = torch.stack([random_experts(18, 4, 2, seed=s) for s in (9, 10)], dim=1)
+    routing[::4] = -1
+    routing = routing.view(2, 9, 2, 2)
+    runs = []
+    for argument in (False, True):
+        model = load_model(hf_folder("qwen3_moe"), activation_checkpointing=checkpointing)
+        model.train()
+        if argument:
+            logits = model(ids, routing=routing)
+            logits.logsumexp(-1).sum().backward()
+        else:
+            with replay_experts(model, routing):
+                logits = model(ids)
+                logits.logsumexp(-1).sum().backward()
+        runs.append((logits.detach(),
+                     {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys()
+    for name in runs[0][1]:
+        assert torch.equal(runs[0][1][name], runs[1][1][name]), name
+    plain = load_model(hf_folder("qwen3_moe"))(ids).detach()
+    assert (plain - runs[1][0]).abs().max() > 1e-2  # the routing changed the result
+
+
 def test_record_under_replay_reports_the_replayed_experts(hf_folder):
     model = load_model(hf_folder("qwen3_moe"))
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(5))

@@ -21,11 +21,11 @@ without, 0.0052 / 0.0027 with). Same weights, with replay: max 5.2e-6 / 4.1e-6.
 Planted bugs (run by hand): `RolloutBatch.sequence_batch` not attaching ``routed_experts``
 (the backend never sees them): the replayed mismatch stays 5.8 / 0.52, fails; the packed routing
 rows shifted by one token (`backends.torch.moe.packed_routing`): same-weights mismatch 6.7 / 3.2,
-fails; the update's forward run outside `replay_context` (``forward_backward``): its logprobs
-are not the replayed ``logprobs``, fails; `replay_metrics` counting expert order swaps
-as flips (ordered rows compared instead of sets): its flipped fraction differs, fails; the backward run outside it (activation-checkpointing
-recomputes routed by the router): the recompute saves other tensors than the forward
-(torch's CheckpointError, 99 vs 93), fails.
+fails; the update's forward given no ``routing`` (``forward_backward``): its logprobs are not
+the replayed ``logprobs``, fails; `replay_metrics` counting expert order swaps as flips (ordered
+rows compared instead of sets): its flipped fraction differs, fails; the routing kept out of
+the checkpointed layer call (the checkpointed update routed by the router): its gradients
+differ from the replayed update's, fails.
 """
 
 from __future__ import annotations
@@ -205,18 +205,20 @@ def _replayed_results(path: str, seq, layout: dict | None = None) -> dict[str, t
     return {"logprob": lp, **dict(backend.full_grads())}
 
 
-LAYOUTS_2 = {"fsdp2": {"dp_shard": 2}, "ulysses2": {"ulysses": 2}}
+LAYOUTS_2 = {"fsdp2": {"dp_shard": 2}, "ulysses2": {"ulysses": 2}, "pp2": {"pp": 2}}
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_replay_on_two_ranks_matches_one_process(runs, tmp_path, layout):
-    """On 2 gloo ranks, FSDP2 (experts and routers sharded, rows split over DP) or Ulysses
-    (each rank routes its sequence shard): replayed logprobs and gradients of a trainer whose
-    routers moved equal the single process's within 1e-5 (fp32 reduction order); measured
-    1.4e-6 (FSDP2), 1.1e-6 (Ulysses). Planted (by hand): replay skipped when DP > 1: logprobs
-    off by 5.8; every Ulysses rank given the first shard's routing rows: logprobs off by 6.0;
-    given the whole row's: refused by the MoE block (520 rows for 260 tokens); all fail."""
+    """On 2 gloo ranks, FSDP2 (experts and routers sharded, rows split over DP), Ulysses
+    (each rank routes its sequence shard) or PP=2 (each stage replays its own layers' rows):
+    replayed logprobs and gradients of a trainer whose routers moved equal the single
+    process's within 1e-5 (fp32 reduction order); measured 1.4e-6 (FSDP2), 1.1e-6 (Ulysses),
+    0.0 (PP2). Planted (by hand): replay skipped when DP > 1: logprobs off by 5.8; every
+    Ulysses rank given the first shard's routing rows: logprobs off by 6.0; given the whole
+    row's: refused by the MoE block (520 rows for 260 tokens); no routing passed to the
+    pipeline's training schedule: off by 1.05; all fail."""
     from pathlib import Path
 
     from torchrun import run_torchrun
@@ -381,4 +383,4 @@ if __name__ == "__main__":  # the 2-rank worker of test_replay_on_two_ranks_matc
     res = _replayed_results(given["path"], given["seq"], LAYOUTS_2[sys.argv[2]])
     if mdist.rank() == 0:
         torch.save(res, work / "out.pt")
-    torch.distributed.destroy_process_group()
+    mdist.destroy()

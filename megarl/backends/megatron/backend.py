@@ -52,6 +52,7 @@ from megarl.backends.megatron.model import (
 from megarl.backends.megatron.optim import OptimSettings, build_optimizer, optimizer_step
 from megarl.backends.megatron.weights import export_hf, load_hf_into_chunks
 from megarl.backends.protocol import ROLES, LossFn, SequenceBatch
+from megarl.backends.routing import check_router_replay
 from megarl.models.args import ModelArgs, num_labels_from_hf_config
 from megarl.models.hf_io import read_hf_config
 
@@ -197,7 +198,7 @@ class MegatronBackend:
             self.router_replay = bool(router_replay)
             self._replays = []
             if self.router_replay:
-                replay.check_supported(self.args, role)
+                check_router_replay(self.args, role)
                 self._replays = replay.install(self.chunks, self.args)
             self._measure_replay = False  # set by replay.replay_metrics
             self.optimizer = None

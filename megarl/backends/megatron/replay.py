@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from megarl.backends.protocol import SequenceBatch
-from megarl.errors import UserInputError
 from megarl.models.moe import sparse_layers
 
 
@@ -92,16 +91,6 @@ class RoutingReplay:
             return values, own
         chosen = torch.where(recorded, target, own)
         return scores.gather(1, chosen), chosen
-
-
-def check_supported(args: Any, role: str) -> None:
-    """Refuse routing replay where it cannot apply, naming the key to change."""
-    where = "actor_rollout_ref.actor.router_replay.mode"
-    if not args.is_moe:
-        raise UserInputError(f"{where}=R3 needs a mixture-of-experts policy; this model is dense "
-                             f"(set {where}=disabled)")
-    if role not in ("actor", "ref"):
-        raise UserInputError(f"routing replay applies to the policy (actor / ref), not {role}")
 
 
 def install(chunks: Iterable[torch.nn.Module], args: Any) -> list[RoutingReplay]:

@@ -38,11 +38,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from megarl.backends.protocol import ROLES, LossFn, SequenceBatch
+from megarl.backends.routing import check_router_replay
 from megarl.backends.torch import checkpoint as ckpt
 from megarl.backends.torch import parallelize as par
 from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scores, value_outputs
 from megarl.backends.torch.layout import Layout, build_mesh, fsdp_mesh, world_size
-from megarl.backends.torch.moe import check_router_replay, replay_context
+from megarl.backends.torch.moe import pipeline_routing, replay_routing
 from megarl.backends.torch.optim import (
     OptimSettings,
     align_grad_placements,
@@ -100,8 +101,8 @@ class TorchBackend:
     forward_max_tokens, forward_micro_batch_size: micro-batching of the no-grad methods.
     router_replay: MoE routing replay: forwards route each token to the experts in the batch's
                  ``routed_experts`` tensor (recorded by the rollout engine) instead of the
-                 routers' top-k (`moe.replay_context`); batches without it route as usual.
-                 LM roles of MoE models, without pipeline or Ulysses parallelism.
+                 routers' top-k (`moe.replay_routing`); batches without it route as usual.
+                 LM roles of MoE models, every layout (FSDP2, TP, PP, Ulysses).
     seed:        initialisation of a fresh head. device: default CUDA (current) else CPU.
     With a world of one, fp32 and no parallelism, the model is not wrapped at all.
     """
@@ -167,7 +168,7 @@ class TorchBackend:
         self.args = ModelArgs.from_hf_config(self.hf_config)
         self.router_replay = bool(router_replay)
         if self.router_replay:
-            check_router_replay(self.args, self.layout, role)
+            check_router_replay(self.args, role)
         self._shard = self._seq_shard()
         self.head = "lm" if role in LM_ROLES else "token_cls"
         self.num_labels = None
@@ -371,10 +372,9 @@ class TorchBackend:
         if self._runner is None:
             for mb in mbs:
                 p = pack(mb, self.device, multiple=self._multiple)
-                with replay_context(self, mb, p):  # forward and backward (recomputes)
-                    out = self._run(p)
-                    loss = self._loss(out, p, mb, loss_fn, temperature, sums)
-                    loss.backward()
+                out = self._run(p, replay_routing(self, mb, p))
+                loss = self._loss(out, p, mb, loss_fn, temperature, sums)
+                loss.backward()
         else:
             self._train_pipeline(mbs, loss_fn, temperature, sums)
         return self._reduce_metrics(sums)
@@ -404,7 +404,7 @@ class TorchBackend:
                 return out.sum() * 0.0
             return self._loss(out, packed[i], mbs[i], loss_fn, temperature, sums)
 
-        self._runner.train(packed, loss_for)
+        self._runner.train(packed, loss_for, pipeline_routing(self, mbs, packed))
 
     @torch.no_grad()
     def _optimizer_step(self) -> dict[str, float]:
@@ -506,13 +506,15 @@ class TorchBackend:
             if isinstance(m, FSDPModule):
                 m.reshard()
 
-    def _run(self, p: Packed) -> torch.Tensor:
-        """The model's output of ``p`` ([1, T, ...]; this rank's token shard under Ulysses)."""
+    def _run(self, p: Packed, routing: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's output of ``p`` ([1, T, ...]; this rank's token shard under Ulysses);
+        ``routing``: replayed experts (`moe.replay_routing`)."""
         if self._shard is not None:
-            return self.model(**self._shard.model_inputs(p), output=self._out_kind)
+            return self.model(**self._shard.model_inputs(p), output=self._out_kind,
+                              routing=routing)
         return self.model(
             p.input_ids, position_ids=p.position_ids, segment_ids=p.segment_ids,
-            output=self._out_kind,
+            output=self._out_kind, routing=routing,
         )
 
     def _lm_weight(self) -> torch.Tensor:
@@ -561,10 +563,9 @@ class TorchBackend:
             if self._runner is None:
                 outputs = []
                 for pc, p in zip(pieces, packed):
-                    with replay_context(self, pc, p):
-                        outputs.append(self._run(p))
+                    outputs.append(self._run(p, replay_routing(self, pc, p)))
             else:
-                outputs = self._runner.forward(packed)
+                outputs = self._runner.forward(packed, pipeline_routing(self, pieces, packed))
             for rows, p, o in zip(mine, packed, outputs):
                 if rows:
                     out[torch.tensor(rows, device=self.device)] = collect(o, p).float()

@@ -9,11 +9,13 @@ routers (`megarl.models.moe.capture_router_logits`), and returns the metrics of
 per-layer expert load (max / mean tokens per expert), router entropy, the load imbalance and
 the auxiliary load-balancing loss.
 
-Routing replay (``router_replay`` of `TorchBackend`): `replay_context` routes a packed
-micro-batch's forward (and its backward: activation-checkpointing recomputes see the same
-experts) with the batch's ``routed_experts`` tensor [B, P + L, n_sparse, k] (what the rollout
-engine recorded, carried by `megarl.trainer.batch.RolloutBatch`), packed like the tokens; under
-Ulysses each rank replays its sequence shard's rows.
+Routing replay (``router_replay`` of `TorchBackend`): `replay_routing` gives a packed
+micro-batch's forward the ``routing`` argument of `Transformer.forward` from the batch's
+``routed_experts`` tensor [B, P + L, n_sparse, k] (what the rollout engine recorded, carried by
+`megarl.trainer.batch.RolloutBatch`), packed like the tokens. It is an argument of every layer's
+call, so activation-checkpointing recomputes and pipeline stages (it travels with the
+micro-batch through torch's schedule) replay the same experts; under Ulysses each rank replays
+its sequence shard's rows.
 `replay_metrics` measures what replay changes on a batch: the logprob gap to the engine had
 the trainer routed by its own routers, and the fraction of recorded routing decisions its
 routers would have flipped.
@@ -22,15 +24,13 @@ routers would have flipped.
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from megarl.backends.protocol import SequenceBatch
 from megarl.backends.torch.packing import Packed, pack
-from megarl.errors import UserInputError
-from megarl.models.moe import capture_router_logits, replay_experts
+from megarl.models.moe import capture_router_logits
 from megarl.models.moe_metrics import routing_metrics as _routing_metrics
 
 logger = logging.getLogger(__name__)
@@ -76,23 +76,6 @@ def _eval_forward(backend: Any, batch: SequenceBatch) -> Packed:
     return p
 
 
-def check_router_replay(args: Any, layout: Any, role: str) -> None:
-    """Refuse routing replay where it cannot apply, naming the key to change."""
-    where = "actor_rollout_ref.actor.router_replay.mode"
-    if not args.is_moe:
-        raise UserInputError(f"{where}=R3 needs a mixture-of-experts policy; this model is dense "
-                             f"(set {where}=disabled)")
-    if role not in ("actor", "ref"):
-        raise UserInputError(f"routing replay applies to the policy (actor / ref), not {role}")
-    if layout.pp > 1:
-        raise UserInputError(
-            f"{where}=R3 on the torch backend needs pipeline_model_parallel_size=1 (torch's "
-            "pipeline schedule splits micro-batches itself; the replayed experts are not "
-            "split with them); use FSDP2 / Ulysses, or strategy=megatron, which replays under "
-            "pipeline parallelism"
-        )
-
-
 def packed_routing(batch: SequenceBatch, p: Packed, device: torch.device) -> torch.Tensor:
     """[T, n_sparse, k] routing of ``batch`` packed as ``p`` (`packing.pack`): the real tokens'
     rows in row order, -1 on the padding tail (routed by the router)."""
@@ -108,22 +91,38 @@ def packed_routing(batch: SequenceBatch, p: Packed, device: torch.device) -> tor
     return out
 
 
-def replay_context(backend: Any, batch: SequenceBatch, p: Packed) -> AbstractContextManager:
-    """The routing of ``batch``'s forward: its recorded experts when ``backend.router_replay``
-    is on and the batch carries ``routed_experts``; the routers' own choice otherwise."""
+def replay_routing(backend: Any, batch: SequenceBatch, p: Packed) -> torch.Tensor | None:
+    """The ``routing`` argument of the model's forward of ``batch`` packed as ``p``: [1, T,
+    n_sparse, k] recorded experts when ``backend.router_replay`` is on and the batch carries
+    ``routed_experts`` (under Ulysses this rank's sequence shard of them); None (the routers
+    route) otherwise."""
     if not backend.router_replay:
-        return nullcontext()
+        return None
     if "routed_experts" not in batch.tensors:
-        if not getattr(backend, "_warned_no_routing", False):
+        if batch.batch_size and not getattr(backend, "_warned_no_routing", False):
             logger.warning("%s: router_replay is on but a batch carries no routed_experts; its "
                            "forwards route with the current routers", backend.role)
             backend._warned_no_routing = True
-        return nullcontext()
+        return None
     routing = packed_routing(batch, p, backend.device)
-    if backend._shard is not None:  # Ulysses: the MoE layers see this rank's sequence shard
+    if backend._shard is not None:  # Ulysses: this rank's sequence shard
         start, t = backend._shard.span(p)
         routing = routing[start:start + t]
-    return replay_experts(backend.model, routing)
+    return routing[None]
+
+
+def pipeline_routing(backend: Any, batches: list[SequenceBatch], packed: list[Packed]
+                     ) -> list[torch.Tensor] | None:
+    """`replay_routing` of each micro-batch of a pipeline step (None: nothing to replay); a
+    micro-batch without ``routed_experts`` (the schedule's filler) gets -1 rows (the router
+    routes), as torch's schedule splits one tensor over all of them."""
+    routings = [replay_routing(backend, b, p) for b, p in zip(batches, packed)]
+    if all(r is None for r in routings):
+        return None
+    like = next(r for r in routings if r is not None)
+    return [r if r is not None else torch.full((1, p.seq_len, *like.shape[2:]), -1,
+                                               dtype=like.dtype, device=like.device)
+            for r, p in zip(routings, packed)]
 
 
 @torch.no_grad()

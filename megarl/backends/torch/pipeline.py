@@ -86,10 +86,12 @@ class StageRunner:
                 "output": self.out_kind}
 
     def train(
-        self, packed: list[Packed], loss_for: Callable[[torch.Tensor, int], torch.Tensor]
+        self, packed: list[Packed], loss_for: Callable[[torch.Tensor, int], torch.Tensor],
+        routing: list[torch.Tensor] | None = None,
     ) -> None:
         """Forward + backward of every micro-batch (1F1B); ``loss_for(output, index)`` is
-        called on the last stage. All micro-batches must have the same length."""
+        called on the last stage. All micro-batches must have the same length. ``routing``:
+        each micro-batch's replayed experts [1, T, n_sparse, k] (the model's ``routing``)."""
         T = packed[0].seq_len
         if any(p.seq_len != T for p in packed):
             raise ValueError("pipeline micro-batches of one step must share one packed length")
@@ -113,24 +115,28 @@ class StageRunner:
             "segment_ids": torch.cat([p.segment_ids for p in packed]),
             "output": self.out_kind,
         }
+        if routing is not None:  # split over micro-batches like position_ids
+            kwargs["routing"] = torch.cat(routing)
         target = torch.arange(M, device=self.device)[:, None] if self.is_last else None
         args = (torch.cat([p.input_ids for p in packed]),) if self.is_first else ()
         schedule.step(*args, target=target, return_outputs=False, **kwargs)
 
     @torch.no_grad()
-    def forward(self, packed: list[Packed]) -> list[torch.Tensor]:
+    def forward(self, packed: list[Packed], routing: list[torch.Tensor] | None = None
+                ) -> list[torch.Tensor]:
         """Outputs ``[1, T_i, out_width]`` of every micro-batch on the last stage (empty list
-        elsewhere)."""
+        elsewhere); ``routing`` as in `train`."""
         outputs: list[torch.Tensor] = []
         pending = []
-        for p in packed:
+        for i, p in enumerate(packed):
             if self.is_first:
                 x = p.input_ids
             else:
                 x = torch.empty(1, p.seq_len, self.hidden_size, dtype=self.act_dtype,
                                 device=self.device)
                 dist.recv(x, src=self.prev, group=self.group)
-            out = self.module(x, **self._kwargs(p))
+            out = self.module(x, **self._kwargs(p),
+                              routing=None if routing is None else routing[i])
             if self.is_last:
                 outputs.append(out)
             else:
