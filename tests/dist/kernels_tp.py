@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import megarl_kernels as mk
+from megarl.utils import dist as mdist
 
 
 def close(name, got, want, rel):
@@ -97,7 +98,7 @@ def main() -> None:
         close(f"{name} dh", dh_tp, dh_one, 1e-5)
         close(f"{name} dW shard", dw_tp, dw_one[rows], 1e-5)
         print(f"rank{rank} OK fused {name}", flush=True)
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ def main():
     from safetensors.torch import save_file
 
     from megarl.backends.megatron import MegatronBackend
+    from megarl.utils import dist as mdist
 
     lib.worker_setup()
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -41,7 +42,7 @@ def main():
         save_file(weights, str(out / "dp2_weights.safetensors"))
         lib.write_results(out / "dp2.json", res)
     dist.barrier()
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def main():
     from safetensors.torch import save_file
 
     from megarl.backends.megatron import MegatronBackend
+    from megarl.utils import dist as mdist
 
     lib.worker_setup()
     root, results, ckpt = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -69,7 +70,7 @@ def main():
         if dist.get_rank() == 0:
             lib.write_results(results, res)
         dist.barrier()
-        dist.destroy_process_group()
+        mdist.destroy()
         return
     # EP=2 checkpoint with the distributed optimizer (one step in), then the next step
     path = ml.moe_model(root, "qwen3_moe")
@@ -85,7 +86,7 @@ def main():
         save_file(after, str(lib.next_step_path(ckpt, "ep2")))
         lib.write_results(results, res)
     dist.barrier()
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":

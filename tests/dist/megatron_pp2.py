@@ -20,6 +20,7 @@ def pipeline_checks(res, root, key, **layout):
     import torch
 
     from megarl.backends.megatron import MegatronBackend
+    from megarl.utils import dist as mdist
     from megarl.models.hf_io import load_hf_state_dict
 
     path = lib.zoo_model(root, "llama4_tied")
@@ -54,6 +55,7 @@ def main():
     from safetensors.torch import save_file
 
     from megarl.backends.megatron import MegatronBackend
+    from megarl.utils import dist as mdist
 
     lib.worker_setup()
     root, results, ckpt = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -83,7 +85,7 @@ def main():
     if dist.get_rank() == 0:
         lib.write_results(results, res)
     dist.barrier()
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":

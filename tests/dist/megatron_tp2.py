@@ -20,6 +20,7 @@ def lm_checks(res, root, name, **layout):
     import torch
 
     from megarl.backends.megatron import MegatronBackend
+    from megarl.utils import dist as mdist
     from megarl.models.hf_io import load_hf_state_dict
 
     path = lib.zoo_model(root, name)
@@ -64,6 +65,7 @@ def main():
     from safetensors.torch import save_file
 
     from megarl.backends.megatron import MegatronBackend
+    from megarl.utils import dist as mdist
 
     lib.worker_setup()
     root, results, ckpt = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
@@ -109,7 +111,7 @@ def main():
     if dist.get_rank() == 0:
         lib.write_results(results, res)
     dist.barrier()
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ def main():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megarl.utils import dist as mdist
+
     lib.worker_setup()
     res = {}
     for key, name, layout in CASES:
@@ -130,7 +132,7 @@ def main():
     if dist.get_rank() == 0:
         lib.write_results(Path(sys.argv[2]), res)
     dist.barrier()
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from megarl.models import load_model
+from megarl.utils import dist as mdist
 
 TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(),
@@ -80,7 +81,7 @@ def main(path: str) -> None:
     assert fsdp.lm_head.weight is fsdp.model.embed_tokens.weight, "FSDP2 untied the embeddings"
     got = fsdp.model.embed_tokens.weight.grad.full_tensor()
     assert (got - ref.model.embed_tokens.weight.grad).abs().max() <= 1e-5, "tied grad differs"
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":

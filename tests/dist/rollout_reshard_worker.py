@@ -45,6 +45,7 @@ from megarl.rollout.consistency import (  # noqa: E402
 from megarl.rollout.protocol import SamplingParams  # noqa: E402
 from megarl.rollout.reshard import tensor_bytes, weight_buckets  # noqa: E402
 from megarl.rollout.torch import TorchRolloutEngine  # noqa: E402
+from megarl.utils import dist as mdist  # noqa: E402
 
 BUCKETS = (40_000, 200_000)
 
@@ -197,7 +198,7 @@ def main() -> None:
         merged = {k: max(p[k] for p in parts) for k in parts[0]}
         Path(out).write_text(json.dumps(merged))
     dist.barrier()
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 def be_untrained_logprobs(model_dir: str, batch: SequenceBatch) -> torch.Tensor:

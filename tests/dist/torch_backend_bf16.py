@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch_backend_ref as R  # noqa: E402
 
 from megarl.backends.torch import TorchBackend  # noqa: E402
-from megarl.utils.dist import init_distributed  # noqa: E402
+from megarl.utils.dist import destroy, init_distributed  # noqa: E402
 
 BATCH = R.make_batch()
 TOTAL = float(BATCH.tensors["mask"].sum())
@@ -118,7 +118,7 @@ def main() -> None:
                   | {"planted": parts[0][name]["planted"]} for name in results}
         out.write_text(json.dumps(merged, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from megarl.backends.torch.moe import routing_metrics  # noqa: E402
 from megarl.errors import UserInputError  # noqa: E402
 from megarl.models.moe import capture_router_logits  # noqa: E402
 from megarl.models.moe_metrics import routing_metrics as ref_routing_metrics  # noqa: E402
-from megarl.utils.dist import init_distributed  # noqa: E402
+from megarl.utils.dist import destroy, init_distributed  # noqa: E402
 
 
 def check_metrics(name: str, path: str, res: W.Results) -> None:
@@ -77,7 +77,7 @@ def main() -> None:
         with open(a.out, "w", encoding="utf-8") as f:
             json.dump(merged, f, indent=1, sort_keys=True)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy()
 
 
 if __name__ == "__main__":

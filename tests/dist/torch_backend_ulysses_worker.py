@@ -43,7 +43,7 @@ from megarl.backends.torch import backend as backend_mod  # noqa: E402
 from megarl.backends.torch import ulysses as U  # noqa: E402
 from megarl.errors import UserInputError  # noqa: E402
 from megarl.models.model import default_position_ids  # noqa: E402
-from megarl.utils.dist import init_distributed  # noqa: E402
+from megarl.utils.dist import destroy, init_distributed  # noqa: E402
 
 SP2 = {"ulysses": 2}
 
@@ -160,7 +160,7 @@ def main() -> None:
         with open(a.out, "w", encoding="utf-8") as f:
             json.dump(merged, f, indent=1, sort_keys=True)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch_backend_ref as R  # noqa: E402
 
 from megarl.backends.torch import TorchBackend, interleave_rank_splits  # noqa: E402
-from megarl.utils.dist import init_distributed  # noqa: E402
+from megarl.utils.dist import destroy, init_distributed  # noqa: E402
 
 # eps 1e-6: with 1e-8 Adam amplifies fp32 reduction-order noise of ~1e-7 gradients past 1e-5
 OPT = {"lr": 1e-3, "eps": 1e-6, "grad_clip": 1.0, "weight_decay": 0.01}
@@ -274,7 +274,7 @@ def main() -> None:
         with open(a.out, "w", encoding="utf-8") as f:
             json.dump(merged, f, indent=1, sort_keys=True)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy()
 
 
 if __name__ == "__main__":

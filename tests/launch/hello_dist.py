@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.utils import dist as mdist
+
 
 def _overrides(pairs: list[str]) -> dict[str, str]:
     out = {}
@@ -97,7 +99,7 @@ def main() -> None:
             os.replace(tmp, run_dir / "ckpt.json")
         dist.barrier()
         time.sleep(pause)
-    dist.destroy_process_group()
+    mdist.destroy()
 
 
 if __name__ == "__main__":
