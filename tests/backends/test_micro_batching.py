@@ -82,9 +82,9 @@ def run(backend: TorchBackend, batch: RolloutBatch, micro_size: int | None,
     rows: list[int] = []
     inner = backend._run
 
-    def counting(p):
+    def counting(p, routing=None):
         rows.append(int(p.segment_ids[0, :p.num_tokens].unique().numel()))
-        return inner(p)
+        return inner(p, routing)
 
     backend._run = counting
     backend.train_step = lambda micro, loss_fn, temperature=1.0: backend.forward_backward(
@@ -137,7 +137,7 @@ def test_logprobs_run_in_chunks_of_the_log_prob_micro_size(model_path):
     fixed = TorchBackend("actor", model_path, **kw)
     rows: list[int] = []
     inner = fixed._run
-    fixed._run = lambda p: (rows.append(p.batch_size), inner(p))[1]
+    fixed._run = lambda p, routing=None: (rows.append(p.batch_size), inner(p, routing))[1]
     lp_fixed, _ = fixed.logprobs(batch)
     assert rows == [2, 2, 2, 1]
 
@@ -149,7 +149,7 @@ def test_logprobs_run_in_chunks_of_the_log_prob_micro_size(model_path):
     dyn = TorchBackend("actor", model_path, **kw)
     rows.clear()
     inner_d = dyn._run
-    dyn._run = lambda p: (rows.append(p.batch_size), inner_d(p))[1]
+    dyn._run = lambda p, routing=None: (rows.append(p.batch_size), inner_d(p, routing))[1]
     lp_dyn, _ = dyn.logprobs(batch)
     assert rows == [B]
     torch.testing.assert_close(lp_fixed, lp_dyn, rtol=1e-5, atol=1e-6)
