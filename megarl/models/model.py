@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megarl.models.args import ModelArgs
-from megarl.models.moe import MoEBlock, sparse_layers
+from megarl.models.moe import MoEBlock, check_routing, sparse_layers
 
 Head = Literal["lm", "token_cls"]
 
@@ -524,7 +524,10 @@ class Transformer(nn.Module):
             and self.training
             and torch.is_grad_enabled()
         )
-        sparse = self._sparse_index if routing is not None else {}
+        sparse = {}
+        if routing is not None:
+            check_routing(self.args, routing, (batch, seq_len))
+            sparse = self._sparse_index
         for idx, layer in m.layers.items():
             r = routing[:, :, sparse[int(idx)]] if int(idx) in sparse else None
             if use_ckpt:

@@ -20,8 +20,9 @@ always reduce the same set of gradients.
 load-balancing loss and the routing metrics in `megarl.models.moe_metrics`.
 
 Routing replay (rollout routing replay, "R3"): `record_experts` returns the experts each token
-chose in every sparse layer of a forward (what a rollout engine reports); `replay_experts` makes
-the next forwards use given experts instead of the router's top-k. A replayed token's weights are
+chose in every sparse layer of a forward (what a rollout engine reports); the ``routing`` argument
+of `megarl.models.model.Transformer.forward` (checked by `check_routing`) makes a forward use
+given experts instead of the router's top-k. A replayed token's weights are
 the router's softmax probabilities at the given experts (divided by their sum when
 ``norm_topk_prob``), so the router still gets a gradient through them (verl's megatron router
 replay and the R3 paper gather the router scores at the replayed indices the same way). A row of
@@ -124,21 +125,19 @@ class MoEBlock(nn.Module):
         if args.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(h, args.shared_expert_intermediate_size, **fk)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False, **fk)
-        # routing replay state (`replay_experts` / `record_experts`), not parameters
-        self.replay: torch.Tensor | None = None  # [N, k] int, -1 rows: the router decides
+        # `record_experts` state, not parameters
         self.recorded: dict[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, t, h] -> [b, t, h]. replay: [b, t, k] experts for this call (-1 rows: the
-        router decides), else the block's ``replay`` state (`replay_experts`), else the
-        router's top-k."""
+        """x [b, t, h] -> [b, t, h]. replay: [b, t, k] experts for this call instead of the
+        router's top-k (-1 rows: the router decides)."""
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
         logits = self.gate(flat)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
-        given = replay.reshape(-1, replay.shape[-1]) if replay is not None else self.replay
-        if given is not None:
-            weights, experts = self._replayed(given, logits, weights, experts)
+        if replay is not None:
+            weights, experts = self._replayed(replay.reshape(-1, replay.shape[-1]), logits,
+                                              weights, experts)
         if self.recorded is not None:
             self.recorded[self.layer_idx] = experts.detach()
         out = run_experts(flat, weights, experts, self.experts)
@@ -211,7 +210,7 @@ def capture_router_logits(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]
 def record_experts(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
     """Record the experts [N, k] (int64, N = B * T tokens of the call, row-major) every sparse
     layer uses while the block runs: ``{layer index: experts}``, overwritten by each forward.
-    Under `replay_experts` these are the replayed experts.
+    Under replay (a ``routing`` argument) these are the replayed experts.
 
         with record_experts(model) as chosen:
             model(input_ids)
@@ -237,28 +236,17 @@ def stack_layers(chosen: Mapping[int, torch.Tensor], args: ModelArgs) -> torch.T
     return torch.stack([chosen[i] for i in layers], dim=1).to(routing_dtype(args.num_experts))
 
 
-@contextmanager
-def replay_experts(model: nn.Module, routing: torch.Tensor) -> Iterator[None]:
-    """Route every forward of ``model`` inside the block with ``routing`` instead of the
-    routers' top-k (see module docstring).
-
-    routing: [B, T, n_sparse, k] or [B * T, n_sparse, k] integer expert ids of the tokens of the
-    forwards to come (the same B x T input), layers as `sparse_layers` of the model's args (a
-    pipeline stage uses its own layers' entries); -1 rows are routed by the router. Ids are
-    checked here, once: each must be -1 or in [0, num_experts)."""
-    blocks = moe_blocks(model)
-    if not blocks:
-        raise ValueError("replay_experts needs a model with sparse (MoE) layers")
-    args = model.args
-    layers = sparse_layers(args)
-    k = args.num_experts_per_tok
-    if routing.dim() == 4:
-        routing = routing.reshape(-1, *routing.shape[2:])
-    if routing.dim() != 3 or tuple(routing.shape[1:]) != (len(layers), k):
-        raise ValueError(
-            f"routing must be [B, T, n_sparse={len(layers)}, k={k}] or [B*T, {len(layers)}, {k}], "
-            f"got {tuple(routing.shape)}"
-        )
+def check_routing(args: ModelArgs, routing: torch.Tensor, tokens: tuple[int, int]) -> None:
+    """Refuse a ``routing`` argument that does not fit a forward of ``tokens`` = (B, T): it must
+    be [B, T, n_sparse, k] integer expert ids (all sparse layers of the model, as
+    `sparse_layers`; a pipeline stage reads its own layers' entries), each -1 or in
+    [0, num_experts)."""
+    n, k = len(sparse_layers(args)), args.num_experts_per_tok
+    if not n:
+        raise ValueError("a routing argument needs a model with sparse (MoE) layers")
+    if tuple(routing.shape) != (*tokens, n, k):
+        raise ValueError(f"routing must be [B, T, n_sparse={n}, k={k}] = "
+                         f"{[*tokens, n, k]} for this forward, got {list(routing.shape)}")
     if routing.dtype.is_floating_point:
         raise ValueError(f"routing must hold integer expert ids, got {routing.dtype}")
     if routing.numel() and (int(routing.min()) < -1 or int(routing.max()) >= args.num_experts):
@@ -266,11 +254,3 @@ def replay_experts(model: nn.Module, routing: torch.Tensor) -> Iterator[None]:
             f"routing holds expert ids outside [-1, {args.num_experts}): "
             f"[{int(routing.min())}, {int(routing.max())}]"
         )
-    for j, idx in enumerate(layers):
-        if idx in blocks:
-            blocks[idx].replay = routing[:, j]
-    try:
-        yield
-    finally:
-        for block in blocks.values():
-            block.replay = None

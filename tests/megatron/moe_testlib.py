@@ -202,16 +202,14 @@ def random_routing(batch, path: Path, seed: int = 3, unrecorded: float = 0.2) ->
 
 def replayed_reference(path: Path, batch, routing: torch.Tensor, temperature: float = 1.0):
     """(logprobs [B, L], loss -sum(logprob)/tokens, grads by HF name) of megarl's plain model in
-    float64 routed by ``routing`` (`megarl.models.moe.replay_experts`, itself checked against a
+    float64 routed by ``routing`` (the model's ``routing`` argument, itself checked against a
     float64 loop over tokens in tests/models/test_moe_replay.py)."""
     from megarl.models import load_model
-    from megarl.models.moe import replay_experts
 
     model = load_model(path, dtype=torch.float64)
     L = batch.response_length
     P = batch.input_ids.shape[1] - L
-    with replay_experts(model, routing):
-        logits = model(batch.input_ids, attention_mask=batch.attention_mask)
+    logits = model(batch.input_ids, attention_mask=batch.attention_mask, routing=routing)
     logp = torch.log_softmax(logits[:, P - 1:-1].double() / temperature, -1)
     lp = logp.gather(-1, batch.input_ids[:, P:, None])[..., 0] * batch.attention_mask[:, P:]
     loss = -lp.sum() / float(batch.response_mask.sum())

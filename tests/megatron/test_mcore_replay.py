@@ -3,8 +3,8 @@
 The batch's ``routed_experts`` are random distinct experts per (token, sparse layer), with 20%
 of rows -1 (routed by the router): far from what the routers choose (``replay_flipped`` near
 1), so a replay that is not applied, or applied to the wrong tokens or layers, moves the
-logprobs by O(1). Reference: megarl's plain model in float64 under
-`megarl.models.moe.replay_experts` (checked against a float64 loop over tokens in
+logprobs by O(1). Reference: megarl's plain model in float64 given the routing as its
+``routing`` argument (checked against a float64 loop over tokens in
 tests/models/test_moe_replay.py): logprobs, loss and every gradient (router and experts
 included) within 1e-5, as the megatron MoE layers against transformers.
 

@@ -1,4 +1,5 @@
-"""Routing replay of the MoE block (`moe.replay_experts` / `moe.record_experts`).
+"""Routing replay of the MoE block (the ``routing`` argument of the model's forward /
+`moe.record_experts`).
 
 Reference: a float64 loop over tokens written from the definition (softmax of the router logits
 over all E experts, the probabilities at the replayed experts, divided by their sum when
@@ -28,9 +29,7 @@ from megarl.models.moe import (
     MoEBlock,
     moe_blocks,
     record_experts,
-    replay_experts,
     routing_dtype,
-    sparse_layers,
     stack_layers,
 )
 
@@ -80,12 +79,8 @@ def test_replayed_block_matches_float64_reference(hf_folder, family):
     x = torch.randn(2, 7, model.args.hidden_size, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(1))
     experts = random_experts(14, E, k, seed=2, none_rows=(3, 10))
-    routing = torch.full((14, len(sparse_layers(model.args)), k), -1, dtype=torch.int16)
-    routing[:, 0] = experts.to(torch.int16)  # layer 0 replayed; the other layer is untouched
-
-    with replay_experts(model, routing.view(2, 7, -1, k)):
-        got = block(x)
-        got.pow(2).sum().backward()
+    got = block(x, experts.view(2, 7, k).to(torch.int16))
+    got.pow(2).sum().backward()
     got_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
     block.zero_grad()
     want = reference_block(block, x.reshape(14, -1), experts)
@@ -99,7 +94,6 @@ def test_replayed_block_matches_float64_reference(hf_folder, family):
     with torch.no_grad():
         plain = block(x).reshape(14, -1)
     assert (plain - want).abs().max() > 1e-2
-    assert block.replay is None  # the context cleared it
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -115,9 +109,8 @@ def test_replaying_recorded_experts_is_bitwise_the_plain_forward(hf_folder, fami
         routing = stack_layers(chosen, model.args)
         assert routing.shape == (33, 2, 2) and routing.dtype == routing_dtype(4)
         if replay:
-            with replay_experts(model, routing.view(3, 11, 2, 2)):
-                logits = model(ids)
-                logits.logsumexp(-1).sum().backward()
+            logits = model(ids, routing=routing.view(3, 11, 2, 2))
+            logits.logsumexp(-1).sum().backward()
             assert torch.equal(logits.detach(), plain)
         else:
             logits = model(ids)
@@ -128,29 +121,22 @@ def test_replaying_recorded_experts_is_bitwise_the_plain_forward(hf_folder, fami
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_routing_argument_replays_like_the_context(hf_folder, checkpointing):
-    """``Transformer.forward(routing=...)`` (the backends' path: an argument of every layer's
-    call) gives bitwise the logits and gradients of `replay_experts` on random experts with
-    -1 rows, also under activation checkpointing, where the recompute replays the argument.
-    Planted: a layer given another sparse layer's routing (index off by one) changes the
-    logits; the checkpointed call not passing the routing (forward and recompute routed by
-    the router): the logits differ, fails."""
+def test_checkpointed_recompute_replays_the_same_experts(hf_folder):
+    """Under activation checkpointing the recompute in backward gets the same ``routing`` (it is
+    an argument of each layer's call): logits and every gradient are bitwise those of the
+    model without checkpointing, on random experts with -1 rows; the routing really changes
+    the result. Planted: the checkpointed call not passing the routing (forward and recompute
+    routed by the router): the logits differ, fails."""
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(8))
     routing = torch.stack([random_experts(18, 4, 2, seed=s) for s in (9, 10)], dim=1)
     routing[::4] = -1
     routing = routing.view(2, 9, 2, 2)
     runs = []
-    for argument in (False, True):
+    for checkpointing in (False, True):
         model = load_model(hf_folder("qwen3_moe"), activation_checkpointing=checkpointing)
         model.train()
-        if argument:
-            logits = model(ids, routing=routing)
-            logits.logsumexp(-1).sum().backward()
-        else:
-            with replay_experts(model, routing):
-                logits = model(ids)
-                logits.logsumexp(-1).sum().backward()
+        logits = model(ids, routing=routing)
+        logits.logsumexp(-1).sum().backward()
         runs.append((logits.detach(),
                      {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     assert torch.equal(runs[0][0], runs[1][0])
@@ -158,34 +144,34 @@ def test_routing_argument_replays_like_the_context(hf_folder, checkpointing):
     for name in runs[0][1]:
         assert torch.equal(runs[0][1][name], runs[1][1][name]), name
     plain = load_model(hf_folder("qwen3_moe"))(ids).detach()
-    assert (plain - runs[1][0]).abs().max() > 1e-2  # the routing changed the result
+    assert (plain - runs[1][0]).abs().max() > 1e-2
 
 
 def test_record_under_replay_reports_the_replayed_experts(hf_folder):
     model = load_model(hf_folder("qwen3_moe"))
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(5))
     routing = torch.stack([random_experts(6, 4, 2, seed=s) for s in (6, 7)], dim=1)
-    with torch.no_grad(), replay_experts(model, routing), record_experts(model) as chosen:
-        model(ids)
+    with torch.no_grad(), record_experts(model) as chosen:
+        model(ids, routing=routing.view(1, 6, 2, 2))
     assert torch.equal(stack_layers(chosen, model.args).long(), routing)
 
 
 def test_bad_routing_is_refused(hf_folder):
     model = load_model(hf_folder("qwen3_moe"))
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"routing must be \[B, T, n_sparse=2, k=2\]"):
-        with replay_experts(model, torch.zeros(4, 3, 2, dtype=torch.long)):
-            pass
-    with pytest.raises(ValueError, match=r"expert ids outside \[-1, 4\): \[4, 4\]"):
-        with replay_experts(model, torch.full((4, 2, 2), 4, dtype=torch.long)):
-            pass
-    with pytest.raises(ValueError, match="integer expert ids"):
-        with replay_experts(model, torch.zeros(4, 2, 2)):
-            pass
-    with pytest.raises(ValueError, match=r"layer 0: replayed experts have shape \(5, 2\)"):
-        with torch.no_grad(), replay_experts(model, torch.zeros(5, 2, 2, dtype=torch.long)):
-            model(ids)
-    dense = load_model(hf_folder("qwen3"))
-    with pytest.raises(ValueError, match="sparse"):
-        with replay_experts(dense, torch.zeros(4, 2, 2, dtype=torch.long)):
-            pass
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"routing must be \[B, T, n_sparse=2, k=2\] = "
+                                             r"\[1, 4, 2, 2\] for this forward, got \[1, 4, 3, 2\]"):
+            model(ids, routing=torch.zeros(1, 4, 3, 2, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"got \[1, 5, 2, 2\]"):
+            model(ids, routing=torch.zeros(1, 5, 2, 2, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"expert ids outside \[-1, 4\): \[4, 4\]"):
+            model(ids, routing=torch.full((1, 4, 2, 2), 4, dtype=torch.long))
+        with pytest.raises(ValueError, match="integer expert ids"):
+            model(ids, routing=torch.zeros(1, 4, 2, 2))
+        with pytest.raises(ValueError, match=r"layer 0: replayed experts have shape \(5, 2\)"):
+            moe_blocks(model)[0](torch.zeros(1, 4, model.args.hidden_size),
+                                 torch.zeros(1, 5, 2, dtype=torch.long))
+        dense = load_model(hf_folder("qwen3"))
+        with pytest.raises(ValueError, match="sparse"):
+            dense(ids, routing=torch.zeros(1, 4, 0, 2, dtype=torch.long))
