@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test test-fast demo assets lint bench clean mutation
+.PHONY: install test test-fast demo assets lint bench clean mutation gpu-wheels
 
 install: $(STAMP)
 
@@ -67,3 +67,17 @@ bench: install
 
 clean:
 	rm -rf $(VENV) assets runs .pytest_cache
+
+# The wheels bench/gpu_check.sh installs on an offline GPU machine (whose Python already has
+# torch, Triton, transformers, tensorboard, pyarrow and pytest): megarl's other needs and Liger
+# for the kernel comparison. GPU_PY: that machine's Python version.
+GPU_PY     ?= 3.12
+GPU_WHEELS ?= gpu-wheels
+GPU_WHEEL_SET := megatron-core==0.16.1 omegaconf==2.4.0 math-verify==0.9.0 \
+	latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 liger-kernel==0.8.5
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d $(GPU_WHEELS) $(GPU_WHEEL_SET)
+	du -sh $(GPU_WHEELS)

@@ -1,0 +1,678 @@
+"""The GPU check: megarl's CUDA paths measured on one GPU in one command (bench/gpu_check.sh).
+
+    python bench/gpu_check.py run --out DIR [--dry-run] [--steps env,kernels,...] [--budget S]
+    python bench/gpu_check.py step NAME --out DIR [--dry-run]     (one step; `run` calls this)
+
+Each step runs in its own process under its own timeout and writes ``DIR/NAME.json``
+(``{"step", "ok", "seconds", "result" | "error"}``) and ``DIR/NAME.log``; ``run`` prints a
+summary and writes ``DIR/summary.json``. Steps (``--dry-run``: tiny shapes on the CPU, fp32,
+the Triton kernels under the interpreter, so that every step and key runs in ``make test``):
+
+- ``env``: versions of Python, torch, CUDA, the GPU, Triton, transformers, megatron-core, megarl.
+- ``kernels``: the compiled Triton kernels against float64 (logprob + entropy and their
+  gradients, the fused PPO and PACS losses), fp32 and bf16, temperatures 1.0 and 0.6, a small
+  and the Qwen-vocabulary shape (T=2048, H=896, V=151,936). Bound: the test suite's tolerance,
+  or twice the torch implementation's own error on the same inputs where that is larger.
+- ``kernel_bench``: ``bench/kernels.py`` in bf16: naive vs ours (Triton and torch paths) vs
+  Liger's fused linear cross-entropy, T=4096 and 16,384: time and peak memory.
+- ``pytest``: ``tests/kernels tests/models tests/algos`` (compiled Triton on CUDA tensors;
+  started first and run beside the other steps, 4 workers).
+- ``model``: a random Qwen2-shaped ~0.5B model (hidden 896, 24 layers, vocab 151,936, bf16),
+  its tokenizer and 64 math prompts in verl's row format.
+- ``grpo_torch`` / ``grpo_megatron``: GRPO, 4 steps, our engine, bf16, 256-token responses
+  (16 prompts x 4): s/step, generated tokens/s, peak memory, engine-vs-trainer logprob gap.
+- ``megatron_vs_hf``: megatron's and the torch backend's bf16 logprobs against transformers in
+  float64, next to transformers' own bf16 error.
+- ``generate``: our engine vs transformers' ``generate`` on the same model and prompts (tok/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (step, timeout s on the GPU); the order they run in. pytest runs beside the others.
+STEPS = {"env": 60, "pytest": 330, "kernels": 150, "model": 120, "grpo_torch": 200,
+         "grpo_megatron": 200, "megatron_vs_hf": 120, "generate": 120, "kernel_bench": 200}
+BACKGROUND = ("pytest",)
+PYTEST_GPU = ["tests/kernels", "tests/models", "tests/algos"]
+PYTEST_DRY = ["tests/kernels/test_kernels_api.py"]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shapes of one run of the check: the GPU's, or the dry run's on the CPU."""
+
+    device: str
+    dtype: str  # "bf16" | "fp32" (the training and engine dtype)
+    kernel_shapes: tuple[tuple[int, int, int], ...]  # (T, H, V)
+    bench_tokens: tuple[int, ...]
+    bench_hv: tuple[int, int]
+    model: dict
+    prompts: int  # per step
+    n: int  # responses per prompt
+    response_len: int
+    steps: int
+    gen_batch: int
+    gen_len: int
+    gen_repeats: int
+    logprob_gap_bound: float  # mean |engine - trainer| logprob at step 1
+
+
+GPU = Sizes(
+    device="cuda", dtype="bf16",
+    kernel_shapes=((300, 96, 1031), (2048, 896, 151936)),
+    bench_tokens=(4096, 16384), bench_hv=(896, 151936),
+    model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+               num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+               max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6),
+    prompts=16, n=4, response_len=256, steps=4, gen_batch=64, gen_len=256, gen_repeats=2,
+    logprob_gap_bound=0.1,
+)
+DRY = Sizes(
+    device="cpu", dtype="fp32",
+    kernel_shapes=((37, 48, 517),),
+    bench_tokens=(64,), bench_hv=(32, 1000),
+    model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
+               max_position_embeddings=512, tie_word_embeddings=True),
+    prompts=2, n=2, response_len=16, steps=2, gen_batch=4, gen_len=16, gen_repeats=1,
+    logprob_gap_bound=1e-4,
+)
+
+
+class CheckFailed(AssertionError):
+    """A step ran but its result is outside its bound."""
+
+
+def require(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+
+
+def work_dir(out: Path) -> Path:
+    path = out / "work"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def model_dir(out: Path) -> Path:
+    return work_dir(out) / "qwen2_random"
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def step_env(sizes: Sizes, out: Path) -> dict:
+    import torch
+    import transformers
+
+    res = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda_runtime": torch.version.cuda, "transformers": transformers.__version__,
+           "megarl": importlib.metadata.version("megarl"),
+           "cpu_count": os.cpu_count()}
+    for dist in ("triton", "megatron-core", "omegaconf", "math-verify", "liger-kernel"):
+        try:
+            res[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # each later step says what it needs
+            res[dist] = "missing"
+    res["imported_from"] = {}
+    for mod in ("megarl", "megatron.core", "omegaconf", "math_verify"):
+        spec = importlib.util.find_spec(mod)
+        res["imported_from"][mod] = spec.origin if spec else None
+    if sizes.device == "cuda":
+        require(torch.cuda.is_available(), "CUDA is not available to torch")
+        props = torch.cuda.get_device_properties(0)
+        res.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   sm_count=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}", driver=_driver_version())
+    return res
+
+
+def _driver_version() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"unknown ({err})"
+
+
+def _kernel_inputs(T: int, H: int, V: int, dtype, device, seed: int, scale: float = 3.0):
+    """hidden [T, H], weight [V, H] (logit std about ``scale``), labels [T] (0 and V-1 used),
+    loss weights a, b [T]: drawn in float64 on ``device``, then cast."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    f64 = dict(dtype=torch.float64, device=device, generator=g)
+    hidden = torch.randn(T, H, **f64)
+    weight = torch.randn(V, H, **f64) * (scale / H**0.5)
+    labels = torch.randint(0, V, (T,), device=device, generator=g)
+    labels[0], labels[-1] = 0, V - 1
+    a, b = torch.randn(T, **f64).float(), torch.randn(T, **f64).float()
+    return hidden.to(dtype), weight.to(dtype), labels, a, b
+
+
+def _f64_logprob_entropy(h, w, labels, temperature):
+    import torch
+
+    logp = torch.log_softmax(h.double() @ w.double().t() / temperature, dim=-1)
+    return logp.gather(1, labels[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
+
+def _errors(got: dict, want: dict) -> dict:
+    """max |got - want| per name; gradients relative to the reference's largest element."""
+    out = {}
+    for k, w in want.items():
+        d = float((got[k].double() - w.double()).abs().max())
+        out[k] = d / max(float(w.abs().max()), 1e-30) if k in ("dh", "dw") else d
+    return out
+
+
+def _kernel_case(mk, impl, h, w, labels, a, b, temperature):
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    lp, ent = mk.linear_logprob_entropy(h, w, labels, temperature, impl=impl)
+    ((lp * a).sum() + (ent * b).sum()).backward()
+    return {"logprob": lp.detach(), "entropy": ent.detach(), "dh": h.grad, "dw": w.grad}
+
+
+def step_kernels(sizes: Sizes, out: Path) -> dict:
+    """Triton (compiled; the interpreter in the dry run) and torch against float64."""
+    import torch
+
+    import megarl_kernels as mk
+    from megarl import algos
+
+    device = torch.device(sizes.device)
+    bounds = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 1.6e-2)}  # tests/kernels
+    rows, failures = [], []
+    for T, H, V in sizes.kernel_shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            for temperature in (1.0, 0.6):
+                h, w, labels, a, b = _kernel_inputs(T, H, V, dtype, device, seed=T + V)
+                hr = h.double().requires_grad_()
+                wr = w.double().requires_grad_()
+                lp, ent = _f64_logprob_entropy(hr, wr, labels, temperature)
+                ((lp * a.double()).sum() + (ent * b.double()).sum()).backward()
+                want = {"logprob": lp.detach(), "entropy": ent.detach(), "dh": hr.grad,
+                        "dw": wr.grad}
+                del lp, ent, hr, wr
+                errs = {impl: _errors(_kernel_case(mk, impl, h, w, labels, a, b, temperature),
+                                      want) for impl in ("triton", "torch")}
+                fwd_tol, grad_tol = bounds[dtype]
+                row = {"T": T, "H": H, "V": V, "dtype": str(dtype).removeprefix("torch."),
+                       "temperature": temperature, "triton": errs["triton"],
+                       "torch": errs["torch"]}
+                for k, e in errs["triton"].items():
+                    bound = max(fwd_tol if k in ("logprob", "entropy") else grad_tol,
+                                2 * errs["torch"][k])
+                    row.setdefault("bound", {})[k] = bound
+                    if not e <= bound:
+                        failures.append(f"{k} T={T} V={V} {row['dtype']} t={temperature}: "
+                                        f"{e:.3e} > {bound:.3e}")
+                rows.append(row)
+                del want, h, w
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        rows.append(_fused_losses_case(mk, algos, T, H, V, device, failures))
+    require(not failures, "; ".join(failures))
+    return {"cases": rows}
+
+
+def _fused_losses_case(mk, algos, T, H, V, device, failures: list[str]) -> dict:
+    """fused_ppo_loss and fused_pacs_loss (Triton, bf16 inputs) against megarl.algos composed
+    with float64 full-logits logprobs of the same bf16-rounded inputs: loss and gradients."""
+    import torch
+
+    h, w, labels, a, _ = _kernel_inputs(T, H, V, torch.bfloat16, device, seed=7 + T)
+    B = max(4, T // 64) // 2 * 2
+    seq = torch.arange(T, device=device) * B // T  # B responses of about T/B tokens
+    groups = torch.arange(B, device=device) // 2  # pairs: one right and one wrong response
+    scores = (torch.arange(B, device=device) % 2).float()
+    with torch.no_grad():
+        lp0, _ = _f64_logprob_entropy(h, w, labels, 1.0)
+    gen = torch.Generator(device=device).manual_seed(3)
+    old = (lp0 + 0.3 * torch.randn(T, dtype=torch.float64, device=device, generator=gen)).float()
+    res = {"loss": "fused_ppo / fused_pacs", "T": T, "V": V}
+    lengths = torch.bincount(seq, minlength=B)
+    mask = torch.arange(int(lengths.max()), device=device)[None] < lengths[:, None]
+    col = torch.arange(T, device=device) - torch.cumsum(lengths, 0)[seq] + lengths[seq]
+
+    def pad(x):
+        return torch.zeros(mask.shape, dtype=x.dtype, device=device).index_put((seq, col), x)
+
+    def ref(kind):
+        hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+        lp, ent = _f64_logprob_entropy(hr, wr, labels, 1.0)
+        if kind == "ppo":
+            loss, _ = algos.policy_loss("vanilla", logprob=pad(lp), old_logprob=pad(old.double()),
+                                        advantages=pad(a.double()), response_mask=mask,
+                                        agg_mode="token-mean")
+            loss = loss - 0.01 * algos.agg_loss(pad(ent), mask, "token-mean")
+        else:
+            loss, _ = algos.pacs_loss(logprob=pad(lp), old_logprob=pad(old.double()),
+                                      response_mask=mask, scores=scores, group_index=groups,
+                                      beta=1.0, reward_method="1", adv_estimator="rloo",
+                                      weight_mode="question")
+        loss.backward()
+        return float(loss), hr.grad, wr.grad
+
+    def fused(kind):
+        hf, wf = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        if kind == "ppo":
+            loss, _ = mk.fused_ppo_loss(hf, wf, labels, old, a, loss_scale=1.0 / T,
+                                        entropy_coeff=0.01, impl="triton")
+        else:
+            loss, _ = mk.fused_pacs_loss(hf, wf, labels, old, seq, groups, scores, beta=1.0,
+                                         reward_method="1", adv_estimator="rloo",
+                                         weight_mode="question", impl="triton")
+        loss.backward()
+        return float(loss), hf.grad, wf.grad
+
+    for kind in ("ppo", "pacs"):
+        (rl, rdh, rdw), (fl, fdh, fdw) = ref(kind), fused(kind)
+        if not float(rdh.abs().max()) > 0:
+            failures.append(f"fused {kind}: the float64 reference has no gradient (degenerate case)")
+        errs = {"loss_rel": abs(fl - rl) / max(abs(rl), 1e-12),
+                **_errors({"dh": fdh, "dw": fdw}, {"dh": rdh, "dw": rdw})}
+        res[kind] = errs
+        for k, e in errs.items():
+            bound = 1e-3 if k == "loss_rel" else 1.6e-2  # bf16 inputs, fp32 accumulation
+            if not e <= bound:
+                failures.append(f"fused {kind} {k} T={T} V={V}: {e:.3e} > {bound:.1e}")
+    return res
+
+
+def step_kernel_bench(sizes: Sizes, out: Path) -> dict:
+    """bench/kernels.py per T: Triton path (with naive, PPO and Liger beside it), then torch."""
+    H, V = sizes.bench_hv
+    runs = {}
+    for T in sizes.bench_tokens:
+        for impl, methods in (("triton", "naive,ours,ppo_naive,ppo_fused,liger"),
+                              ("torch", "ours,ppo_fused")):
+            js = work_dir(out) / f"kernels_T{T}_{impl}.json"
+            dtype = "bf16" if sizes.device == "cuda" else "fp32"
+            cmd = [sys.executable, str(REPO / "bench" / "kernels.py"), "--T", str(T), "--H", str(H),
+                   "--V", str(V), "--dtype", dtype, "--device", sizes.device, "--impl", impl,
+                   "--methods", methods, "--repeats", "3", "--json", str(js)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            print(proc.stdout, proc.stderr[-2000:], sep="\n", flush=True)
+            require(proc.returncode == 0, f"bench/kernels.py T={T} impl={impl} failed")
+            runs[f"T{T}_{impl}"] = json.loads(js.read_text())["results"]
+    failed = [f"{k}: {r['method']}: {r['skipped']}" for k, rs in runs.items() for r in rs
+              if "failed" in r.get("skipped", "") and r["method"] != "naive"]
+    require(not failed, "; ".join(failed))  # naive may run out of memory at T=16384
+    return {"runs": runs}
+
+
+def step_pytest(sizes: Sizes, out: Path) -> dict:
+    paths = PYTEST_GPU if sizes.device == "cuda" else PYTEST_DRY
+    workers = ["-n", "4"] if sizes.device == "cuda" else []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if sizes.device == "cuda":
+        env["TRITON_INTERPRET"] = "0"  # the compiled kernels on CUDA tensors
+    junit = work_dir(out) / "pytest.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
+           "--timeout=300", f"--junitxml={junit}", *paths]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
+    tail = [x for x in proc.stdout.splitlines() if x.strip()][-1:] or ["(no output)"]
+    require(proc.returncode == 0, f"pytest {' '.join(paths)}: {tail[0]}")
+    return {"paths": paths, "summary": tail[0]}
+
+
+def step_model(sizes: Sizes, out: Path) -> dict:
+    """The random policy (bf16 on the GPU), its tokenizer and the prompt rows."""
+    import torch
+
+    from megarl.data.rows import write_rows
+    from megarl.models.testing import make_tiny_hf_model
+
+    path = model_dir(out)
+    dtype = torch.bfloat16 if sizes.dtype == "bf16" else torch.float32
+    t0 = time.perf_counter()
+    make_tiny_hf_model(path, "qwen2", dtype=dtype, **sizes.model)
+    params = sum(p.numel() for p in _hf(path, torch.float32, "meta").parameters())
+    rows = [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"What is {i}+{2 * i + 1}? Answer with the "
+                                                    "number after ####."}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(3 * i + 1)},
+             "extra_info": {"index": i}} for i in range(64)]
+    write_rows(rows, str(work_dir(out) / "train.parquet"))
+    return {"path": str(path), "params_m": round(params / 1e6, 1), "build_s":
+            round(time.perf_counter() - t0, 1), **sizes.model}
+
+
+def _hf(path: Path, dtype, device):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if device == "meta":
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
+    run_dir = work_dir(out) / f"grpo_{strategy}"
+    cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--config", "grpo",
+           f"actor_rollout_ref.model.path={model_dir(out)}",
+           f"data.train_files={work_dir(out) / 'train.parquet'}", "data.val_files=null",
+           f"data.train_batch_size={sizes.prompts}", "data.max_prompt_length=64",
+           f"data.max_response_length={sizes.response_len}",
+           f"actor_rollout_ref.actor.strategy={strategy}",
+           f"actor_rollout_ref.actor.ppo_mini_batch_size={sizes.prompts}",
+           f"actor_rollout_ref.model.dtype={sizes.dtype}",
+           "actor_rollout_ref.rollout.name=torch", f"actor_rollout_ref.rollout.n={sizes.n}",
+           "actor_rollout_ref.actor.optim.lr=1e-6",
+           f"trainer.total_training_steps={sizes.steps}", f"trainer.device={sizes.device}",
+           "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+           "trainer.export_hf=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={run_dir}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    print(proc.stdout[-20000:], proc.stderr[-20000:], sep="\n", flush=True)
+    require(proc.returncode == 0, f"launch/train.py ({strategy}) exited {proc.returncode}: "
+            + (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1])
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if r.get("step", 0) > 0 and "timing_s/step" in r]
+    require(len(rows) == sizes.steps, f"{len(rows)} training steps logged, {sizes.steps} asked")
+    for r in rows:
+        require(all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm")),
+                f"non-finite loss or gradient norm at step {r['step']}")
+    steady = rows[1:] or rows
+    n_resp = sizes.prompts * sizes.n
+    gen_tok = [r["response_length/mean"] * n_resp for r in steady]
+    gap_mean = rows[0].get("rollout/logprob_abs_diff_mean", float("nan"))
+    require(gap_mean <= sizes.logprob_gap_bound,
+            f"engine-vs-trainer logprob gap {gap_mean:.3g} > {sizes.logprob_gap_bound}")
+    return {
+        "wall_s": round(wall, 1),
+        "s_per_step": statistics.median(r["timing_s/step"] for r in steady),
+        "gen_s": statistics.median(r["timing_s/gen"] for r in steady),
+        "gen_tokens_per_s": statistics.median(n / r["timing_s/gen"]
+                                              for n, r in zip(gen_tok, steady)),
+        "tokens_per_s": statistics.median(r["perf/total_num_tokens"] / r["timing_s/step"]
+                                          for r in steady),
+        "peak_mem_gb": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows),
+        "logprob_gap_mean": gap_mean,
+        "logprob_gap_max": rows[0].get("rollout/logprob_abs_diff_max", float("nan")),
+        "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows),
+        "timing_s": {k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steady), 3)
+                     for k in steady[0] if k.startswith("timing_s/")},
+        "steps": sizes.steps, "prompts": sizes.prompts, "n": sizes.n,
+        "response_len": sizes.response_len,
+    }
+
+
+def step_grpo_torch(sizes: Sizes, out: Path) -> dict:
+    return _grpo(sizes, out, "torch")
+
+
+def step_grpo_megatron(sizes: Sizes, out: Path) -> dict:
+    return _grpo(sizes, out, "megatron")
+
+
+def _batch(sizes: Sizes, vocab: int, seed: int = 0):
+    """8 left-padded prompts with right-padded responses (ragged), token ids in [3, vocab)."""
+    import torch
+
+    from megarl.backends.protocol import SequenceBatch
+
+    B, P, L = 8, 32, max(8, sizes.response_len // 2)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, P + L), generator=g)
+    mask = torch.ones(B, P + L, dtype=torch.long)
+    for i in range(B):
+        mask[i, : int(torch.randint(0, P // 2, (1,), generator=g))] = 0
+        mask[i, P + int(torch.randint(L // 2, L + 1, (1,), generator=g)):] = 0
+    return SequenceBatch(ids * mask, mask, L)
+
+
+def _hf_logprobs(model, batch, device):
+    import torch
+
+    mask = batch.attention_mask.to(device)
+    ids = batch.input_ids.to(device)
+    P = ids.shape[1] - batch.response_length
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask,
+                       position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits[:, P - 1: -1].double(), -1)
+    return logp.gather(-1, batch.response_ids.to(device)[..., None])[..., 0].cpu()
+
+
+def step_megatron_vs_hf(sizes: Sizes, out: Path) -> dict:
+    """Mean / max |logprob - float64 transformers| over the response tokens, for transformers
+    in the run dtype, megatron and the torch backend (the backends must be within twice
+    transformers' own error, or 0.02)."""
+    import torch
+
+    from megarl.backends.megatron import MegatronBackend, parallel
+    from megarl.backends.torch import TorchBackend
+    from megarl.utils.dist import init_distributed, resolve_device
+
+    device = torch.device(sizes.device)
+    path = model_dir(out)
+    batch = _batch(sizes, sizes.model["vocab_size"])
+    resp = batch.response_mask.bool()
+    run_dtype = torch.bfloat16 if sizes.dtype == "bf16" else torch.float32
+    ref = _hf_logprobs(_hf(path, torch.float64, device), batch, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    def err(lp):
+        d = (lp.double().cpu() - ref)[resp].abs()
+        return {"mean": float(d.mean()), "max": float(d.max())}
+
+    res = {"transformers": err(_hf_logprobs(_hf(path, run_dtype, device), batch, device))}
+    init_distributed(resolve_device(sizes.device))
+    parallel.ensure_model_parallel(1, 1, seed=1)
+    for name, make in (("megatron", lambda: MegatronBackend("ref", str(path), dtype=sizes.dtype)),
+                       ("torch", lambda: TorchBackend("ref", str(path), dtype=sizes.dtype,
+                                                      device=device))):
+        backend = make()
+        res[name] = err(backend.logprobs(batch, temperature=1.0)[0])
+        del backend
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bound = max(2 * res["transformers"]["mean"], 0.02 if sizes.dtype == "bf16" else 1e-5)
+    res["bound_mean"] = bound
+    for name in ("megatron", "torch"):
+        require(res[name]["mean"] <= bound,
+                f"{name} mean |logprob - float64| {res[name]['mean']:.3g} > {bound:.3g}")
+    return res
+
+
+def step_generate(sizes: Sizes, out: Path) -> dict:
+    """Tokens/s of our engine and of transformers' generate: the same prompts, exactly
+    ``gen_len`` new tokens (ignore EOS / min_new_tokens), sampling at T=1, alternating calls."""
+    import torch
+
+    from megarl.rollout.protocol import SamplingParams
+    from megarl.rollout.torch import TorchRolloutEngine
+
+    device = torch.device(sizes.device)
+    dtype = torch.bfloat16 if sizes.dtype == "bf16" else torch.float32
+    path = model_dir(out)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (int(torch.randint(16, 48, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(sizes.gen_batch)]
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    hf = _hf(path, dtype, device)
+    engine = TorchRolloutEngine.from_pretrained(path, dtype=dtype, device=device,
+                                                max_num_seqs=sizes.gen_batch)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run_hf() -> int:
+        with torch.inference_mode():
+            o = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                            do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
+                            max_new_tokens=sizes.gen_len, min_new_tokens=sizes.gen_len,
+                            pad_token_id=0, use_cache=True)
+        return (o.shape[1] - width) * o.shape[0]
+
+    def run_ours(seed: int) -> int:
+        done = engine.generate(prompts, SamplingParams(temperature=1.0, ignore_eos=True, seed=seed,
+                                                       max_new_tokens=sizes.gen_len))
+        return sum(len(c.token_ids) for c in done)
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        n = fn()
+        sync()
+        return n / (time.perf_counter() - t0)
+
+    run_hf(), run_ours(0)  # warm-up
+    hf_tps, ours_tps = [], []
+    for r in range(sizes.gen_repeats):
+        hf_tps.append(timed(run_hf))
+        ours_tps.append(timed(lambda: run_ours(r + 1)))
+    res = {"batch": sizes.gen_batch, "new_tokens": sizes.gen_len, "dtype": sizes.dtype,
+           "hf_tok_s": statistics.median(hf_tps), "ours_tok_s": statistics.median(ours_tps)}
+    res["ours_over_hf"] = res["ours_tok_s"] / res["hf_tok_s"]
+    return res
+
+
+STEP_FUNCS = {"env": step_env, "kernels": step_kernels, "kernel_bench": step_kernel_bench,
+              "pytest": step_pytest, "model": step_model, "grpo_torch": step_grpo_torch,
+              "grpo_megatron": step_grpo_megatron, "megatron_vs_hf": step_megatron_vs_hf,
+              "generate": step_generate}
+NEEDS_MODEL = ("grpo_torch", "grpo_megatron", "megatron_vs_hf", "generate")
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_step(name: str, sizes: Sizes, out: Path) -> int:
+    """One step in this process: its JSON record; exit status 0 when it passed."""
+    t0 = time.perf_counter()
+    rec: dict = {"step": name, "device": sizes.device, "dry_run": sizes is DRY}
+    try:
+        rec["result"] = STEP_FUNCS[name](sizes, out)
+        rec["ok"] = True
+    except Exception as err:  # the record says what failed; the driver goes on
+        traceback.print_exc()
+        rec["ok"], rec["error"] = False, f"{type(err).__name__}: {err}"[:4000]
+    rec["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=1, default=str))
+    return 0 if rec["ok"] else 1
+
+
+def _launch(name: str, out: Path, dry_run: bool):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "step", name, "--out", str(out)]
+    log = open(out / f"{name}.log", "w")  # noqa: SIM115 (closed by the caller via proc.log)
+    proc = subprocess.Popen(cmd + ["--dry-run"] * dry_run, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=REPO, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def _finish(name: str, proc, out: Path, timeout: float) -> dict:
+    """Wait for a step's process up to ``timeout`` s; kill its whole group after that."""
+    import signal
+
+    try:
+        proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rec = {"step": name, "ok": False, "error": f"timed out after {timeout:.0f} s"}
+        (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+    finally:
+        proc.log.close()
+    path = out / f"{name}.json"
+    if not path.is_file():
+        return {"step": name, "ok": False, "error": f"died (exit {proc.returncode}): see {name}.log"}
+    return json.loads(path.read_text())
+
+
+def run_all(steps: list[str], out: Path, dry_run: bool, budget: float) -> int:
+    """Every step in order, each in its own process under min(its timeout, what is left of
+    ``budget``); background steps start first and are collected last."""
+    deadline = time.monotonic() + budget
+    scale = 1.0 if not dry_run else 2.0  # the CPU is slower, the shapes much smaller
+    records, background = {}, {}
+    for name in steps:
+        if name in BACKGROUND:
+            background[name] = _launch(name, out, dry_run)
+    for name in steps:
+        if name in BACKGROUND:
+            continue
+        if name in NEEDS_MODEL and not records.get("model", {}).get("ok", False) \
+                and not (model_dir(out) / "config.json").is_file():
+            records[name] = {"step": name, "ok": False, "error": "no model (step model failed)"}
+            continue
+        left = deadline - time.monotonic() - 5
+        if left < 20:
+            records[name] = {"step": name, "ok": False, "error": "not run: out of time budget"}
+            continue
+        print(f"[gpu_check] {name} ...", flush=True)
+        records[name] = _finish(name, _launch(name, out, dry_run), out,
+                                min(STEPS[name] * scale, left))
+        _print_record(records[name])
+    for name, proc in background.items():
+        records[name] = _finish(name, proc, out, deadline - time.monotonic())
+        _print_record(records[name])
+    summary = [records[n] for n in steps]
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"[gpu_check] {sum(r['ok'] for r in summary)}/{len(summary)} steps passed", flush=True)
+    return 0 if all(r["ok"] for r in summary) else 1
+
+
+def _print_record(rec: dict) -> None:
+    state = "PASS" if rec.get("ok") else "FAIL"
+    body = rec.get("result") if rec.get("ok") else rec.get("error")
+    text = json.dumps(body, default=str)
+    print(f"[gpu_check] {state} {rec['step']} ({rec.get('seconds', '-')} s): {text[:3000]}",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="every step (or --steps), each in its own process")
+    r.add_argument("--steps", default=",".join(STEPS))
+    r.add_argument("--budget", type=float, default=480.0, help="seconds for all steps")
+    s = sub.add_parser("step", help="one step in this process")
+    s.add_argument("name", choices=sorted(STEP_FUNCS))
+    for p in (r, s):
+        p.add_argument("--out", required=True, type=Path)
+        p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.cmd == "step":
+        return run_step(args.name, DRY if args.dry_run else GPU, args.out)
+    steps = [x for x in args.steps.split(",") if x]
+    unknown = sorted(set(steps) - set(STEP_FUNCS))
+    if unknown:
+        ap.error(f"unknown steps {unknown}; valid: {list(STEPS)}")
+    return run_all(steps, args.out, args.dry_run, args.budget)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""bench/gpu_check.sh --dry-run: the GPU check's every step on the CPU with tiny shapes, installed
+the way the GPU machine installs it (wheels from `make gpu-wheels`, pip --no-index), so the
+script cannot rot between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = ["env", "pytest", "kernels", "model", "grpo_torch", "grpo_megatron", "megatron_vs_hf",
+         "generate", "kernel_bench"]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    wheels, out = tmp_path / "wheels", tmp_path / "out"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    subprocess.run(["make", "-s", "gpu-wheels", f"PYTHON={sys.executable}", f"GPU_PY={py}",
+                    f"GPU_WHEELS={wheels}"], cwd=REPO, check=True, timeout=300)
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(out),
+                           "--wheels", str(wheels)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["step"] for r in summary] == STEPS
+    assert all(r["ok"] for r in summary), summary
+    # the install is the one that ran: megarl and its needs from the check's own site folder
+    env_rec = json.loads((out / "env.json").read_text())["result"]
+    for mod, origin in env_rec["imported_from"].items():
+        assert origin and origin.startswith(str(out / "site")), (mod, origin)
+    res = {r["step"]: r["result"] for r in summary}
+    kernel_cases = [c for c in res["kernels"]["cases"] if "triton" in c]
+    assert {(c["dtype"], c["temperature"]) for c in kernel_cases} == {
+        (d, t) for d in ("float32", "bfloat16") for t in (1.0, 0.6)}
+    assert res["grpo_torch"]["steps"] == res["grpo_megatron"]["steps"] == 2
+    assert res["grpo_torch"]["logprob_gap_mean"] < 1e-4  # fp32: engine == trainer
+    assert res["megatron_vs_hf"]["megatron"]["mean"] < 1e-5
+    assert res["generate"]["ours_tok_s"] > 0 and res["generate"]["hf_tok_s"] > 0
+
+
+def test_gpu_check_without_wheels_says_what_to_run(tmp_path):
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(tmp_path),
+                           "--wheels", str(tmp_path / "none")], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "make gpu-wheels" in proc.stderr
