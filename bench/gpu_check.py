@@ -29,6 +29,7 @@ the Triton kernels under the interpreter, so that every step and key runs in ``m
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -49,8 +50,10 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = {"env": 60, "pytest": 330, "kernels": 150, "model": 120, "grpo_torch": 200,
          "grpo_megatron": 200, "megatron_vs_hf": 120, "generate": 120, "kernel_bench": 200}
 BACKGROUND = ("pytest",)
-PYTEST_GPU = ["tests/kernels", "tests/models", "tests/algos"]
-PYTEST_DRY = ["tests/kernels/test_kernels_api.py"]
+# megatron's single-process backend tests run its CUDA path against float64 transformers
+PYTEST_GPU = [["tests/kernels", "tests/models", "tests/algos"],
+              ["tests/megatron/test_mcore_backend.py"]]
+PYTEST_DRY = [["tests/kernels/test_kernels_api.py"]]
 
 
 @dataclass(frozen=True)
@@ -320,19 +323,25 @@ def step_kernel_bench(sizes: Sizes, out: Path) -> dict:
 
 
 def step_pytest(sizes: Sizes, out: Path) -> dict:
-    paths = PYTEST_GPU if sizes.device == "cuda" else PYTEST_DRY
+    """The test files of PYTEST_GPU (the dry run: PYTEST_DRY), one pytest run per entry."""
+    runs = PYTEST_GPU if sizes.device == "cuda" else PYTEST_DRY
     workers = ["-n", "4"] if sizes.device == "cuda" else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if sizes.device == "cuda":
         env["TRITON_INTERPRET"] = "0"  # the compiled kernels on CUDA tensors
-    junit = work_dir(out) / "pytest.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
-           "--timeout=300", f"--junitxml={junit}", *paths]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
-    tail = [x for x in proc.stdout.splitlines() if x.strip()][-1:] or ["(no output)"]
-    require(proc.returncode == 0, f"pytest {' '.join(paths)}: {tail[0]}")
-    return {"paths": paths, "summary": tail[0]}
+    res, failed = {}, []
+    for i, paths in enumerate(runs):
+        junit = work_dir(out) / f"pytest_{i}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
+               "--timeout=300", f"--junitxml={junit}", *paths]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
+        tail = ([x for x in proc.stdout.splitlines() if x.strip()] or ["(no output)"])[-1]
+        res[" ".join(paths)] = tail
+        if proc.returncode != 0:
+            failed.append(f"pytest {' '.join(paths)}: {tail}")
+    require(not failed, "; ".join(failed))
+    return res
 
 
 def step_model(sizes: Sizes, out: Path) -> dict:
@@ -551,7 +560,7 @@ def step_generate(sizes: Sizes, out: Path) -> dict:
     hf_tps, ours_tps = [], []
     for r in range(sizes.gen_repeats):
         hf_tps.append(timed(run_hf))
-        ours_tps.append(timed(lambda: run_ours(r + 1)))
+        ours_tps.append(timed(functools.partial(run_ours, r + 1)))
     res = {"batch": sizes.gen_batch, "new_tokens": sizes.gen_len, "dtype": sizes.dtype,
            "hf_tok_s": statistics.median(hf_tps), "ours_tok_s": statistics.median(ours_tps)}
     res["ours_over_hf"] = res["ours_tok_s"] / res["hf_tok_s"]
