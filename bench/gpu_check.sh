@@ -7,7 +7,8 @@
 #    Triton and transformers (`make gpu-wheels` fills gpu-wheels/, for Python 3.12 by default),
 #    then megarl itself, into DIR/site with pip --no-index --no-deps;
 # 2. runs every step under its own timeout, writing DIR/STEP.json and DIR/STEP.log, and
-#    DIR/summary.json; exit status 0 when every step passed.
+#    DIR/summary.json; exit status 0 when every step passed. MEGARL_GPU_CHECK_PYTEST="a b;c"
+#    replaces the pytest step's test files (runs separated by ;).
 # --dry-run: the same on the CPU with tiny shapes (in `make test`, so the check cannot rot).
 # PYTHON (default python3) is the interpreter to install into and run.
 set -euo pipefail

@@ -11,6 +11,7 @@ has none: no perf/mfu metric there).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,23 +21,34 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "A100"
                "A800": 312.0, "L40S": 362.0, "A10": 125.0, "B200": 2250.0}
 
 
-def dense_params(cfg: Any) -> int:
+def _fields(cfg: Mapping[str, Any] | Any) -> Mapping[str, Any]:
+    """An HF config's fields: ``config.json`` as read by ``read_hf_config`` (a dict), or a
+    transformers config / any object with the same attributes."""
+    if isinstance(cfg, Mapping):
+        return cfg
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else {
+        k: getattr(cfg, k) for k in dir(cfg) if not k.startswith("_")}
+
+
+def dense_params(cfg: Mapping[str, Any] | Any) -> int:
     """Matmul weights of a Llama / Qwen-style decoder (attention, gated MLP, lm_head)."""
-    h, layers = cfg.hidden_size, cfg.num_hidden_layers
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hd = getattr(cfg, "head_dim", None) or h // heads
+    f = _fields(cfg)
+    h, layers, heads = f["hidden_size"], f["num_hidden_layers"], f["num_attention_heads"]
+    kv = f.get("num_key_value_heads") or heads
+    hd = f.get("head_dim") or h // heads
     attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
-    mlp = 3 * h * cfg.intermediate_size
-    return layers * (attn + mlp) + h * cfg.vocab_size
+    mlp = 3 * h * f["intermediate_size"]
+    return layers * (attn + mlp) + h * f["vocab_size"]
 
 
-def train_flops(cfg: Any, seq_lens: list[int]) -> float:
-    """FLOPs of one forward + backward over sequences of ``seq_lens`` tokens."""
-    heads = cfg.num_attention_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    attn = 12 * sum(s * s for s in seq_lens) * hd * heads * cfg.num_hidden_layers
-    return 6 * dense_params(cfg) * sum(seq_lens) + attn
+def train_flops(cfg: Mapping[str, Any] | Any, seq_lens: list[int]) -> float:
+    """FLOPs of one forward + backward over sequences of ``seq_lens`` tokens (``cfg``: the HF
+    config, as ``config.json``'s dict or a config object)."""
+    f = _fields(cfg)
+    heads = f["num_attention_heads"]
+    hd = f.get("head_dim") or f["hidden_size"] // heads
+    attn = 12 * sum(s * s for s in seq_lens) * hd * heads * f["num_hidden_layers"]
+    return 6 * dense_params(f) * sum(seq_lens) + attn
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -50,7 +62,7 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def mfu(cfg: Any, seq_lens: list[int], passes: int, seconds: float, devices: int,
+def mfu(cfg: Mapping[str, Any] | Any, seq_lens: list[int], passes: int, seconds: float, devices: int,
         peak: float | None) -> float | None:
     """``passes`` forward + backward sweeps over ``seq_lens`` (all ranks) in ``seconds`` on
     ``devices`` devices of ``peak`` FLOP/s each, as a fraction of their peak."""

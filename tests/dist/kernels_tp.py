@@ -1,6 +1,7 @@
 """torchrun worker: megarl_kernels under vocabulary-parallel TP=2 (gloo) equals TP=1.
 
-Usage: torchrun --standalone --nproc_per_node=2 tests/dist/kernels_tp.py {torch|triton}
+Usage: torchrun --standalone --nproc_per_node=2 tests/dist/kernels_tp.py {torch|triton} [cpu|cuda]
+(cuda: the Triton calls run compiled on CUDA copies of the inputs, tests/kernels/kernels_device.py)
 Every rank builds the same full inputs, keeps its vocabulary shard of the weight, and compares
 logprob / entropy / dh / its dW shard (and the fused PPO and PACS losses and grads) with the
 single-process result on the full weight. Prints one "OK" line per check; exits 1 on a mismatch.
@@ -9,6 +10,7 @@ single-process result on the full weight. Prints one "OK" line per check; exits 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,11 @@ def run_linear(hidden, weight, labels, temperature, group, kw, a, b):
 
 def main() -> None:
     impl = sys.argv[1]
+    if len(sys.argv) > 2 and sys.argv[2] == "cuda":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+        from kernels_device import triton_calls_on_cuda
+
+        triton_calls_on_cuda(mk)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -131,8 +131,13 @@ def _check_random(impl, T, H, V, temperature, chunk, seed):
     rlp, rent, rdh, rdw = reference_grads(hidden, weight, labels, temperature, a, b)
     torch.testing.assert_close(lp.double(), rlp, atol=3e-5, rtol=1e-5)
     torch.testing.assert_close(ent.double(), rent, atol=3e-5, rtol=1e-5)
-    assert_close_scaled(dh, rdh, 5e-5, "dh")
-    assert_close_scaled(dw, rdw, 5e-5, "dW")
+    # At V = 1 every gradient is exactly 0 (p = 1), and a kernel that contracts z * inv_temp
+    # into an FMA (compiled Triton) gets p = 1 - O(u |z|): the floor is that rounding, carried
+    # through one token's gradient terms (|a| + |b|) * |z| * (|W| for dh, |h| for dW).
+    z = float((hidden.double() @ weight.double().t()).abs().max()) / temperature if V else 0.0
+    terms = float((a.abs() + b.abs()).max()) * max(1.0, z) * 2.0**-22
+    assert_close_scaled(dh, rdh, 5e-5, "dh", floor=terms * float(weight.abs().max()))
+    assert_close_scaled(dw, rdw, 5e-5, "dW", floor=terms * float(hidden.abs().max()))
 
 
 class _LargestTensor(TorchDispatchMode):

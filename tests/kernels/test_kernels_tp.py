@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernels_device import compiled_triton_on_cuda
 
 import megarl_kernels as mk
 
@@ -20,10 +21,13 @@ WORKER = ROOT / "tests" / "dist" / "kernels_tp.py"
 def test_tp2_equals_tp1(impl):
     if impl not in mk.available_impls():
         pytest.skip("triton not importable / no interpreter")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1",
+    # Triton: the compiled kernels on CUDA tensors (gloo all-reduces them) where a GPU runs
+    # them, else the interpreter on the CPU.
+    on_cuda = impl == "triton" and compiled_triton_on_cuda()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="0" if on_cuda else "1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), impl]
+           str(WORKER), impl, "cuda" if on_cuda else "cpu"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

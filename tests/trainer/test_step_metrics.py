@@ -132,6 +132,12 @@ def test_train_flops_match_torch_flop_counter(tmp_path, arch):
     if model.config.tie_word_embeddings:
         matmul_weights += model.config.vocab_size * model.config.hidden_size
     assert dense_params(model.config) == matmul_weights
+    # the trainer passes config.json as read_hf_config parses it (a dict): the same count
+    from megarl.models import read_hf_config
+
+    assert train_flops(read_hf_config(path), lens) == train_flops(model.config, lens)
+    assert mfu(read_hf_config(path), lens, 1, 0.5, 1, 1e12) == pytest.approx(
+        train_flops(model.config, lens) / 0.5 / 1e12)
 
 
 def test_mfu_needs_a_known_peak():

@@ -307,6 +307,11 @@ def build_model_chunks(
             )
         if config.num_moe_experts:
             moe.mark_expert_params(model)
+        if not config.use_cpu_initialization:
+            # megatron creates its linear layers on the current CUDA device; the norms
+            # (torch modules) and buffers are created on the CPU: move the rest, as megatron's
+            # own get_model does.
+            model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
 
