@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ["env", "pytest", "kernels", "model", "grpo_torch", "grpo_megatron", "megatron_vs_hf",
+STEPS = ["env", "pytest", "kernels", "model", "megatron_vs_hf", "grpo_torch", "grpo_megatron",
          "generate", "kernel_bench"]
 
 

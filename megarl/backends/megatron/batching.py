@@ -118,7 +118,7 @@ def to_micro_batch(
         cls_rows=cls_rows,
         cls_resp_cols=cls_resp_cols,
         cls_tok_cols=cls_tok_cols,
-        source=batch,
+        source=batch.to(device),  # what loss functions read: on the model's device
     )
 
 
