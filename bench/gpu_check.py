@@ -51,6 +51,13 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = {"env": 60, "pytest": 330, "kernels": 150, "model": 120, "megatron_vs_hf": 120,
          "grpo_torch": 200, "grpo_megatron": 200, "generate": 120, "kernel_bench": 200}
 BACKGROUND = ("pytest",)
+CHAR_IDS = 100  # the test tokenizer's ids (megarl.models.testing.make_tiny_tokenizer)
+# The GRPO steps' reward: the share of digits in a response, so that responses to one prompt
+# score differently and the update has a gradient (the random policy never solves a prompt).
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
 # megatron's single-process backend tests run its CUDA path against float64 transformers
 PYTEST_GPU = [["tests/kernels", "tests/models", "tests/algos"],
               ["tests/megatron/test_mcore_backend.py"]]
@@ -373,6 +380,7 @@ def step_model(sizes: Sizes, out: Path) -> dict:
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(3 * i + 1)},
              "extra_info": {"index": i}} for i in range(64)]
     write_rows(rows, str(work_dir(out) / "train.parquet"))
+    (work_dir(out) / "reward.py").write_text(REWARD)
     return {"path": str(path), "params_m": round(params / 1e6, 1), "build_s":
             round(time.perf_counter() - t0, 1), **sizes.model}
 
@@ -381,7 +389,8 @@ def _condition(path: Path) -> None:
     """Rescale the random matrices (N(0, 0.1) from make_tiny_hf_model) to N(0, 1/fan_in), as a
     trained model's are: with 0.1 at width 896 every block multiplies its input's scale by
     ~3-7 and bf16 logprobs drift 0.4 nats from float64, far more than a real checkpoint's.
-    The embedding (tied to the LM head) keeps 0.1: logits of std ~3."""
+    The embedding (tied to the LM head) keeps 0.1, logits of std ~3, except the rows of the
+    tokenizer's ``CHAR_IDS`` ids, scaled by 3 so that sampling picks text the reward can read."""
     from safetensors.torch import load_file, save_file
 
     for file in sorted(path.glob("*.safetensors")):
@@ -389,6 +398,10 @@ def _condition(path: Path) -> None:
         for name, t in state.items():
             if t.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name:
                 state[name] = (t.float() / (0.1 * t.shape[1] ** 0.5)).to(t.dtype)
+            elif "embed_tokens" in name:
+                t = t.float()
+                t[:CHAR_IDS] *= 3.0
+                state[name] = t.to(state[name].dtype)
         save_file(state, str(file), metadata={"format": "pt"})
 
 
@@ -416,6 +429,7 @@ def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
            f"actor_rollout_ref.model.dtype={sizes.dtype}",
            "actor_rollout_ref.rollout.name=torch", f"actor_rollout_ref.rollout.n={sizes.n}",
            "actor_rollout_ref.actor.optim.lr=1e-6",
+           f"custom_reward_function.path={work_dir(out) / 'reward.py'}",
            f"trainer.total_training_steps={sizes.steps}", f"trainer.device={sizes.device}",
            "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
            "trainer.export_hf=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={run_dir}"]
@@ -431,6 +445,7 @@ def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
     for r in rows:
         require(all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm")),
                 f"non-finite loss or gradient norm at step {r['step']}")
+        require(r["actor/grad_norm"] > 0, f"no gradient at step {r['step']} (all advantages 0)")
     steady = rows[1:] or rows
     n_resp = sizes.prompts * sizes.n
     gen_tok = [r["response_length/mean"] * n_resp for r in steady]
@@ -449,6 +464,8 @@ def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
         "logprob_gap_mean": gap_mean,
         "logprob_gap_max": rows[0].get("rollout/logprob_abs_diff_max", float("nan")),
         "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows),
+        "score_mean": [round(r["critic/score/mean"], 4) for r in rows],
+        "grad_norm": [round(r["actor/grad_norm"], 4) for r in rows],
         "timing_s": {k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steady), 3)
                      for k in steady[0] if k.startswith("timing_s/")},
         "steps": sizes.steps, "prompts": sizes.prompts, "n": sizes.n,
