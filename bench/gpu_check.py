@@ -3,7 +3,8 @@
     python bench/gpu_check.py run --out DIR [--dry-run] [--steps env,kernels,...] [--budget S]
     python bench/gpu_check.py step NAME --out DIR [--dry-run]     (one step; `run` calls this)
 
-Each step runs in its own process under its own timeout and writes ``DIR/NAME.json``
+Each step runs in its own process (the numeric steps live in gpu_check_numerics.py, what the
+steps share in gpu_check_lib.py) under its own timeout and writes ``DIR/NAME.json``
 (``{"step", "ok", "seconds", "result" | "error"}``) and ``DIR/NAME.log``; ``run`` prints a
 summary and writes ``DIR/summary.json``. Steps (``--dry-run``: tiny shapes on the CPU, fp32,
 the Triton kernels under the interpreter, so that every step and key runs in ``make test``):
@@ -42,16 +43,26 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from gpu_check_lib import (
+    CHAR_IDS,
+    DRY,
+    GPU,
+    REPO,
+    CheckFailed,  # noqa: F401 (raised by the steps; the driver records its result)
+    Sizes,
+    load_hf,
+    model_dir,
+    require,
+    work_dir,
+)
+from gpu_check_numerics import step_kernels, step_megatron_vs_hf
 
 # (step, timeout s on the GPU); the order they run in. pytest runs beside the others.
 STEPS = {"env": 60, "pytest": 330, "kernels": 150, "model": 120, "megatron_vs_hf": 120,
          "grpo_torch": 200, "grpo_megatron": 200, "generate": 120, "kernel_bench": 200}
 BACKGROUND = ("pytest",)
-CHAR_IDS = 100  # the test tokenizer's ids (megarl.models.testing.make_tiny_tokenizer)
 # The GRPO steps' reward: the share of digits in a response, so that responses to one prompt
 # score differently and the update has a gradient (the random policy never solves a prompt).
 REWARD = """
@@ -63,71 +74,6 @@ PYTEST_GPU = [["tests/kernels", "tests/models", "tests/algos"],
               ["tests/megatron/test_mcore_backend.py"]]
 PYTEST_DRY = [["tests/kernels/test_kernels_api.py"]]
 PYTEST_ENV = "MEGARL_GPU_CHECK_PYTEST"  # "paths of run 1;paths of run 2" instead of the above
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Shapes of one run of the check: the GPU's, or the dry run's on the CPU."""
-
-    device: str
-    dtype: str  # "bf16" | "fp32" (the training and engine dtype)
-    kernel_shapes: tuple[tuple[int, int, int], ...]  # (T, H, V)
-    bench_tokens: tuple[int, ...]
-    bench_hv: tuple[int, int]
-    model: dict
-    prompts: int  # per step
-    n: int  # responses per prompt
-    response_len: int
-    steps: int
-    gen_batch: int
-    gen_len: int
-    gen_repeats: int
-    logprob_gap_bound: float  # mean |engine - trainer| logprob at step 1 (see _gap_bound)
-
-
-GPU = Sizes(
-    device="cuda", dtype="bf16",
-    kernel_shapes=((300, 96, 1031), (2048, 896, 151936)),
-    bench_tokens=(4096, 16384), bench_hv=(896, 151936),
-    model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-               num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-               max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6),
-    prompts=16, n=4, response_len=256, steps=4, gen_batch=64, gen_len=256, gen_repeats=2,
-    logprob_gap_bound=0.02,
-)
-DRY = Sizes(
-    device="cpu", dtype="fp32",
-    kernel_shapes=((37, 48, 517),),
-    bench_tokens=(64,), bench_hv=(32, 1000),
-    model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
-               max_position_embeddings=512, tie_word_embeddings=True),
-    prompts=2, n=2, response_len=16, steps=2, gen_batch=4, gen_len=16, gen_repeats=1,
-    logprob_gap_bound=1e-4,
-)
-
-
-class CheckFailed(AssertionError):
-    """A step ran but its result is outside its bound; ``result`` keeps what it measured."""
-
-    def __init__(self, what: str, result: dict | None = None):
-        super().__init__(what)
-        self.result = result
-
-
-def require(ok: bool, what: str, result: dict | None = None) -> None:
-    if not ok:
-        raise CheckFailed(what, result)
-
-
-def work_dir(out: Path) -> Path:
-    path = out / "work"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def model_dir(out: Path) -> Path:
-    return work_dir(out) / "qwen2_random"
 
 
 # ----------------------------------------------------------------------------- steps
@@ -165,154 +111,6 @@ def _driver_version() -> str:
                               capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"unknown ({err})"
-
-
-def _kernel_inputs(T: int, H: int, V: int, dtype, device, seed: int, scale: float = 3.0):
-    """hidden [T, H], weight [V, H] (logit std about ``scale``), labels [T] (0 and V-1 used),
-    loss weights a, b [T]: drawn in float64 on ``device``, then cast."""
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    f64 = dict(dtype=torch.float64, device=device, generator=g)
-    hidden = torch.randn(T, H, **f64)
-    weight = torch.randn(V, H, **f64) * (scale / H**0.5)
-    labels = torch.randint(0, V, (T,), device=device, generator=g)
-    labels[0], labels[-1] = 0, V - 1
-    a, b = torch.randn(T, **f64).float(), torch.randn(T, **f64).float()
-    return hidden.to(dtype), weight.to(dtype), labels, a, b
-
-
-def _f64_logprob_entropy(h, w, labels, temperature):
-    import torch
-
-    logp = torch.log_softmax(h.double() @ w.double().t() / temperature, dim=-1)
-    return logp.gather(1, labels[:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
-
-
-def _errors(got: dict, want: dict) -> dict:
-    """max |got - want| per name; gradients relative to the reference's largest element."""
-    out = {}
-    for k, w in want.items():
-        d = float((got[k].double() - w.double()).abs().max())
-        out[k] = d / max(float(w.abs().max()), 1e-30) if k in ("dh", "dw") else d
-    return out
-
-
-def _kernel_case(mk, impl, h, w, labels, a, b, temperature):
-    h = h.detach().clone().requires_grad_()
-    w = w.detach().clone().requires_grad_()
-    lp, ent = mk.linear_logprob_entropy(h, w, labels, temperature, impl=impl)
-    ((lp * a).sum() + (ent * b).sum()).backward()
-    return {"logprob": lp.detach(), "entropy": ent.detach(), "dh": h.grad, "dw": w.grad}
-
-
-def step_kernels(sizes: Sizes, out: Path) -> dict:
-    """Triton (compiled; the interpreter in the dry run) and torch against float64."""
-    import torch
-
-    import megarl_kernels as mk
-    from megarl import algos
-
-    device = torch.device(sizes.device)
-    bounds = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-5, 1.6e-2)}  # tests/kernels
-    rows, failures = [], []
-    for T, H, V in sizes.kernel_shapes:
-        for dtype in (torch.float32, torch.bfloat16):
-            for temperature in (1.0, 0.6):
-                h, w, labels, a, b = _kernel_inputs(T, H, V, dtype, device, seed=T + V)
-                hr = h.double().requires_grad_()
-                wr = w.double().requires_grad_()
-                lp, ent = _f64_logprob_entropy(hr, wr, labels, temperature)
-                ((lp * a.double()).sum() + (ent * b.double()).sum()).backward()
-                want = {"logprob": lp.detach(), "entropy": ent.detach(), "dh": hr.grad,
-                        "dw": wr.grad}
-                del lp, ent, hr, wr
-                errs = {impl: _errors(_kernel_case(mk, impl, h, w, labels, a, b, temperature),
-                                      want) for impl in ("triton", "torch")}
-                fwd_tol, grad_tol = bounds[dtype]
-                # the logsumexp of V fp32 terms: sqrt(V) roundings of the largest |logprob|
-                fwd_tol = max(fwd_tol, V**0.5 * 2.0**-24 * float(want["logprob"].abs().max()))
-                row = {"T": T, "H": H, "V": V, "dtype": str(dtype).removeprefix("torch."),
-                       "temperature": temperature, "triton": errs["triton"],
-                       "torch": errs["torch"]}
-                for k, e in errs["triton"].items():
-                    bound = max(fwd_tol if k in ("logprob", "entropy") else grad_tol,
-                                2 * errs["torch"][k])
-                    row.setdefault("bound", {})[k] = bound
-                    if not e <= bound:
-                        failures.append(f"{k} T={T} V={V} {row['dtype']} t={temperature}: "
-                                        f"{e:.3e} > {bound:.3e}")
-                rows.append(row)
-                del want, h, w
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        rows.append(_fused_losses_case(mk, algos, T, H, V, device, failures))
-    require(not failures, "; ".join(failures), {"cases": rows})
-    return {"cases": rows}
-
-
-def _fused_losses_case(mk, algos, T, H, V, device, failures: list[str]) -> dict:
-    """fused_ppo_loss and fused_pacs_loss (Triton, bf16 inputs) against megarl.algos composed
-    with float64 full-logits logprobs of the same bf16-rounded inputs: loss and gradients."""
-    import torch
-
-    h, w, labels, a, _ = _kernel_inputs(T, H, V, torch.bfloat16, device, seed=7 + T)
-    B = max(4, T // 64) // 2 * 2
-    seq = torch.arange(T, device=device) * B // T  # B responses of about T/B tokens
-    groups = torch.arange(B, device=device) // 2  # pairs: one right and one wrong response
-    scores = (torch.arange(B, device=device) % 2).float()
-    with torch.no_grad():
-        lp0, _ = _f64_logprob_entropy(h, w, labels, 1.0)
-    gen = torch.Generator(device=device).manual_seed(3)
-    old = (lp0 + 0.3 * torch.randn(T, dtype=torch.float64, device=device, generator=gen)).float()
-    res = {"loss": "fused_ppo / fused_pacs", "T": T, "V": V}
-    lengths = torch.bincount(seq, minlength=B)
-    mask = torch.arange(int(lengths.max()), device=device)[None] < lengths[:, None]
-    col = torch.arange(T, device=device) - torch.cumsum(lengths, 0)[seq] + lengths[seq]
-
-    def pad(x):
-        return torch.zeros(mask.shape, dtype=x.dtype, device=device).index_put((seq, col), x)
-
-    def ref(kind):
-        hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
-        lp, ent = _f64_logprob_entropy(hr, wr, labels, 1.0)
-        if kind == "ppo":
-            loss, _ = algos.policy_loss("vanilla", logprob=pad(lp), old_logprob=pad(old.double()),
-                                        advantages=pad(a.double()), response_mask=mask,
-                                        agg_mode="token-mean")
-            loss = loss - 0.01 * algos.agg_loss(pad(ent), mask, "token-mean")
-        else:
-            loss, _ = algos.pacs_loss(logprob=pad(lp), old_logprob=pad(old.double()),
-                                      response_mask=mask, scores=scores, group_index=groups,
-                                      beta=1.0, reward_method="1", adv_estimator="rloo",
-                                      weight_mode="question")
-        loss.backward()
-        return float(loss), hr.grad, wr.grad
-
-    def fused(kind):
-        hf, wf = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        if kind == "ppo":
-            loss, _ = mk.fused_ppo_loss(hf, wf, labels, old, a, loss_scale=1.0 / T,
-                                        entropy_coeff=0.01, impl="triton")
-        else:
-            loss, _ = mk.fused_pacs_loss(hf, wf, labels, old, seq, groups, scores, beta=1.0,
-                                         reward_method="1", adv_estimator="rloo",
-                                         weight_mode="question", impl="triton")
-        loss.backward()
-        return float(loss), hf.grad, wf.grad
-
-    for kind in ("ppo", "pacs"):
-        (rl, rdh, rdw), (fl, fdh, fdw) = ref(kind), fused(kind)
-        if not float(rdh.abs().max()) > 0:
-            failures.append(f"fused {kind}: the float64 reference has no gradient (degenerate case)")
-        errs = {"loss_rel": abs(fl - rl) / max(abs(rl), 1e-12),
-                **_errors({"dh": fdh, "dw": fdw}, {"dh": rdh, "dw": rdw})}
-        res[kind] = errs
-        for k, e in errs.items():
-            bound = 1e-3 if k == "loss_rel" else 1.6e-2  # bf16 inputs, fp32 accumulation
-            if not e <= bound:
-                failures.append(f"fused {kind} {k} T={T} V={V}: {e:.3e} > {bound:.1e}")
-    return res
 
 
 def step_kernel_bench(sizes: Sizes, out: Path) -> dict:
@@ -373,7 +171,7 @@ def step_model(sizes: Sizes, out: Path) -> dict:
     t0 = time.perf_counter()
     make_tiny_hf_model(path, "qwen2", dtype=dtype, **sizes.model)
     _condition(path)
-    params = sum(p.numel() for p in _hf(path, torch.float32, "meta").parameters())
+    params = sum(p.numel() for p in load_hf(path, torch.float32, "meta").parameters())
     rows = [{"data_source": "openai/gsm8k",
              "prompt": [{"role": "user", "content": f"What is {i}+{2 * i + 1}? Answer with the "
                                                     "number after ####."}],
@@ -403,18 +201,6 @@ def _condition(path: Path) -> None:
                 t[:CHAR_IDS] *= 3.0
                 state[name] = t.to(state[name].dtype)
         save_file(state, str(file), metadata={"format": "pt"})
-
-
-def _hf(path: Path, dtype, device):
-    import torch
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    if device == "meta":
-        config = transformers.AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(config)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
@@ -491,77 +277,6 @@ def step_grpo_megatron(sizes: Sizes, out: Path) -> dict:
     return _grpo(sizes, out, "megatron")
 
 
-def _batch(sizes: Sizes, vocab: int, seed: int = 0):
-    """8 left-padded prompts with right-padded responses (ragged), token ids in [3, vocab)."""
-    import torch
-
-    from megarl.backends.protocol import SequenceBatch
-
-    B, P, L = 8, 32, max(8, sizes.response_len // 2)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (B, P + L), generator=g)
-    mask = torch.ones(B, P + L, dtype=torch.long)
-    for i in range(B):
-        mask[i, : int(torch.randint(0, P // 2, (1,), generator=g))] = 0
-        mask[i, P + int(torch.randint(L // 2, L + 1, (1,), generator=g)):] = 0
-    return SequenceBatch(ids * mask, mask, L)
-
-
-def _hf_logprobs(model, batch, device):
-    import torch
-
-    mask = batch.attention_mask.to(device)
-    ids = batch.input_ids.to(device)
-    P = ids.shape[1] - batch.response_length
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask,
-                       position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
-    logp = torch.log_softmax(logits[:, P - 1: -1].double(), -1)
-    return logp.gather(-1, batch.response_ids.to(device)[..., None])[..., 0].cpu()
-
-
-def step_megatron_vs_hf(sizes: Sizes, out: Path) -> dict:
-    """Mean / max |logprob - float64 transformers| over the response tokens, for transformers
-    in the run dtype, megatron and the torch backend (the backends must be within twice
-    transformers' own error, or 0.02)."""
-    import torch
-
-    from megarl.backends.megatron import MegatronBackend, parallel
-    from megarl.backends.torch import TorchBackend
-    from megarl.utils.dist import init_distributed, resolve_device
-
-    device = torch.device(sizes.device)
-    path = model_dir(out)
-    batch = _batch(sizes, sizes.model["vocab_size"])
-    resp = batch.response_mask.bool()
-    run_dtype = torch.bfloat16 if sizes.dtype == "bf16" else torch.float32
-    ref = _hf_logprobs(_hf(path, torch.float64, device), batch, device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    def err(lp):
-        d = (lp.double().cpu() - ref)[resp].abs()
-        return {"mean": float(d.mean()), "max": float(d.max())}
-
-    res = {"transformers": err(_hf_logprobs(_hf(path, run_dtype, device), batch, device))}
-    init_distributed(resolve_device(sizes.device))
-    parallel.ensure_model_parallel(1, 1, seed=1)
-    for name, make in (("megatron", lambda: MegatronBackend("ref", str(path), dtype=sizes.dtype)),
-                       ("torch", lambda: TorchBackend("ref", str(path), dtype=sizes.dtype,
-                                                      device=device))):
-        backend = make()
-        res[name] = err(backend.logprobs(batch, temperature=1.0)[0])
-        del backend
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    bound = max(2 * res["transformers"]["mean"], 0.02 if sizes.dtype == "bf16" else 1e-5)
-    res["bound_mean"] = bound
-    for name in ("megatron", "torch"):
-        require(res[name]["mean"] <= bound,
-                f"{name} mean |logprob - float64| {res[name]['mean']:.3g} > {bound:.3g}")
-    return res
-
-
 def step_generate(sizes: Sizes, out: Path) -> dict:
     """Tokens/s of our engine and of transformers' generate: the same prompts, exactly
     ``gen_len`` new tokens (ignore EOS / min_new_tokens), sampling at T=1, alternating calls."""
@@ -581,7 +296,7 @@ def step_generate(sizes: Sizes, out: Path) -> dict:
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-    hf = _hf(path, dtype, device)
+    hf = load_hf(path, dtype, device)
     engine = TorchRolloutEngine.from_pretrained(path, dtype=dtype, device=device,
                                                 max_num_seqs=sizes.gen_batch)
 
