@@ -63,3 +63,31 @@ def pytest_runtest_makereport(item, call):
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under MEGARL_NO_SKIP=1: {reason}"
+
+
+class _NoSkipAtCollection:
+    """Under MEGARL_NO_SKIP=1 a skip at collection time fails too: a module-level
+    ``pytest.importorskip`` / ``pytest.skip(allow_module_level=True)`` in a test module or a
+    folder's conftest (tests/megatron, tests/conversion: megatron-core) skips the whole module
+    or folder, and ``pytest_runtest_makereport`` never sees it.
+
+    A plain plugin, not a conftest hook: pytest scopes conftest hooks by path, and a folder
+    whose conftest raised at import is reported without any conftest's hooks (this one
+    included). ``tryfirst`` so the terminal summary, the session's error count (the run stops
+    with "errors during collection") and xdist's workers all get the failed report."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collectreport(self, report):
+        if not report.skipped:
+            return
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        where = report.nodeid or (longrepr[0] if isinstance(longrepr, tuple) else "?")
+        report.outcome = "failed"
+        report.longrepr = f"{where} skipped at collection under MEGARL_NO_SKIP=1: {reason}"
+
+
+def pytest_configure(config):
+    """Registers ``_NoSkipAtCollection`` under MEGARL_NO_SKIP=1 (tests/test_no_skip.py)."""
+    if os.environ.get("MEGARL_NO_SKIP") == "1":
+        config.pluginmanager.register(_NoSkipAtCollection(), "megarl-no-skip-at-collection")
