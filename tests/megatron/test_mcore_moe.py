@@ -112,6 +112,20 @@ def test_aux_loss_planted_padding_convention_fails(moe_zoo, mcore_dist, monkeypa
     assert res["planted.aux_metric"] > 1e3 * AUX_TOL, res
 
 
+def _layout_groups(layout: str, models: tuple[str, ...]) -> set[str]:
+    """The result groups `megatron_moe.py` writes at one layout: every model against
+    transformers, and the first model's aux loss and routing replay."""
+    return {f"{layout}.{m}" for m in models} | {f"{layout}.{models[0]}.{c}"
+                                                for c in ("aux", "replay")}
+
+
+# Written out here, not read from the worker, so a layout it stops emitting fails the test.
+EP2_GROUPS = (_layout_groups("ep2", ("qwen3_moe", "qwen2_moe", "qwen3_moe_mixed"))
+              | _layout_groups("tp2_ep2", ("qwen3_moe_kv2", "qwen2_moe_kv2"))
+              | _layout_groups("tp2_etp2", ("qwen3_moe_kv2", "qwen2_moe_kv2"))
+              | _layout_groups("pp2_vpp2", ("qwen3_moe_4l",)))
+
+
 @pytest.mark.dist
 def test_ep2_tp2_layouts_and_checkpoint_resharding(moe_zoo, tmp_path, mcore_dist):
     """On 2 gloo ranks: EP=2 (three models, one with a dense layer and 8 experts), TP=2+SP x
@@ -121,13 +135,17 @@ def test_ep2_tp2_layouts_and_checkpoint_resharding(moe_zoo, tmp_path, mcore_dist
     DP-averaged); then a checkpoint written at EP=2 (distributed optimizer, one AdamW step in,
     DP=2) loads here at EP=1: logprobs equal
     the trained EP=2 model's and the next AdamW step lands on the weights of the uninterrupted
-    EP=2 run within RESHARD_TOL (measured 3.7e-8; zeroed Adam moments: far outside)."""
+    EP=2 run within RESHARD_TOL (measured 3.7e-8; zeroed Adam moments: far outside). Every
+    group of EP2_GROUPS must be there: planted, the worker skipping pp2_vpp2 -> fails
+    ("layouts not checked: ['pp2_vpp2.qwen3_moe_4l', ...]")."""
     ckpt = tmp_path / "ckpt_ep2"
     lib.run_torchrun("megatron_moe.py", 2, [str(moe_zoo), str(tmp_path / "moe.json"), str(ckpt)],
                      timeout=400)
     res = lib.read_results(tmp_path / "moe.json")
+    groups = {k.rsplit(".", 1)[0] for k in res if not k.startswith("ckpt.")}
+    assert not EP2_GROUPS - groups, f"layouts not checked: {sorted(EP2_GROUPS - groups)}"
     failures = []
-    for key in sorted({k.rsplit(".", 1)[0] for k in res if not k.startswith("ckpt.")}):
+    for key in sorted(groups):
         if key.endswith(".aux"):
             failures += [f"{key}.{m} = {res[f'{key}.{m}']}" for m in ("aux_grads", "aux_metric")
                          if not res[f"{key}.{m}"] < AUX_TOL]
