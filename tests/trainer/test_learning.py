@@ -9,18 +9,27 @@ vLLM rollouts: see the closing measurement in docs/demo.md); the bar here is 5 p
 asynchronous rollout (staleness 1: each batch sampled by the weights one update old) and for a
 mixture-of-experts policy (embedded://policy_moe: the SFT policy upcycled to a Qwen2-MoE with 4
 experts, top-2 and a shared expert; start 23.2%, measured 36.8% at step 20, 3.5 min alone). The sampled training reward must rise too (mean of
-the first 10 steps vs the last 10).
+the first 10 steps vs the last 10). Each run's subprocess timeout (RUN_TIMEOUT) is inside
+pytest's --timeout=1200 (Makefile), so it is the one that fires.
+
+`test_first_grpo_update_raises_the_advantage_weighted_logprobs` checks the direction of one
+update directly, which 20 steps of noisy learning need not show.
 """
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 
 import pytest
-from trainer_helpers import metrics, train
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import REPO, env, metrics, train
 
 VAL = "val/test_score/arith"
 STEPS = 20
+RUN_TIMEOUT = 1080  # s: below pytest's --timeout=1200 (Makefile), which would kill it first
 
 
 @pytest.mark.slow
@@ -41,10 +50,78 @@ STEPS = 20
 def test_recipe_learns(tmp_path, demo_assets, recipe, extra):
     train(tmp_path, recipe, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=10",
           "trainer.val_before_train=true", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
-          "trainer.export_hf=false", *extra, fast=False, timeout=1500)
+          "trainer.export_hf=false", *extra, fast=False, timeout=RUN_TIMEOUT)
     rows = metrics(tmp_path)
     val = {r["step"]: r[VAL] for r in rows if VAL in r}
     assert sorted(val) == [0, 10, 20], val
     assert val[20] >= val[0] + 0.05, f"{recipe}: held-out accuracy {val} (no 5-point gain)"
     score = [r["critic/score/mean"] for r in rows if r["step"] > 0]
     assert statistics.mean(score[-10:]) > statistics.mean(score[:10]), (recipe, score)
+
+
+PROBE = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+         "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.temperature=1.0",
+         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.logger=[jsonl]"]
+
+
+def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """[B] float64: (score - group mean) / (group std + 1e-6), std unbiased (verl's GRPO),
+    written out here, not taken from megarl.algos."""
+    adv = torch.zeros(scores.shape, dtype=torch.float64)
+    for g in groups.unique():
+        rows = groups == g
+        s = scores[rows].double()
+        adv[rows] = (s - s.mean()) / (s.std() + 1e-6)
+    return adv
+
+
+def response_logprobs(weights: dict, batch: dict) -> list[torch.Tensor]:
+    """Per response, the float64 logprobs of its tokens (temperature 1) under ``weights`` in
+    transformers' model of the demo policy, each row run alone without its padding."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.locations import resolve_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_path("embedded://policy"),
+                                                 dtype=torch.float64)
+    missing, unexpected = model.load_state_dict({k: v.double() for k, v in weights.items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for i in range(batch["prompt_ids"].shape[0]):
+            prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+            response = batch["response_ids"][i][batch["response_mask"][i].bool()]
+            ids = torch.cat([prompt, response])[None]
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            out.append(torch.log_softmax(logits, -1).gather(-1, response[:, None])[:, 0])
+    return out
+
+
+def test_first_grpo_update_raises_the_advantage_weighted_logprobs(tmp_path, demo_assets):
+    """One GRPO step on the demo (16 prompts x 8 responses, one update) in
+    `first_update_probe.py`; then, with advantages recomputed from the scores and logprobs from
+    transformers in float64, J = sum_i A_i (logp_after_i - logp_before_i) / tokens > 0:
+    the token-mean loss's gradient is -sum A_i grad logp_i / tokens, and Adam's first step
+    moves every weight against its gradient's sign (KL loss: zero gradient at the reference),
+    so to first order J = lr |grad|_1 > 0. And the change is mostly along the advantages:
+    J > 0.5 x sum_i |A_i| |logp_after_i - logp_before_i| / tokens (measured 0.86).
+    Measured J = 8.9e-3. Planted: advantages negated in the policy loss -> J = -8.2e-3 (ratio
+    -0.66); advantages shifted by one response (rolled) before the update -> J = -3.0e-3
+    (ratio -0.28): both fail."""
+    proc = subprocess.run([sys.executable, "tests/trainer/first_update_probe.py", str(tmp_path),
+                           "grpo", f"trainer.default_local_dir={tmp_path / 'run'}", *PROBE],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    batch = load_file(str(tmp_path / "batch.safetensors"))
+    adv = grpo_advantages(batch["scores"], batch["group_index"])
+    assert (adv != 0).any(), "no group with a reward signal: pick another seed"
+    before = response_logprobs(load_file(str(tmp_path / "before.safetensors")), batch)
+    after = response_logprobs(load_file(str(tmp_path / "after.safetensors")), batch)
+    change = torch.stack([(a - b).sum() for a, b in zip(after, before)])
+    tokens = sum(len(b) for b in before)
+    weighted = float((adv * change).sum()) / tokens
+    scale = float((adv.abs() * change.abs()).sum()) / tokens
+    assert weighted > 0.5 * scale > 0, (weighted, scale)
