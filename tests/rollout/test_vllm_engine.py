@@ -289,16 +289,33 @@ def test_sleep_mode_requested_on_cpu_warns(folders, engines, caplog):
 # ----------------------------------------------------------------------------- from_config
 
 
+# vLLM's CPU worker reserves gpu_memory_utilization x its NUMA node's RAM (at most the host's)
+# and refuses to start when that is not more than the process already holds (its RSS, measured:
+# 225 MiB with torch imported, 436 MiB with vllm too, 0.76 GiB at vLLM's check). A share worth
+# 128 MiB of the host's RAM is below that on any host; the former constant 1% was only on nodes
+# under ~76 GiB. megarl's cap, the share x the RAM available, still fits the 4 MiB KV cache of
+# the test while 1/32 of the RAM is available.
+TIGHT_BYTES = 128 * 2**20
+
+
+def tight_share() -> float:
+    """gpu_memory_utilization worth TIGHT_BYTES of this host's RAM."""
+    import psutil
+
+    return TIGHT_BYTES / psutil.virtual_memory().total
+
+
 def test_from_config_starts_with_a_tight_memory_share(demo_assets, engines):
-    """gpu_memory_utilization=0.01: vLLM's own CPU sizing would reserve 1% of the node's RAM,
-    less than this process already holds, and refuse to start; megarl sizes the KV cache from
-    what the run needs, capped by the share of what is free."""
+    """A tight gpu_memory_utilization (`tight_share`): vLLM's own CPU sizing would reserve
+    less than this process already holds and refuse to start; megarl sizes the KV cache from
+    what the run needs, capped by the share of what is free. Planted: the share passed to vLLM
+    as its own gpu_memory_utilization (what the adapter did before) -> vLLM refuses -> fails."""
     from megarl.config import load_config
     from megarl.rollout.memory import kv_bytes_for
     from megarl.rollout.vllm import VLLMEngine
 
     cfg = load_config("grpo", ["actor_rollout_ref.rollout.name=vllm",
-                               "actor_rollout_ref.rollout.gpu_memory_utilization=0.01",
+                               f"actor_rollout_ref.rollout.gpu_memory_utilization={tight_share()}",
                                "actor_rollout_ref.rollout.enforce_eager=true",
                                "actor_rollout_ref.rollout.max_num_seqs=16"])
     engines(demo_assets["policy"], max_num_seqs=1)  # close whatever engine is open
@@ -317,21 +334,23 @@ def test_from_config_starts_with_a_tight_memory_share(demo_assets, engines):
 
 PLAIN_VLLM = """
 import sys, vllm
-vllm.LLM(model=sys.argv[1], dtype="float32", gpu_memory_utilization=0.01, max_model_len=128,
-         max_num_seqs=16, enforce_eager=True)
+vllm.LLM(model=sys.argv[1], dtype="float32", gpu_memory_utilization=float(sys.argv[2]),
+         max_model_len=128, max_num_seqs=16, enforce_eager=True)
 """
 
 
 def test_vllm_alone_refuses_the_same_tight_share(demo_assets):
-    """The counterpart of the test above: vLLM sized by gpu_memory_utilization=0.01 itself
-    (what the adapter passed before) refuses to start in a process that holds torch."""
+    """The counterpart of the test above: vLLM sized by the same `tight_share` itself (what
+    the adapter passed before) refuses to start in a process that holds torch. Planted: the
+    share 1% is on a 1 TiB host (10 GiB: 0.43 of this 23.5 GiB one) -> vLLM starts -> fails."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", PLAIN_VLLM, str(demo_assets["policy"])],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", PLAIN_VLLM, str(demo_assets["policy"]),
+                           str(tight_share())], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode != 0
     assert "less than requested memory" in proc.stderr or "memory utilization" in proc.stderr
 
