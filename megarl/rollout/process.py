@@ -30,7 +30,7 @@ import os
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ ENGINES = ("torch", "vllm")
 # The launch variables of the trainer's world; the engine child is a world of its own.
 _WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+_VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass
@@ -56,6 +57,8 @@ class EngineSpec:
     engine: "torch" (`TorchRolloutEngine`, from the fields below) or "vllm" (`VLLMEngine`
         built from ``model_path``, ``tokenizer`` and ``engine_kwargs``: ``vllm.LLM``
         arguments, see `VLLMEngine.engine_settings`).
+    device: the training rank's device, as the trainer process numbers it ("cuda:k"); the
+        engine process sees that one GPU only, as cuda:0 (`engine_process_env`).
     cpus: CPU ids the child pins itself to (os.sched_setaffinity); empty = inherit.
     threads: torch intra-op threads in the child.
     return_routed_experts: the torch engine records each token's experts (routing replay);
@@ -89,9 +92,9 @@ class EngineSpec:
         from megarl.rollout.torch.engine import _cache_budget
 
         arr = cfg.actor_rollout_ref
+        device = _indexed(torch.device(device))
         if arr.rollout.name == "vllm":
-            return cls._vllm_from_config(cfg, model_path, cpus)
-        device = torch.device(device)
+            return cls._vllm_from_config(cfg, model_path, device, cpus)
         return cls(model_path=resolve_path(model_path), dtype=arr.model.dtype,
                    device=str(device), tokenizer=arr.model.tokenizer_path or model_path,
                    max_num_seqs=arr.rollout.max_num_seqs,
@@ -101,7 +104,8 @@ class EngineSpec:
                    return_routed_experts=arr.actor.router_replay.mode == "R3")
 
     @classmethod
-    def _vllm_from_config(cls, cfg: Any, model_path: str, cpus: Sequence[int]) -> EngineSpec:
+    def _vllm_from_config(cls, cfg: Any, model_path: str, device: torch.device,
+                          cpus: Sequence[int]) -> EngineSpec:
         from megarl.errors import UserInputError
         from megarl.rollout.vllm import VLLMEngine
 
@@ -114,9 +118,16 @@ class EngineSpec:
                 "async_training.staleness_threshold=0 for the colocated engine")
         settings = VLLMEngine.engine_settings(cfg, model_path,
                                               distributed_executor_backend="uni")
-        return cls(model_path=settings["model_path"], engine="vllm",
+        return cls(model_path=settings["model_path"], engine="vllm", device=str(device),
                    tokenizer=settings["tokenizer"], engine_kwargs=settings["engine_kwargs"],
                    cpus=list(cpus))
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` without an index is this process's current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class EngineProcessError(RuntimeError):
@@ -419,11 +430,53 @@ def pin_process(cpus: Sequence[int], threads: int) -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
-def build_engine_in_child(spec: EngineSpec) -> Any:
-    """The engine of ``spec``, built in the engine process (after `pin_process`)."""
-    if spec.engine == "vllm":
-        for name in _WORLD_ENV:  # vLLM would take the trainer's world as its own
+def engine_process_env(device: str, environ: Mapping[str, str]
+                       ) -> tuple[dict[str, str | None], str]:
+    """How the engine process of the trainer's ``device`` sets its environment, given the
+    trainer's ``environ``: (variables to set, None = unset; the device the engine uses there).
+
+    The trainer's world variables go: the engine process is a world of one (vLLM would take
+    LOCAL_RANK & co. as its own). On CUDA the process sees only the trainer's GPU, as cuda:0:
+    CUDA_VISIBLE_DEVICES becomes the entry of the trainer's list at the trainer's device index
+    (or that index where the trainer had no list; UUIDs and MIG ids are kept as written).
+    vLLM's single-process executor runs on its local rank 0, i.e. the first visible device,
+    and megarl's torch engine is told cuda:0; without this every rank's engine took GPU 0.
+    Must be applied before CUDA is initialised in the engine process."""
+    changes: dict[str, str | None] = {name: None for name in _WORLD_ENV if name in environ}
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return changes, str(dev)
+    index = 0 if dev.index is None else dev.index
+    listed = environ.get(_VISIBLE)
+    if listed is None:
+        changes[_VISIBLE] = str(index)
+    else:
+        ids = [v.strip() for v in listed.split(",") if v.strip()]
+        if index >= len(ids):
+            raise ValueError(f"rollout engine process: the trainer's device {device} is not in "
+                             f"its {_VISIBLE}={listed!r}")
+        changes[_VISIBLE] = ids[index]
+    return changes, "cuda:0"
+
+
+def enter_engine_env(spec: EngineSpec) -> str:
+    """Apply `engine_process_env` to this (the engine) process; returns the engine's device."""
+    changes, device = engine_process_env(spec.device, os.environ)
+    if _VISIBLE in changes and torch.cuda.is_initialized():  # read once, at initialisation
+        raise RuntimeError("the rollout engine process initialised CUDA before choosing its "
+                           "device")
+    for name, value in changes.items():
+        if value is None:
             os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return device
+
+
+def build_engine_in_child(spec: EngineSpec, device: str | None = None) -> Any:
+    """The engine of ``spec``, built in the engine process (after `pin_process` and
+    `enter_engine_env`, whose device it takes; default ``spec.device``)."""
+    if spec.engine == "vllm":
         from megarl.rollout.vllm import VLLMEngine
 
         return VLLMEngine(spec.model_path, tokenizer=spec.tokenizer, sleep_mode=False,
@@ -431,7 +484,7 @@ def build_engine_in_child(spec: EngineSpec) -> Any:
     from megarl.rollout.torch.engine import _DTYPES, TorchRolloutEngine
 
     return TorchRolloutEngine.from_pretrained(
-        spec.model_path, dtype=_DTYPES[spec.dtype], device=spec.device,
+        spec.model_path, dtype=_DTYPES[spec.dtype], device=device or spec.device,
         tokenizer=spec.tokenizer, max_num_seqs=spec.max_num_seqs,
         max_model_len=spec.max_model_len, kv_cache_bytes=spec.kv_cache_bytes,
         offload_weights_on_sleep=False, return_routed_experts=spec.return_routed_experts)
@@ -442,8 +495,9 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
     engine = None
     try:
+        device = enter_engine_env(spec)
         pin_process(spec.cpus, spec.threads)
-        engine = build_engine_in_child(spec)
+        engine = build_engine_in_child(spec, device)
         ring: list[dict[str, torch.Tensor]] | None = None
         loaded: int | None = None  # serial of the publish in the engine's model
         while True:

@@ -18,7 +18,7 @@ from megarl.backends.protocol import Backend
 from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
 from megarl.logging import MetricLogger
 from megarl.rollout.protocol import RolloutEngine
-from megarl.trainer.builders import build_backend, build_engine
+from megarl.trainer.builders import build_backend, build_engine, check_engine_installed
 from megarl.trainer.rollout import Scorer
 from megarl.utils import dist as mdist
 
@@ -121,6 +121,7 @@ def _default_schedule_length(cfg: Any, total_steps: int) -> None:
 
 
 def build_run(cfg: Any) -> RunParts:
+    check_engine_installed(cfg)  # before the minutes spent on data, assets and models
     rank = mdist.rank()
     device = mdist.resolve_device(cfg.trainer.device)
     paths = _resolve_all(cfg)

@@ -5,6 +5,7 @@ and bit for bit in their logprobs)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -155,3 +156,75 @@ def test_routed_experts_come_back_from_the_engine_process(tiny_folder):
             assert torch.equal(a.routed_experts, b.routed_experts)
     finally:
         proc.close()
+
+
+_WORLD = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+          "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "PATH": "/usr/bin"}
+
+
+@pytest.mark.parametrize("device, visible, shown", [
+    ("cuda:1", None, "1"),                     # no list: the index is the GPU
+    ("cuda:1", "4,5,6,7", "5"),                # the trainer's cuda:1 is GPU 5
+    ("cuda:3", "4, 5,6,7", "7"),
+    ("cuda:1", "GPU-aaaa,GPU-bbbb", "GPU-bbbb"),  # UUIDs (and MIG ids) kept as written
+])
+def test_engine_process_sees_only_its_rank_gpu(device, visible, shown):
+    """The engine process of the rank on cuda:k sees that GPU alone, as cuda:0 (vLLM's
+    single-process executor takes the first visible device; megarl's engine is told cuda:0),
+    and drops the trainer's world variables. Planted: the list not mapped (str(k) always)
+    fails the listed cases; before the fix nothing was set, and every rank's engine took the
+    node's first GPU."""
+    from megarl.rollout.process import engine_process_env
+
+    environ = dict(_WORLD, **({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}))
+    changes, child_device = engine_process_env(device, environ)
+    assert child_device == "cuda:0"
+    assert changes["CUDA_VISIBLE_DEVICES"] == shown
+    assert {k for k, v in changes.items() if v is None} == set(_WORLD) - {"PATH"}
+
+
+def test_engine_process_env_on_cpu_and_out_of_range():
+    """A CPU engine keeps the environment's devices (only the world variables go); a device
+    the trainer's list does not hold is refused."""
+    from megarl.rollout.process import engine_process_env
+
+    changes, child_device = engine_process_env("cpu", dict(_WORLD, CUDA_VISIBLE_DEVICES="2"))
+    assert child_device == "cpu" and "CUDA_VISIBLE_DEVICES" not in changes
+    with pytest.raises(ValueError, match="cuda:2"):
+        engine_process_env("cuda:2", {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_engine_process_applies_its_environment(monkeypatch):
+    """`enter_engine_env` (the engine process's first step) sets what `engine_process_env`
+    says in this process's environment and hands the engine its device."""
+    from megarl.rollout.process import enter_engine_env
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for k, v in _WORLD.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    spec = EngineSpec(model_path="unused", device="cuda:1")
+    assert enter_engine_env(spec) == "cuda:0"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "7"
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
+
+
+@pytest.mark.parametrize("engine", ["torch", "vllm"])
+def test_engine_spec_keeps_the_rank_device(monkeypatch, tiny_folder, engine):
+    """The spec built for training rank k carries the rank's device cuda:k for both engines
+    (the torch engine's KV budget is read there; vLLM's settings are stubbed: they need a
+    GPU to size). Before the fix the vLLM spec carried no device ("cpu")."""
+    import megarl.rollout.torch.engine as torch_engine
+    from megarl.config.loader import resolve_config
+    from megarl.rollout.vllm import VLLMEngine
+
+    budget_on = []
+    monkeypatch.setattr(torch_engine, "_cache_budget",
+                        lambda device, fraction: budget_on.append(str(device)) or 2**30)
+    monkeypatch.setattr(VLLMEngine, "engine_settings", staticmethod(
+        lambda cfg, path, **kw: {"model_path": path, "tokenizer": None, "engine_kwargs": kw}))
+    cfg = resolve_config("grpo", ["async_training.staleness_threshold=1",
+                                  f"actor_rollout_ref.rollout.name={engine}"]).config
+    spec = EngineSpec.from_config(cfg, str(tiny_folder("qwen2")), torch.device("cuda", 3))
+    assert spec.engine == engine and spec.device == "cuda:3"
+    assert budget_on == (["cuda:3"] if engine == "torch" else [])

@@ -83,6 +83,38 @@ def test_sleep_wake(offload, tiny_folder):
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
 
 
+def test_update_while_asleep_and_offloaded(tiny_folder):
+    """The trainer's order (sleep, update_weights, wake, generate) with the weights offloaded:
+    when update_weights returns, the offloaded host tensors already hold the new weights (on a
+    GPU their copies from the trainer's GPU tensors into pinned memory are waited for before it
+    returns), and the woken engine generates what an engine built from them does."""
+    a, b = tiny_folder("qwen2"), tiny_folder("qwen2", seed=1)
+    prompts = prompts_of([5, 3], seed=2)
+    want = _gen(TorchRolloutEngine.from_pretrained(b), prompts)
+    engine = TorchRolloutEngine.from_pretrained(a, offload_weights_on_sleep=True)
+    assert _gen(engine, prompts) != want
+    engine.sleep()
+    src = load_model(b)
+    engine.update_weights(model_state_for_export(src))
+    for name, t in src.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], t), name
+    engine.wake()
+    assert _gen(engine, prompts) == want
+
+
+@pytest.mark.parametrize("dst, src, waited", [
+    ("cpu", "cuda:1", "cuda:1"), ("cuda:0", "cpu", "cuda:0"),
+    ("cuda:0", "cuda:0", None), ("cpu", "cpu", None), ("cuda:1", "cuda:0", None)])
+def test_host_device_copies_are_waited_for(dst, src, waited):
+    """load_weight_stream synchronises the stream of every GPU that a copy to or from host
+    memory ran on (such a copy into pinned memory is still running when copy_ returns);
+    copies between GPUs stay ordered on the stream and are not waited for."""
+    from megarl.rollout.torch.weights import host_device_copy
+
+    got = host_device_copy(torch.device(dst), torch.device(src))
+    assert got == (None if waited is None else torch.device(waited))
+
+
 def test_from_config(tiny_folder):
     from megarl.config import Config
 

@@ -16,6 +16,16 @@ With ``return_routed_experts`` (MoE policies; vLLM's engine argument of the same
 response token was routed to in every sparse layer (`megarl.models.moe.record_experts`), for
 routing replay in the trainer: ``[len(prompt) + len(token_ids), n_sparse, k]`` int16, the last
 response token's row -1 (the engine never runs it: it only predicts the token after it).
+
+Host and device: sampled tokens, logprobs and recorded experts stay on the device until the
+generate call ends (one copy to the host then); the host keeps the schedule (positions, token
+counts, the uniforms of the sampling noise), which it knows without reading the device, and
+sends it with copies that do not wait for the queued kernels. The one read of the device per
+step is whether a sequence sampled a stop token (or, with stop strings, the tokens
+themselves): it decides which sequences leave the batch before the next step. Deciding later
+would change which sequences share a batch, hence the rounding of the batched kernels; read
+every step, the schedule and the outputs are bit for bit those of a loop that reads every
+token. Steps where no stop is possible (``ignore_eos``, no stop ids or strings) read nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from megarl.models import Transformer, load_model, read_hf_config
 from megarl.models.moe import record_experts, routing_dtype, sparse_layers, stack_layers
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
 from megarl.rollout.sampling import check_sampling_params, noise_key, sample_next, uniform_at
-from megarl.rollout.torch.kv_cache import SlotKVCache
+from megarl.rollout.torch.kv_cache import SlotKVCache, to_device
 from megarl.rollout.torch.stopping import StopStrings
 from megarl.rollout.torch.weights import load_weight_stream
 
@@ -46,15 +56,16 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class _Seq:
     """One (prompt, sample) being generated."""
 
-    __slots__ = ("req", "sample", "prompt", "max_new", "prompt_key", "tokens", "logprobs",
-                 "finish", "key", "routing")
+    __slots__ = ("req", "sample", "prompt", "max_new", "prompt_key", "count", "tokens",
+                 "logprobs", "finish", "key", "routing")
 
     def __init__(self, req: int, sample: int, prompt: list[int], max_new: int,
                  prompt_key: int) -> None:
         self.req, self.sample, self.prompt, self.max_new = req, sample, prompt, max_new
         self.prompt_key = prompt_key  # the request number of the sampling noise
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
+        self.count = 0  # tokens sampled so far (their values may still be on the device)
+        self.tokens: list[int] = []  # filled when the run ends (with stop strings: as sampled)
+        self.logprobs: list[float] = []  # filled when the run ends
         self.finish: str | None = None
         self.key = 0  # noise_key(seed, prompt_key, sample), set by the run
         self.routing: list[torch.Tensor] = []  # [n, n_sparse, k] per forward that ran its tokens
@@ -62,7 +73,7 @@ class _Seq:
     @property
     def cached(self) -> int:
         """Positions already in the KV cache (the last sampled token is not yet)."""
-        return len(self.prompt) + len(self.tokens) - 1
+        return len(self.prompt) + self.count - 1
 
 
 class TorchRolloutEngine:
@@ -138,6 +149,7 @@ class TorchRolloutEngine:
         self._cache: SlotKVCache | None = None
         self._asleep = False
         self._offloaded = False
+        self._woken: torch.cuda.Event | None = None  # wake()'s host -> GPU copies, queued
 
     # ------------------------------------------------------------------------- construction
 
@@ -216,6 +228,7 @@ class TorchRolloutEngine:
             return []
         if self._asleep:
             self.wake()
+        self._await_wake()
         seed = sampling.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -232,6 +245,7 @@ class TorchRolloutEngine:
         )
         with torch.inference_mode():
             run.loop()
+            run.collect()
         return [
             Completion(
                 prompt_index=s.req,
@@ -250,7 +264,7 @@ class TorchRolloutEngine:
         a = self.model.args
         pad = torch.full((1, len(sparse_layers(a)), a.num_experts_per_tok), -1,
                          dtype=routing_dtype(a.num_experts))
-        out = torch.cat([*s.routing, pad])
+        out = torch.cat([torch.cat(s.routing).cpu(), pad])
         if out.shape[0] != len(s.prompt) + len(s.tokens):  # a scheduling bug, not user input
             raise RuntimeError(f"recorded routing of {out.shape[0]} tokens for a sequence of "
                                f"{len(s.prompt) + len(s.tokens)}")
@@ -261,10 +275,17 @@ class TorchRolloutEngine:
     ) -> None:
         """Copy (HF name, full tensor) pairs into the model in place (see load_weight_stream).
         Accepts a flat stream or the buckets of `megarl.rollout.reshard` (lists of pairs)."""
+        self._await_wake()
         load_weight_stream(self.model, _flatten(weights), strict=strict)
 
     def sleep(self) -> None:
-        """Free the KV cache; with offload_weights_on_sleep also move the weights to CPU."""
+        """Free the KV cache; with offload_weights_on_sleep also move the weights to CPU.
+
+        On CUDA the weights go to pinned memory with copies queued on the current stream;
+        the device is synchronised before anything reads them and before the freed GPU
+        memory goes back to the driver (a GPU block freed earlier is reused only by work
+        queued after the copies on that stream)."""
+        self._await_wake()
         self._cache = None
         if self.offload_weights_on_sleep and not self._offloaded:
             pin = self.device.type == "cuda"
@@ -277,16 +298,29 @@ class TorchRolloutEngine:
             self._offloaded = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self._woken = None
         self._asleep = True
 
     def wake(self) -> None:
         """Undo sleep(): weights back on the device (the cache comes back at the next
-        generate)."""
+        generate). On CUDA the copies from pinned memory are queued on the current stream,
+        without waiting; their pinned sources are freed at once (torch's pinned-memory cache
+        keeps a block until the copy that reads it has run), and the engine's next use waits
+        for them on whatever stream it runs (`_await_wake`)."""
         if self._offloaded:
             for p in _unique_tensors(self.model):
                 p.data = p.data.to(self.device, non_blocking=True)
             self._offloaded = False
+            if self.device.type == "cuda":
+                self._woken = torch.cuda.Event()
+                self._woken.record(torch.cuda.current_stream(self.device))
         self._asleep = False
+
+    def _await_wake(self) -> None:
+        """Order the current stream after wake()'s copies (queued on the stream current at
+        wake, which need not be the one this call computes on); no host wait."""
+        if self._woken is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._woken)
 
     @property
     def asleep(self) -> bool:
@@ -365,6 +399,12 @@ class _Run:
         self.device = engine.device
         for s in seqs:
             s.key = noise_key(seed, s.prompt_key, s.sample)
+        # the last sampled token of the sequence in each slot: the next decode's input
+        self.last = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        self.stop_t = (to_device(sorted(stop_ids), torch.long, self.device) if stop_ids
+                       else None)
+        # (sequence ids, tokens [n], logprobs [n]) of every sampling call, on the device
+        self.sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
 
     def loop(self) -> None:
         pending = deque(range(len(self.seqs)))
@@ -419,7 +459,8 @@ class _Run:
                 src.append(row)
                 sids.append(new[k])
         self.cache.begin_prefill(dst, src)
-        ids = ids.to(self.device)
+        if self.device.type != "cpu":
+            ids = ids.to(self.device, non_blocking=True)
         pos = torch.arange(t, device=self.device).expand(len(prompts), t)
         hidden, routing = self._forward(ids, pos)
         if routing is not None:  # [rows * t, n_sparse, k] -> each sample its prompt's rows
@@ -427,51 +468,86 @@ class _Run:
             for sid, row in zip(sids, src):
                 self.seqs[sid].routing.append(routing[row, : lengths[row]])
         rows = torch.arange(len(prompts), device=self.device)
-        last = hidden[rows, torch.tensor(lengths, device=self.device) - 1]
+        last = hidden[rows, to_device(lengths, torch.long, self.device) - 1]
         logits = self.e._logits(last)
-        self.sample_into(sids, logits[torch.tensor(src, device=self.device)])
+        self.sample_into(sids, logits[to_device(src, torch.long, self.device)],
+                         to_device(dst, torch.long, self.device))
 
     def decode(self, active: list[int]) -> None:
         seqs = [self.seqs[s] for s in active]
-        tokens = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        pos = torch.tensor([s.cached for s in seqs], dtype=torch.long, device=self.device)
-        self.cache.begin_decode(pos)
-        hidden, routing = self._forward(tokens, pos[:, None])
+        n = len(seqs)
+        positions = [s.cached for s in seqs]
+        pos = to_device(positions, torch.long, self.device)
+        self.cache.begin_decode(pos, max(positions) + 1)
+        hidden, routing = self._forward(self.last[:n, None], pos[:, None])
         if routing is not None:  # the token each sequence fed in: its last sampled one
             for s, r in zip(seqs, routing.split(1)):
                 s.routing.append(r)
-        self.sample_into(active, self.e._logits(hidden[:, -1]))
+        self.sample_into(active, self.e._logits(hidden[:, -1]), slice(0, n))
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(final hidden states [b, t, H], routing [b * t, n_sparse, k] on the CPU, or None
-        when the engine does not record it)."""
+        """(final hidden states [b, t, H], routing [b * t, n_sparse, k] on the device, or
+        None when the engine does not record it)."""
         if not self.e.return_routed_experts:
             return self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden"), None
         with record_experts(self.e.model) as chosen:
             hidden = self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
-        return hidden, stack_layers(chosen, self.e.model.args).cpu()
+        return hidden, stack_layers(chosen, self.e.model.args)
 
-    def sample_into(self, sids: list[int], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence in ``sids`` (rows of ``logits``) and apply the
-        stop rules."""
+    def sample_into(self, sids: list[int], logits: torch.Tensor,
+                    slots: torch.Tensor | slice) -> None:
+        """Sample one token for each sequence in ``sids`` (rows of ``logits``), keep it on the
+        device as the next input of the sequence's cache slot (``slots``: one per sid), and
+        apply the stop rules."""
         seqs = [self.seqs[s] for s in sids]
         u = None
         if not self.sampling.is_greedy:
-            u = torch.tensor([uniform_at(s.key, len(s.tokens)) for s in seqs],
-                             dtype=torch.float64, device=self.device)
+            u = to_device([uniform_at(s.key, s.count) for s in seqs], torch.float64,
+                          self.device)
         tokens, logprobs = sample_next(logits, self.sampling, u)
-        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            s.tokens.append(tok)
-            s.logprobs.append(lp)
-            if tok in self.stop_ids or (self.stops and self.stops.hit(s.tokens)):
+        self.last[slots] = tokens
+        self.sampled.append((sids, tokens, logprobs))
+        for s, stop in zip(seqs, self._stopped(seqs, tokens)):
+            s.count += 1
+            if stop:
                 s.finish = "stop"
-            elif len(s.tokens) >= s.max_new:
+            elif s.count >= s.max_new:
                 s.finish = "length"
 
+    def _stopped(self, seqs: list[_Seq], tokens: torch.Tensor) -> list[bool]:
+        """Whether each of ``seqs`` just sampled a stop token or completed a stop string
+        (``tokens`` [n] on the device): the step's one read of the device, skipped when no
+        stop is possible. Stop strings need the text, so the tokens come to the host."""
+        if self.stops:
+            flags = []
+            for s, tok in zip(seqs, tokens.tolist()):
+                s.tokens.append(tok)
+                flags.append(tok in self.stop_ids or self.stops.hit(s.tokens))
+            return flags
+        if self.stop_t is None:
+            return [False] * len(seqs)
+        return torch.isin(tokens, self.stop_t).tolist()
+
+    def collect(self) -> None:
+        """Copy every sampled token and logprob to the host (one transfer each) into the
+        sequences, in the order they were sampled."""
+        if not self.sampled:
+            return
+        tokens = torch.cat([t for _, t, _ in self.sampled]).tolist()
+        logprobs = torch.cat([lp for _, _, lp in self.sampled]).tolist()
+        for s in self.seqs:
+            s.tokens, s.logprobs = [], []
+        sids = (sid for ids, _, _ in self.sampled for sid in ids)
+        for sid, tok, lp in zip(sids, tokens, logprobs, strict=True):
+            seq = self.seqs[sid]
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+        self.sampled = []
+
     def retire(self, active: list[int]) -> list[int]:
-        """Drop finished sequences and move live ones from the top slots into the holes, so
-        the live sequences occupy slots 0..n-1."""
+        """Drop finished sequences and move live ones from the top slots into the holes (their
+        cache rows and last tokens), so the live sequences occupy slots 0..n-1."""
         live = [s for s in active if self.seqs[s].finish is None]
         if len(live) == len(active):
             return active
@@ -482,6 +558,7 @@ class _Run:
         out = active[:n]
         for h, m in zip(holes, movers):
             out[h] = active[m]
+            self.last[h] = self.last[m]
         return out
 
 
