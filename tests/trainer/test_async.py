@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_resume import COMMON, _policy_dir, _train_killed_after_checkpoint, _untimed, _weights
+from test_resume import (
+    COMMON,
+    RESUMED,
+    _policy_dir,
+    _train_killed_after_checkpoint,
+    _untimed,
+    _weights,
+    assert_resumed,
+    logged_before,
+)
 from trainer_helpers import FAST, train, train_rows
 
 from megarl.trainer.checkpoint import CheckpointManager
@@ -176,18 +185,22 @@ def test_async_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets):
     """Staleness 1, 2 ranks (an engine process each): 6 steps straight equal 3 steps, a hard
     kill of every process (engines included) after the step-3 checkpoint, and a resume for
     the last 3 (metrics but timings, exported weights). The checkpoint holds the batch of
-    step 4, generated with version 2 while step 3 trained. Planted: not saving the batches in
-    flight (the resumed run regenerates step 4's batch on version 3): step 4's metrics differ
-    (async/policy_version_lag 0 instead of 1, other samples)."""
+    step 4, generated with version 2 while step 3 trained; the resumed process ran steps 4-6
+    only (`assert_resumed`). Planted: not saving the batches in flight (the resumed run
+    regenerates step 4's batch on version 3): step 4's metrics differ
+    (async/policy_version_lag 0 instead of 1, other samples). The trainer ignoring
+    trainer.resume=auto (maybe_resume returning None): the restart from step 0 matches the
+    straight run bit for bit and fails only on the resume evidence."""
     from safetensors.torch import load_file
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, "grpo", *COMMON, *ASYNC1, nproc=2)
     _train_killed_after_checkpoint(resumed, 3, "grpo", ASYNC1)
     ckpt = CheckpointManager(resumed / "checkpoints")
-    assert ckpt.complete_steps()[-1] >= 3
+    assert ckpt.complete_steps() == [3]
     assert (ckpt.step_dir(3) / "async" / "rank1.pt").is_file()
-    train(resumed, "grpo", *COMMON, *ASYNC1, "trainer.resume=auto", nproc=2)
+    before = logged_before(resumed, 3)
+    proc = train(resumed, "grpo", *COMMON, *ASYNC1, *RESUMED, nproc=2)
 
     a, b = train_rows(straight), train_rows(resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in b]
@@ -200,3 +213,4 @@ def test_async_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets):
         assert torch.equal(wa[name], wb[name]), name
     init = load_file(next(_policy_dir().glob("*.safetensors")))
     assert any(not torch.equal(init[k], wa[k]) for k in init if k in wa)
+    assert_resumed(proc, resumed, before, 3, 6)

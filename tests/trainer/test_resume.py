@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_helpers import FAST, REPO, env, strip_timing, train, train_rows
+from trainer_helpers import FAST, REPO, env, metrics, strip_timing, train, train_rows
 
 from megarl.trainer.checkpoint import CheckpointManager
 
@@ -106,6 +107,31 @@ def _hard_kill(proc: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
+# The resumed run prints its steps (the console sink: "step 4/6 | ..."), so its output shows
+# which steps that process ran
+RESUMED = ["trainer.logger=[console,jsonl]", "trainer.resume=auto"]
+
+
+def logged_before(run_dir: Path, step: int) -> list[dict]:
+    """The record's rows up to ``step`` as the interrupted run left them (timings included)."""
+    return [r for r in metrics(run_dir) if r["step"] <= step]
+
+
+def assert_resumed(proc: subprocess.CompletedProcess, run_dir: Path, before: list[dict],
+                   step: int, total: int) -> None:
+    """The resumed run's own evidence that it resumed from checkpoint ``step`` instead of
+    training again from the start (a deterministic restart logs the same metrics and exports
+    the same weights): it says so, the steps it ran are ``step + 1 .. total`` only, and the
+    rows of the interrupted run up to ``step`` are still in the record unchanged, wall-clock
+    timings included (a step run again logs new timings)."""
+    assert f"resumed from step {step}" in proc.stdout, proc.stdout[-2000:]
+    ran = [int(s) for s in re.findall(rf"^step (\d+)/{total} \|", proc.stdout, re.MULTILINE)]
+    assert ran == list(range(step + 1, total + 1)), (ran, proc.stdout[-2000:])
+    kept = {r["step"]: r for r in metrics(run_dir)}
+    for row in before:
+        assert kept.get(row["step"]) == row, f"step {row['step']}'s row was logged again"
+
+
 VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true"]
 
 
@@ -117,11 +143,18 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforc
     pytest.param("grpo", VLLM, id="grpo-vllm", marks=pytest.mark.vllm),
 ])
 def test_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets, config, extra):
+    """6 steps straight equal 3 steps, a hard kill after the step-3 checkpoint and a resume
+    (metrics but timings, exported weights), and the resumed process ran steps 4-6 only
+    (`assert_resumed`). Planted: the trainer ignoring trainer.resume=auto (maybe_resume
+    returning None): the restart from step 0 matches the straight run bit for bit (the run is
+    deterministic) and fails only on the resume evidence (no "resumed from step 3"), with
+    either recipe and with vLLM."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, config, *COMMON, *extra, nproc=2)
     _train_killed_after_checkpoint(resumed, 3, config, extra)
-    assert CheckpointManager(resumed / "checkpoints").complete_steps()[-1] >= 3
-    train(resumed, config, *COMMON, *extra, "trainer.resume=auto", nproc=2)
+    assert CheckpointManager(resumed / "checkpoints").complete_steps() == [3]
+    before = logged_before(resumed, 3)
+    proc = train(resumed, config, *COMMON, *extra, *RESUMED, nproc=2)
 
     a, b = train_rows(straight), train_rows(resumed)
     assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in b]
@@ -134,6 +167,7 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets, config, ext
     # and training did change the weights (the comparison is not between two copies of the init)
     init = load_file(next(_policy_dir().glob("*.safetensors")))
     assert any(not torch.equal(init[k], wa[k]) for k in init if k in wa)
+    assert_resumed(proc, resumed, before, 3, 6)
 
 
 def _policy_dir() -> Path:
@@ -188,7 +222,8 @@ def test_kill_during_checkpoint_write_resumes_from_previous_bitwise(tmp_path, de
     their own and survive): they publish global_step_4 and the resume reports "resumed from
     step 4". The checkpoint written in place (no temporary name): "the write went to
     global_step_4". A rerun with trainer.resume=disable also ends bitwise equal (the run is
-    deterministic), hence the check of where the run resumed.
+    deterministic), hence the check of where the run resumed (`assert_resumed`: the resume
+    line, steps 3-4 run, rows 1-2 as the killed run logged them).
     """
     config = "pure_prm_vr"
     straight = tmp_path / "straight"
@@ -209,8 +244,9 @@ def test_kill_during_checkpoint_write_resumes_from_previous_bitwise(tmp_path, de
     assert "COMPLETE" not in partial and "trainer_state.json" not in partial, partial
     assert mgr.complete_steps() == [2] and mgr.latest() == root / "global_step_2"
 
-    proc = train(killed, config, *KILL_RUN, "trainer.resume=auto", nproc=2)
-    assert "resumed from step 2" in proc.stdout, proc.stdout[-2000:]
+    before = logged_before(killed, 2)
+    proc = train(killed, config, *KILL_RUN, *RESUMED, nproc=2)
+    assert_resumed(proc, killed, before, 2, 4)
     assert mgr.complete_steps() == [2, 4] and not (root / ".tmp_global_step_4").exists()
 
     a, b = train_rows(straight), train_rows(killed)
@@ -228,8 +264,11 @@ def test_kill_during_checkpoint_write_resumes_from_previous_bitwise(tmp_path, de
 def test_a_step_saved_but_not_logged_is_logged_on_resume(tmp_path, demo_assets):
     """The checkpoint holds its step's metrics row: a run that died after writing checkpoint 2
     and before logging step 2 logs that row on resume (the row equals the uninterrupted run's,
-    wall-clock entries aside). Planted: without the row in the checkpoint, step 2 is missing
-    from the resumed record."""
+    wall-clock entries aside), and the resumed process ran step 3 only (`assert_resumed`).
+    Planted: without the row in the checkpoint, step 2 is missing from the resumed record.
+    The trainer ignoring trainer.resume=auto: a restart logs steps 1-3 afresh, its step-2 row
+    equals the uninterrupted run's too (the run is deterministic), and only the resume
+    evidence fails."""
     run = tmp_path / "run"
     quick = ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
              "actor_rollout_ref.model.dtype=fp32"]
@@ -239,7 +278,9 @@ def test_a_step_saved_but_not_logged_is_logged_on_resume(tmp_path, demo_assets):
     record = run / "metrics.jsonl"
     record.write_text("".join(line + "\n" for line in record.read_text().splitlines()[:-1]))
     assert [r["step"] for r in train_rows(run)] == [1]  # the kill landed between save and log
-    train(run, "grpo", *quick, "trainer.total_training_steps=3", "trainer.resume=auto")
+    before = logged_before(run, 2)
+    proc = train(run, "grpo", *quick, "trainer.total_training_steps=3", *RESUMED)
     rows = train_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert _untimed(rows[1]) == _untimed(full[1])
+    assert_resumed(proc, run, before, 2, 3)

@@ -331,46 +331,80 @@ ROUTING_KEYS = {"torch": ("moe/router_entropy", "moe/aux_loss", "moe/load_imbala
                 "megatron": REPLAY_KEYS}
 
 
+# A score every response gets from its own text (a hash of it): every group has advantages, so
+# each step's update is real (the demo task's reward is 0 for a random MoE policy: grad_norm 0,
+# and step 2's weights were step 1's but for weight decay)
+HASH_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(map(ord, solution_str)) % 97 / 97
+"""
+# Adam's first update moves every parameter by ~lr: 3e-5 moves the routers of the lagged step
+# 2 enough to flip some top-k sets, and the dense weights little enough that the flips dominate
+# the no-replay gap
+LR = 3e-5
+# the off-policy step's gap with replay is at most this fraction of the gap without it
+REPLAY_MARGIN = 1 / 3
+
+
 @pytest.mark.parametrize("strategy,staleness", [("torch", 0), ("megatron", 0), ("torch", 1)])
 def test_trainer_steps_with_replay_match_the_engine(runs, tmp_path, demo_assets, strategy,
                                                      staleness):
-    """GRPO, 2 steps on the embedded task with a Qwen3-MoE policy and R3 on either backend:
-    the trainer's recomputed logprobs equal the engine's on both steps
-    (rollout.check_logprobs) within the dense bound; measured max 3.8e-6 / 6.2e-6 (torch),
-    3.8e-6 / 5.2e-6 (megatron). With staleness 1 (the engine in its own process, its routing
-    sent back with the tokens) step 1 is the same, and step 2's batch, sampled one update
-    behind, lags one version: its gap is the update's (measured 8.0e-5). Each check step logs the
-    routing metrics. Planted: the trainer not calling Backend.routing_metrics, megatron's
-    from_config not reading router_replay.mode, or the engine process not returning the
-    routing (the batch has none to replay): the moe/* keys are missing."""
+    """GRPO, 2 steps on the embedded prompts with a Qwen3-MoE policy, R3 on either backend and
+    a hash of the response text as reward (every step's update is real: grad_norm > 0). On
+    same-weights steps (step 1; both steps at staleness 0) the trainer's recomputed logprobs
+    equal the engine's (rollout.check_logprobs) within the dense bound; measured max 4.3e-6 /
+    3.6e-6 (torch), 3.8e-6 / 3.8e-6 (megatron). Routing agrees there with or without replay,
+    so only the off-policy step tests replay: at staleness 1 (the engine in its own process,
+    its routing sent back with the tokens) step 2's batch was sampled one update behind (lag
+    1), the trainer's routers moved and flip some of the engine's top-k sets; replay keeps the
+    engine's experts, leaving only the dense weights' drift. Measured on step 2: flipped
+    fraction 0.0076 (21 of 2752 decisions), max gap 0.100 with replay against 0.947 without
+    (mean 0.020 / 0.027); asserted: flipped > 0 and the replayed max gap below a third of the
+    no-replay one. Each check step logs the routing metrics.
+
+    Planted: the trainer's old-logprob pass given the batch without ``routed_experts``
+    (trainer.py; the routing metrics still get it): step 2's gap is the no-replay gap (0.947
+    both): fails (the earlier checks of that step, lag 1 and 0 <= flipped <= 1, pass on it).
+    The trainer not calling Backend.routing_metrics, megatron's from_config not reading
+    router_replay.mode, or the engine process not returning the routing (the batch has none to
+    replay): the moe/* keys are missing."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
+    reward = tmp_path / "hash_reward.py"
+    reward.write_text(HASH_REWARD)
+    run_dir = tmp_path / "run"
     cmd = [sys.executable, "launch/train.py", "--config", "grpo", "--demo", "on",
-           f"trainer.default_local_dir={tmp_path}", *FAST, "trainer.total_training_steps=2",
+           f"trainer.default_local_dir={run_dir}", *FAST, "trainer.total_training_steps=2",
            f"actor_rollout_ref.model.path={runs['qwen3_moe'][0]}",
            f"actor_rollout_ref.actor.strategy={strategy}",
            "actor_rollout_ref.actor.router_replay.mode=R3",
            "actor_rollout_ref.rollout.check_logprobs=true",
-           f"async_training.staleness_threshold={staleness}"]
+           f"async_training.staleness_threshold={staleness}",
+           f"custom_reward_function.path={reward}", f"actor_rollout_ref.actor.optim.lr={LR}"]
     proc = subprocess.run(cmd, cwd=repo, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     rows = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         print(strategy, staleness, "step", r["step"],
-              {k: r.get(k) for k in (METRIC_MEAN, METRIC_MAX, "async/policy_version_lag/max")})
+              {k: r.get(k) for k in (METRIC_MEAN, METRIC_MAX, *REPLAY_KEYS,
+                                     METRIC_MEAN + "_no_replay", "actor/grad_norm",
+                                     "async/policy_version_lag/max")})
+        assert r["actor/grad_norm"] > 0.1, r["actor/grad_norm"]
+        for key in ROUTING_KEYS[strategy]:
+            assert key in r, (key, sorted(k for k in r if k.startswith("moe/")))
         if r["step"] == 1 or staleness == 0:
             assert r[METRIC_MAX] <= DENSE_BOUND, r[METRIC_MAX]
         else:
             assert r["async/policy_version_lag/max"] == 1
-        for key in ROUTING_KEYS[strategy]:
-            assert key in r, (key, sorted(k for k in r if k.startswith("moe/")))
-        assert 0 <= r["moe/replay_flipped_fraction"] <= 1
+            assert r["moe/replay_flipped_fraction"] > 0
+            no_replay = r[METRIC_MAX + "_no_replay"]
+            assert r[METRIC_MAX] < REPLAY_MARGIN * no_replay, (r[METRIC_MAX], no_replay)
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_replay_on_two_ranks_matches_one_process
