@@ -31,103 +31,22 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from megarl.rollout.build import EngineSpec, engine_from_spec
 from megarl.rollout.protocol import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-ENGINES = ("torch", "vllm")
-
 # The launch variables of the trainer's world; the engine child is a world of its own.
 _WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 _VISIBLE = "CUDA_VISIBLE_DEVICES"
-
-
-@dataclass
-class EngineSpec:
-    """What the child needs to build its engine (picklable).
-
-    engine: "torch" (`TorchRolloutEngine`, from the fields below) or "vllm" (`VLLMEngine`
-        built from ``model_path``, ``tokenizer`` and ``engine_kwargs``: ``vllm.LLM``
-        arguments, see `VLLMEngine.engine_settings`).
-    device: the training rank's device, as the trainer process numbers it ("cuda:k"); the
-        engine process sees that one GPU only, as cuda:0 (`engine_process_env`).
-    cpus: CPU ids the child pins itself to (os.sched_setaffinity); empty = inherit.
-    threads: torch intra-op threads in the child.
-    return_routed_experts: the torch engine records each token's experts (routing replay);
-        completions carry them back.
-    """
-
-    model_path: str
-    engine: str = "torch"
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "fp32"
-    device: str = "cpu"
-    tokenizer: str | None = None
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    kv_cache_bytes: int | None = None
-    cpus: list[int] = field(default_factory=list)
-    threads: int = 1
-    return_routed_experts: bool = False
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"EngineSpec.engine={self.engine!r}; expected one of {ENGINES}")
-
-    @classmethod
-    def from_config(cls, cfg: Any, model_path: str, device: torch.device | str,
-                    cpus: Sequence[int] = ()) -> EngineSpec:
-        """The engine the synchronous run would build (``actor_rollout_ref.rollout.name``,
-        same keys), as a spec. A vLLM engine in its own process is a world of one: its
-        tensor_model_parallel_size must be 1."""
-        from megarl.data.locations import resolve_path
-        from megarl.rollout.torch.engine import _cache_budget
-
-        arr = cfg.actor_rollout_ref
-        device = _indexed(torch.device(device))
-        if arr.rollout.name == "vllm":
-            return cls._vllm_from_config(cfg, model_path, device, cpus)
-        return cls(model_path=resolve_path(model_path), dtype=arr.model.dtype,
-                   device=str(device), tokenizer=arr.model.tokenizer_path or model_path,
-                   max_num_seqs=arr.rollout.max_num_seqs,
-                   max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   kv_cache_bytes=_cache_budget(device, arr.rollout.gpu_memory_utilization),
-                   cpus=list(cpus),
-                   return_routed_experts=arr.actor.router_replay.mode == "R3")
-
-    @classmethod
-    def _vllm_from_config(cls, cfg: Any, model_path: str, device: torch.device,
-                          cpus: Sequence[int]) -> EngineSpec:
-        from megarl.errors import UserInputError
-        from megarl.rollout.vllm import VLLMEngine
-
-        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-        if tp != 1:
-            raise UserInputError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with asynchronous "
-                "rollout: each training rank runs its own vLLM engine in a process of its own "
-                "(a world of one), so the engine cannot span ranks; set it to 1, or set "
-                "async_training.staleness_threshold=0 for the colocated engine")
-        settings = VLLMEngine.engine_settings(cfg, model_path,
-                                              distributed_executor_backend="uni")
-        return cls(model_path=settings["model_path"], engine="vllm", device=str(device),
-                   tokenizer=settings["tokenizer"], engine_kwargs=settings["engine_kwargs"],
-                   cpus=list(cpus))
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` without an index is this process's current CUDA device."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class EngineProcessError(RuntimeError):
@@ -473,23 +392,6 @@ def enter_engine_env(spec: EngineSpec) -> str:
     return device
 
 
-def build_engine_in_child(spec: EngineSpec, device: str | None = None) -> Any:
-    """The engine of ``spec``, built in the engine process (after `pin_process` and
-    `enter_engine_env`, whose device it takes; default ``spec.device``)."""
-    if spec.engine == "vllm":
-        from megarl.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(spec.model_path, tokenizer=spec.tokenizer, sleep_mode=False,
-                          **spec.engine_kwargs)
-    from megarl.rollout.torch.engine import _DTYPES, TorchRolloutEngine
-
-    return TorchRolloutEngine.from_pretrained(
-        spec.model_path, dtype=_DTYPES[spec.dtype], device=device or spec.device,
-        tokenizer=spec.tokenizer, max_num_seqs=spec.max_num_seqs,
-        max_model_len=spec.max_model_len, kv_cache_bytes=spec.kv_cache_bytes,
-        offload_weights_on_sleep=False, return_routed_experts=spec.return_routed_experts)
-
-
 def _engine_main(spec: EngineSpec, conn: Any) -> None:
     """The engine process: build the engine, then serve requests in order until "close"."""
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
@@ -497,7 +399,7 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
     try:
         device = enter_engine_env(spec)
         pin_process(spec.cpus, spec.threads)
-        engine = build_engine_in_child(spec, device)
+        engine = engine_from_spec(spec, device)
         ring: list[dict[str, torch.Tensor]] | None = None
         loaded: int | None = None  # serial of the publish in the engine's model
         while True:

@@ -83,7 +83,16 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None:
         """Free the engine's memory (weights / KV cache) while training runs (colocated)."""
 
-    def wake(self) -> None: ...
+    def wake(self) -> None:
+        """Take the memory back (the next `generate` wakes an asleep engine itself)."""
+
+    @property
+    def asleep(self) -> bool:
+        """Between `sleep` and the next `wake` (or `generate`)."""
+
+    def close(self) -> None:
+        """Release the engine now (its processes, memory), not at interpreter exit; the
+        engine takes no call after it."""
 
 
 def resolve_prompt_keys(prompt_keys: Sequence[int] | None, num_prompts: int) -> list[int]:

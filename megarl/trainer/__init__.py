@@ -7,8 +7,8 @@ from typing import Any
 
 def run(cfg: Any) -> dict[str, Any]:
     """Train with a validated Config in this process (one rank of a torchrun job, or alone)."""
-    from megarl.trainer.async_rollout import AsyncRLTrainer, async_settings
-    from megarl.trainer.parts import pin_threads
+    from megarl.trainer.async_rollout import AsyncRLTrainer
+    from megarl.trainer.parts import async_settings, pin_threads
     from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
 

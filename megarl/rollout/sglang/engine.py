@@ -275,6 +275,12 @@ class SGLangEngine:
     def asleep(self) -> bool:
         return bool(self._released)
 
+    def close(self) -> None:
+        """Shut the SGLang engine (its scheduler and detokenizer processes) down now."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
     # ------------------------------------------------------------------------- helpers
 
     def _resume(self, tags: list[str]) -> None:
@@ -323,6 +329,9 @@ class _HostedByGroupLeader:
         pass
 
     def resume_memory_occupation(self, tags: list[str]) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass
 
 

