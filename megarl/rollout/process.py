@@ -5,7 +5,8 @@ asynchronous rollout (`submit` / `result`); the engine itself runs in a spawned 
 to its own cores with one intra-op thread, so generation overlaps the trainer's
 forward/backward passes. The child hosts either megarl's `TorchRolloutEngine` or a
 `VLLMEngine` (vLLM's ``LLM`` in the child, with its single-process ``uni`` executor: the child
-is a world of one whatever the trainer's world, so each training rank has its own engine).
+is a world of one whatever the trainer's world, so each training rank has its own engine;
+`megarl.rollout.engine_process` is the child's side).
 
 Weights travel through a ring of ``slots`` shared-memory copies of the model (host memory,
 allocated at the first publish, HF names as in the resharding stream):
@@ -26,27 +27,19 @@ rule (a version is loaded before the step that publishes ``staleness + 1`` versi
 from __future__ import annotations
 
 import logging
-import os
-import time
-import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from megarl.rollout.build import EngineSpec, engine_from_spec
+from megarl.rollout.build import EngineSpec
+from megarl.rollout.engine_process import completion_from_state, completion_state, engine_main
 from megarl.rollout.protocol import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-# The launch variables of the trainer's world; the engine child is a world of its own.
-_WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-_VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
 class EngineProcessError(RuntimeError):
@@ -91,7 +84,7 @@ class ProcessRolloutEngine:
         self.version_fn = version_fn
         self._ctx = mp.get_context("spawn")
         self._conn, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_engine_main, args=(spec, child), daemon=True,
+        self._proc = self._ctx.Process(target=engine_main, args=(spec, child), daemon=True,
                                        name="megarl-rollout-engine")
         self._proc.start()
         child.close()
@@ -227,13 +220,13 @@ class ProcessRolloutEngine:
             self._next_id += 1
             self._requests[new] = _Request(-1, loaded=True, result=comps)
             self._prefetched[key] = new
-            out.append({"key": key, "completions": [_completion_state(c) for c in comps]})
+            out.append({"key": key, "completions": [completion_state(c) for c in comps]})
         return out
 
     def import_prefetched(self, state: list[dict[str, Any]]) -> None:
         """Register finished requests saved by `export_prefetched` (exact resume)."""
         for entry in state:
-            comps = [_completion_from_state(c) for c in entry["completions"]]
+            comps = [completion_from_state(c) for c in entry["completions"]]
             rid = self._next_id
             self._next_id += 1
             self._requests[rid] = _Request(-1, loaded=True, result=comps)
@@ -279,7 +272,7 @@ class ProcessRolloutEngine:
             req.loaded = True
         elif kind == "done":
             req.loaded = True
-            req.result = [_completion_from_state(c) for c in msg[2]]
+            req.result = [completion_from_state(c) for c in msg[2]]
             self.spans.append(EngineSpan(msg[1], self._versions.pop(msg[1], -1), *msg[3]))
 
     def _wait_slot_free(self, slot: int) -> None:
@@ -316,119 +309,3 @@ def _match_key(prompts: list[list[int]], sampling: SamplingParams,
     ))
 
 
-def _completion_state(c: Completion) -> dict[str, Any]:
-    """A completion as plain Python (sent through the pipe and saved with prefetched work)."""
-    routed = c.routed_experts
-    return {"prompt_index": c.prompt_index, "token_ids": list(c.token_ids),
-            "logprobs": None if c.logprobs is None else c.logprobs.tolist(),
-            "finish_reason": c.finish_reason, "policy_version": c.policy_version,
-            "routed_experts": None if routed is None else routed.tolist()}
-
-
-def _completion_from_state(d: dict[str, Any]) -> Completion:
-    lp, routed = d["logprobs"], d.get("routed_experts")
-    return Completion(prompt_index=d["prompt_index"], token_ids=list(d["token_ids"]),
-                      logprobs=None if lp is None else torch.tensor(lp, dtype=torch.float32),
-                      finish_reason=d["finish_reason"], policy_version=d["policy_version"],
-                      routed_experts=None if routed is None else torch.tensor(
-                          routed, dtype=torch.int16))
-
-
-# ---------------------------------------------------------------------- the child
-
-
-def pin_process(cpus: Sequence[int], threads: int) -> list[int]:
-    """Pin this process to ``cpus`` where the OS allows it and use ``threads`` intra-op
-    threads; returns the CPUs it runs on."""
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, set(int(c) for c in cpus))
-        except OSError as err:  # e.g. a container that forbids it
-            log.warning("rollout engine: could not pin to CPUs %s (%s)", list(cpus), err)
-    torch.set_num_threads(max(1, int(threads)))
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
-def engine_process_env(device: str, environ: Mapping[str, str]
-                       ) -> tuple[dict[str, str | None], str]:
-    """How the engine process of the trainer's ``device`` sets its environment, given the
-    trainer's ``environ``: (variables to set, None = unset; the device the engine uses there).
-
-    The trainer's world variables go: the engine process is a world of one (vLLM would take
-    LOCAL_RANK & co. as its own). On CUDA the process sees only the trainer's GPU, as cuda:0:
-    CUDA_VISIBLE_DEVICES becomes the entry of the trainer's list at the trainer's device index
-    (or that index where the trainer had no list; UUIDs and MIG ids are kept as written).
-    vLLM's single-process executor runs on its local rank 0, i.e. the first visible device,
-    and megarl's torch engine is told cuda:0; without this every rank's engine took GPU 0.
-    Must be applied before CUDA is initialised in the engine process."""
-    changes: dict[str, str | None] = {name: None for name in _WORLD_ENV if name in environ}
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return changes, str(dev)
-    index = 0 if dev.index is None else dev.index
-    listed = environ.get(_VISIBLE)
-    if listed is None:
-        changes[_VISIBLE] = str(index)
-    else:
-        ids = [v.strip() for v in listed.split(",") if v.strip()]
-        if index >= len(ids):
-            raise ValueError(f"rollout engine process: the trainer's device {device} is not in "
-                             f"its {_VISIBLE}={listed!r}")
-        changes[_VISIBLE] = ids[index]
-    return changes, "cuda:0"
-
-
-def enter_engine_env(spec: EngineSpec) -> str:
-    """Apply `engine_process_env` to this (the engine) process; returns the engine's device."""
-    changes, device = engine_process_env(spec.device, os.environ)
-    if _VISIBLE in changes and torch.cuda.is_initialized():  # read once, at initialisation
-        raise RuntimeError("the rollout engine process initialised CUDA before choosing its "
-                           "device")
-    for name, value in changes.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    return device
-
-
-def _engine_main(spec: EngineSpec, conn: Any) -> None:
-    """The engine process: build the engine, then serve requests in order until "close"."""
-    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
-    engine = None
-    try:
-        device = enter_engine_env(spec)
-        pin_process(spec.cpus, spec.threads)
-        engine = engine_from_spec(spec, device)
-        ring: list[dict[str, torch.Tensor]] | None = None
-        loaded: int | None = None  # serial of the publish in the engine's model
-        while True:
-            msg = conn.recv()
-            kind = msg[0]
-            if kind == "close":
-                if hasattr(engine, "close"):
-                    engine.close()
-                break
-            if kind == "ring":
-                ring = msg[1]
-                continue
-            _, rid, version, slot, serial, prompts, sampling, keys = msg
-            start = time.perf_counter()
-            if serial != loaded:  # the pickup point: weights change only here
-                engine.update_weights(ring[slot].items())
-                loaded = serial
-            conn.send(("loaded", rid))
-            generate = time.perf_counter()
-            comps = engine.generate(prompts, sampling, prompt_keys=keys)
-            for c in comps:
-                c.policy_version = version
-            conn.send(("done", rid, [_completion_state(c) for c in comps],
-                       (start, generate, time.perf_counter())))
-    except (EOFError, KeyboardInterrupt, BrokenPipeError):
-        return
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except Exception:
-            pass
-        raise

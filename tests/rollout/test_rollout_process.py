@@ -182,7 +182,7 @@ def test_engine_process_sees_only_its_rank_gpu(device, visible, shown):
     and drops the trainer's world variables. Planted: the list not mapped (str(k) always)
     fails the listed cases; before the fix nothing was set, and every rank's engine took the
     node's first GPU."""
-    from megarl.rollout.process import engine_process_env
+    from megarl.rollout.engine_process import engine_process_env
 
     environ = dict(_WORLD, **({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}))
     changes, child_device = engine_process_env(device, environ)
@@ -194,7 +194,7 @@ def test_engine_process_sees_only_its_rank_gpu(device, visible, shown):
 def test_engine_process_env_on_cpu_and_out_of_range():
     """A CPU engine keeps the environment's devices (only the world variables go); a device
     the trainer's list does not hold is refused."""
-    from megarl.rollout.process import engine_process_env
+    from megarl.rollout.engine_process import engine_process_env
 
     changes, child_device = engine_process_env("cpu", dict(_WORLD, CUDA_VISIBLE_DEVICES="2"))
     assert child_device == "cpu" and "CUDA_VISIBLE_DEVICES" not in changes
@@ -205,7 +205,7 @@ def test_engine_process_env_on_cpu_and_out_of_range():
 def test_engine_process_applies_its_environment(monkeypatch):
     """`enter_engine_env` (the engine process's first step) sets what `engine_process_env`
     says in this process's environment and hands the engine its device."""
-    from megarl.rollout.process import enter_engine_env
+    from megarl.rollout.engine_process import enter_engine_env
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for k, v in _WORLD.items():
