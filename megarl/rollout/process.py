@@ -26,7 +26,6 @@ rule (a version is loaded before the step that publishes ``staleness + 1`` versi
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -38,8 +37,6 @@ import torch.multiprocessing as mp
 from megarl.rollout.build import EngineSpec
 from megarl.rollout.engine_process import completion_from_state, completion_state, engine_main
 from megarl.rollout.protocol import Completion, SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 class EngineProcessError(RuntimeError):
