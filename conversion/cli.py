@@ -124,14 +124,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
-def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
-    """Processes ``hf-to-megatron`` runs: the smallest world that both the dense grid
-    (TP x DP) and the expert grid (ETP x EP x expert-DP) divide, times PP."""
-    import math
-
-    return math.lcm(tp, (tp if etp is None else etp) * ep) * pp
-
-
 def _hf_to_megatron(args: argparse.Namespace) -> int:
     if args.tp < 1 or args.pp < 1:
         raise ConversionError(f"--tp and --pp must be >= 1, got {args.tp} and {args.pp}")
@@ -143,10 +135,10 @@ def _hf_to_megatron(args: argparse.Namespace) -> int:
     check_output(args.out, args.force)
     tmp = temp_sibling(args.out)
     try:
-        n = world_size(args.tp, args.pp, args.ep, args.etp)
-        if n == 1:
-            from conversion import ops
+        from conversion import ops  # torch: both the in-process and the launched path need it
 
+        n = ops.world_size(args.tp, args.pp, args.ep, args.etp)
+        if n == 1:
             summary = ops.hf_to_megatron(
                 args.hf, tmp, role=args.role, tp=1, pp=1, dtype=args.dtype
             )

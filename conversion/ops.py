@@ -4,6 +4,7 @@ not in the CLI, so argument errors are fast."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import warnings
@@ -35,6 +36,12 @@ def init_process_group() -> None:
     init_distributed(resolve_device("auto"))
 
 
+def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """Processes ``hf-to-megatron`` runs: the smallest world that both the dense grid
+    (TP x DP) and the expert grid (ETP x EP x expert-DP) divide, times PP."""
+    return math.lcm(tp, (tp if etp is None else etp) * ep) * pp
+
+
 def hf_to_megatron(
     hf: Path, tmp: Path, *, role: str, tp: int, pp: int, dtype: str, ep: int = 1,
     etp: int | None = None,
@@ -42,8 +49,6 @@ def hf_to_megatron(
     """Collective: load ``hf`` at TP x PP (x EP / ETP for experts) and save it (model only) into
     the empty ``tmp``; rank 0 checks every expected tensor is there. Returns a one-line
     summary."""
-    from conversion.cli import world_size
-
     quiet()
     init_process_group()
     world, need = dist.get_world_size(), world_size(tp, pp, ep, etp)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.aliases import canonical_keys
 from megarl.config.errors import ConfigError
+from megarl.config.keys import canonical_path, schema_problem, set_path
 from megarl.config.provenance import Resolved, Sources, walk
 from megarl.config.schema import Config
-from megarl.config.typecheck import build, unknown_key_message
+from megarl.config.typecheck import build
 from megarl.config.validate import check, fill_derived
 from megarl.config.verl_compat import (
     apply_verl_mappings,
@@ -167,16 +167,6 @@ def _file_layers(path: Path, stack: tuple[Path, ...] = ()) -> list[tuple[Path, d
     return layers
 
 
-def _set_path(tree: dict, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    node = tree
-    for part in parents:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[last] = value
-
-
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``key=value`` / ``+key=value`` / ``++key=value`` -> ("set", key, parsed value);
     ``~key`` -> ("del", key, None). Values are parsed as YAML (numbers, bools, null, lists
@@ -206,35 +196,6 @@ def _merge(base: Any, top: Any) -> Any:
             out[k] = _merge(base[k], v) if k in base else v
         return out
     return top
-
-
-def _schema_problem(dotted: str) -> str | None:
-    """An unknown-key message if ``dotted`` is not a key of the schema."""
-    cls: Any = Config
-    done: list[str] = []
-    for part in dotted.split("."):
-        if not dataclasses.is_dataclass(cls):
-            return None  # inside a free-form mapping (reward_kwargs)
-        names = [f.name for f in dataclasses.fields(cls)]
-        if part not in names:
-            return unknown_key_message(".".join(done), part, names)
-        cls = typing.get_type_hints(cls)[part]
-        done.append(part)
-    return None
-
-
-_MARK = "\0megarl-mark\0"
-
-
-def _canonical_path(dotted: str) -> str:
-    """The megarl key that an (alias) dotted key is read as."""
-    single: dict = {}
-    _set_path(single, dotted, _MARK)
-    try:
-        canon = canonical_keys(single, "override")
-    except ConfigError:
-        return dotted
-    return next((p for p, v in walk(canon) if v == _MARK), dotted)
 
 
 def _resolve(tree: dict) -> dict:
@@ -295,15 +256,15 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
         if op == "del":
             deletions.append(key)
             continue
-        _set_path(over, key, value)
+        set_path(over, key, value)
         try:
             single: dict = {}
-            _set_path(single, key, value)
+            set_path(single, key, value)
             over_sources.append((_canonical(single, "override"), f"override {text.strip()}"))
         except ConfigError:
             pass  # reported below, when the whole override layer is read
     over = _canonical(over, "overrides")
-    deletions = [_canonical_path(key) for key in deletions]
+    deletions = [canonical_path(key) for key in deletions]
 
     use_demo, reason = _demo_decision(files, over, deletions, demo, bool(overlays))
     if use_demo:
@@ -326,7 +287,7 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
         raw = _merge(raw, layer)
     problems: list[str] = []
     for key, text in zip(deletions, [o for o in overrides if o.strip().startswith("~")]):
-        msg = _schema_problem(key)
+        msg = schema_problem(key)
         if msg:
             problems.append(msg + f" (from override {text.strip()})")
         _delete(raw, key)

@@ -31,61 +31,21 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-ASSETS_VERSION = 2
-COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm", "policy_moe")
-DEPENDS = {"tokenizer": (), "arith": (), "policy": ("tokenizer", "arith"),
-           "critic": ("policy",), "prm": ("policy",), "policy_moe": ("policy",)}
-ARITH_FILES = ("train.parquet", "val.parquet", "sft.parquet")
+from megarl.demo.recipe import (
+    ARITH_FILES,
+    ASSETS_VERSION,
+    COMPONENTS,
+    DEPENDS,
+    THREADED,
+    BuildConfig,
+    default_threads,
+    read_meta,
+)
+
 SCHEME = "embedded://"
-
-
-# Components trained with torch: float reductions split by the thread count, so the result
-# depends on it (on some CPUs a 1-thread SFT stops before the jump RL needs).
-THREADED = ("policy", "prm")
-
-
-def default_threads() -> int:
-    """Torch threads of the build: $MEGARL_ASSETS_THREADS, else 2 (the shipped demo's)."""
-    return int(os.environ.get("MEGARL_ASSETS_THREADS", "2"))
-
-
-@dataclass
-class BuildConfig:
-    """Every knob of the build; the defaults make the shipped demo. Seeds and `threads` fix the
-    result on a given machine, whatever thread setting the calling process has."""
-
-    seed: int = 0
-    # torch threads inside every build step (set for the build, restored after it)
-    threads: int = field(default_factory=default_threads)
-    n_train: int = 20000  # 3-op RL prompts
-    n_val: int = 500  # held-out 3-op problems (excluded from every other set)
-    n_sft: int = 50000  # 1-3 op SFT rows
-    n_dev: int = 500  # 3-op problems for the SFT stopping rule (500: +-1.8 points at 20%)
-    sft_max_steps: int = 3000
-    sft_batch: int = 64
-    sft_lr: float = 2e-3
-    sft_warmup: int = 30
-    sft_eval_every: int = 100
-    sft_eval_after: int = 500
-    sft_fine_eval_every: int = 20  # once the running loss is below sft_fine_below_loss
-    sft_fine_below_loss: float = 0.12
-    sft_fine_from_acc: float = 0.10  # ... or once a dev accuracy reaches this (the jump began;
-    # the plateau before it reads 2-9%)
-    # Stop at the first dev accuracy >= this: on the steep part of the curve, past the jump that
-    # RL needs (RL from a start before it, ~11%, barely moves) with room left above it.
-    sft_stop_at: float = 0.20
-    sft_bucket_by_ops: bool = True  # each batch has one operation count (no padding waste)
-    prm_steps: int = 400
-    prm_batch: int = 64
-    prm_lr: float = 1e-3
-    n_prm_train: int = 20000
-    n_prm_eval: int = 500
-    moe_experts: int = 4  # the upcycled MoE policy: routed experts, top-k, expert weight noise
-    moe_top_k: int = 2
-    moe_noise: float = 0.05
 
 
 def repo_root() -> Path:
@@ -98,20 +58,12 @@ def assets_root(root: str | os.PathLike | None = None) -> Path:
     return Path(os.environ.get("MEGARL_ASSETS") or repo_root() / "assets")
 
 
-def _read_meta(path: Path) -> dict | None:
-    try:
-        with open(path / "metadata.json", encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def is_built(component: str, root: str | os.PathLike | None = None,
              threads: int | None = None) -> bool:
     """Built with this ASSETS_VERSION, from the dependency builds that are present now and,
     for THREADED components when `threads` is given, with that many torch threads."""
     base = assets_root(root)
-    meta = _read_meta(base / component)
+    meta = read_meta(base / component)
     if meta is None or meta.get("version") != ASSETS_VERSION:
         return False
     built_with = meta.get("build_threads", meta.get("threads"))
@@ -119,7 +71,7 @@ def is_built(component: str, root: str | os.PathLike | None = None,
             and built_with != threads):
         return False
     for dep in DEPENDS[component]:
-        dep_meta = _read_meta(base / dep) or {}
+        dep_meta = read_meta(base / dep) or {}
         if meta.get("deps", {}).get(dep) != dep_meta.get("build_id"):
             return False
     return True
@@ -181,7 +133,7 @@ def _ensure_locked(component, base, config, threads, forced, log, done) -> None:
     done.add(component)
     if component not in forced and is_built(component, base, threads):
         return  # present (possibly built by another rank while we waited for the lock)
-    from megarl.demo import build  # heavy imports only when something must be built
+    from megarl.demo.build import BUILDERS  # heavy imports only when something must be built
 
     staging = base / f".staging-{component}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -189,11 +141,11 @@ def _ensure_locked(component, base, config, threads, forced, log, done) -> None:
     (log or _quiet)(f"[assets] building {component} in {base}")
     try:
         with torch_threads(config.threads):
-            meta = getattr(build, f"build_{component}")(staging, base, config, log or _quiet)
+            meta = BUILDERS[component](staging, base, config, log or _quiet)
         meta.update(
             build_threads=config.threads, version=ASSETS_VERSION, build_id=uuid.uuid4().hex,
             build_seconds=round(time.perf_counter() - t0, 1), build_config=asdict(config),
-            deps={d: (_read_meta(base / d) or {}).get("build_id") for d in DEPENDS[component]},
+            deps={d: (read_meta(base / d) or {}).get("build_id") for d in DEPENDS[component]},
         )
         staging.mkdir(parents=True, exist_ok=True)
         with open(staging / "metadata.json", "w", encoding="utf-8") as f:
@@ -241,7 +193,7 @@ def build_all(root: str | os.PathLike | None = None, config: BuildConfig | None 
         done: set[str] = set()
         for c in only:
             _ensure_locked(c, base, config, threads, set(only) if force else set(), log, done)
-    return {c: _read_meta(base / c) or {} for c in only}
+    return {c: read_meta(base / c) or {} for c in only}
 
 
 def main(argv: list[str] | None = None) -> int:

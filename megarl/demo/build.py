@@ -1,4 +1,4 @@
-"""The build steps behind ``megarl.demo.assets`` (one function per component).
+"""The build steps behind ``megarl.demo.assets`` (one function per component, in ``BUILDERS``).
 
 Each ``build_<name>(staging, base, config, log) -> metadata`` writes the component into the
 empty-or-missing folder ``staging``; ``assets.py`` adds the common metadata fields, writes
@@ -16,9 +16,10 @@ import torch
 
 from megarl.data.rows import write_rows
 from megarl.demo import arith
-from megarl.demo.assets import BuildConfig, _read_meta
+from megarl.demo.recipe import BuildConfig, read_meta
 
 Log = Callable[[str], None]
+Builder = Callable[[Path, Path, BuildConfig, Log], dict]
 
 
 def _seed(config: BuildConfig, purpose: int) -> int:
@@ -153,7 +154,7 @@ def build_policy_moe(staging: Path, base: Path, config: BuildConfig, log: Log) -
     tok = _load_tokenizer(base)
     val = _arith_problems(base / "arith" / "val.parquet")
     val_acc = arith_accuracy(model, tok, val)
-    dense_acc = (_read_meta(base / "policy") or {}).get("val_accuracy")
+    dense_acc = (read_meta(base / "policy") or {}).get("val_accuracy")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"  policy_moe: qwen2_moe, {n_params / 1e6:.2f}M params, {config.moe_experts} experts "
         f"top-{config.moe_top_k}; greedy held-out accuracy {val_acc:.3f} (dense {dense_acc})")
@@ -224,3 +225,14 @@ def build_prm(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:
 
 def _rounded(d: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
+
+
+# component -> its build step (the components of megarl.demo.recipe.COMPONENTS)
+BUILDERS: dict[str, Builder] = {
+    "tokenizer": build_tokenizer,
+    "arith": build_arith,
+    "policy": build_policy,
+    "critic": build_critic,
+    "prm": build_prm,
+    "policy_moe": build_policy_moe,
+}

@@ -4,7 +4,7 @@ The wheel (``pip download --no-deps verl==VERL_RELEASE``; read as a zip, never i
 its trainer configs fully expanded (``_generated_ppo_trainer.yaml``, ``..._megatron_...``).
 Every key there must have a status in ``megarl.config.verl_compat`` (implemented, mapped, inert,
 rejected), ``verl_keys.yaml`` must hold exactly the wheel's keys and defaults, and
-``docs/verl_compat.md`` must be what the code generates from them.
+``docs/verl_compat.md`` must be what ``megarl.config.verl_docs`` generates from them.
 
 Planted while writing: deleting the ``*sandbox_fusion.*`` rules leaves 6 keys unclassified
 (test_every_verl_key_has_a_status names them); mapping ``critic.optim.clip_grad`` to a key
@@ -19,16 +19,9 @@ from pathlib import Path
 import pytest
 from released_wheels import cache_folder, released_wheel
 
-from megarl.config.loader import _schema_problem
-from megarl.config.verl_compat import (
-    OLDER_KEYS,
-    RULES,
-    VERL_RELEASE,
-    classify,
-    keys_from_wheel,
-    render_doc,
-    verl_keys,
-)
+from megarl.config.keys import schema_problem
+from megarl.config.verl_compat import OLDER_KEYS, RULES, VERL_RELEASE, classify, verl_keys
+from megarl.config.verl_docs import keys_from_wheel, render_doc
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "verl_compat.md"
 
@@ -54,7 +47,7 @@ def test_mapped_keys_are_megarl_keys(wheel_keys):
     for key in wheel_keys:
         verdict = classify(key)
         if verdict is not None and verdict.status == "mapped":
-            assert _schema_problem(verdict.note) is None, (key, verdict.note)
+            assert schema_problem(verdict.note) is None, (key, verdict.note)
 
 
 def test_rejected_keys_are_a_small_minority_with_reasons(wheel_keys):
@@ -76,7 +69,7 @@ def test_no_rule_is_shadowed(wheel_keys):
         reached = [k for k in matched if classify(k) is not None
                    and classify(k).status == rule.status
                    and not any(fnmatchcase(k, r.pattern) for r in RULES[:i])
-                   and _schema_problem(k) is not None]
+                   and schema_problem(k) is not None]
         if matched and not reached:
             dead.append(rule.pattern)
     assert dead == []
@@ -88,4 +81,4 @@ def test_older_spellings_have_a_status():
 
 def test_doc_is_generated_from_the_pinned_keys():
     assert DOC.read_text() == render_doc(verl_keys()), (
-        "docs/verl_compat.md is stale: run python -m megarl.config.verl_compat")
+        "docs/verl_compat.md is stale: run python -m megarl.config.verl_docs")
