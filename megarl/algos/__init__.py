@@ -23,8 +23,14 @@ from megarl.algos.policy_losses import policy_loss
 from megarl.algos.pure import pure_credit_assignment, pure_rloo_advantages
 from megarl.algos.registry import (
     ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_PIPELINES,
+    ESTIMATOR_NEEDS,
+    NEEDS,
     POLICY_LOSSES,
+    estimator_names,
+    estimator_needs,
     register_advantage_estimator,
+    register_advantage_pipeline,
     register_policy_loss,
 )
 from megarl.algos.rollout_correction import ROLLOUT_IS_LEVELS, compute_rollout_is_weights
@@ -32,8 +38,11 @@ from megarl.algos.value import value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_PIPELINES",
     "AGG_MODES",
+    "ESTIMATOR_NEEDS",
     "KL_ESTIMATORS",
+    "NEEDS",
     "POLICY_LOSSES",
     "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
@@ -44,6 +53,8 @@ __all__ = [
     "compute_advantages",
     "compute_rollout_is_weights",
     "entropy_from_logits",
+    "estimator_names",
+    "estimator_needs",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
@@ -54,6 +65,7 @@ __all__ = [
     "pure_credit_assignment",
     "pure_rloo_advantages",
     "register_advantage_estimator",
+    "register_advantage_pipeline",
     "register_policy_loss",
     "value_loss",
 ]

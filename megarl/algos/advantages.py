@@ -45,7 +45,7 @@ def _need_groups(name: str, group_index: torch.Tensor | None, batch: int):
     return make_groups(group_index)
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs=("values",))
 def gae(*, token_rewards, response_mask, values, gamma, lam, **_):
     """Generalised advantage estimation (needs `values` [B, L] from the critic).
 
@@ -74,7 +74,7 @@ def gae(*, token_rewards, response_mask, values, gamma, lam, **_):
     return adv, returns
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", needs=("groups",))
 def grpo(*, token_rewards, response_mask, group_index, norm_adv_by_std, eps, **_):
     """GRPO: `A_i = (S_i - mean_g) / (std_g + eps)` (unbiased std), or `S_i - mean_g` when
     `norm_adv_by_std=False` (Dr.GRPO). A singleton group uses mean 0 and std 1 (as verl), so it
@@ -88,7 +88,7 @@ def grpo(*, token_rewards, response_mask, group_index, norm_adv_by_std, eps, **_
     return adv, adv.clone()
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", needs=("groups",))
 def rloo(*, token_rewards, response_mask, group_index, **_):
     """RLOO: `A_i = S_i - mean_{j != i in group} S_j`. A singleton group gives 0 (a lone sample
     has no baseline to compare with; verl's loop version keeps the raw score instead).
@@ -118,7 +118,7 @@ def reinforce_plus_plus(*, token_rewards, response_mask, gamma, **_):
     return adv, returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", needs=("groups",))
 def reinforce_plus_plus_baseline(*, token_rewards, response_mask, group_index, **_):
     """REINFORCE++ with group baseline: `a_i = S_i - mean_g` (a singleton group uses mean 0),
     broadcast to tokens, then whitened batch-wide over tokens (token-weighted statistics).
@@ -132,7 +132,7 @@ def reinforce_plus_plus_baseline(*, token_rewards, response_mask, group_index, *
     return adv, adv.clone()
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", needs=("baselines",))
 def remax(*, token_rewards, response_mask, baselines, **_):
     """ReMax: `returns_t = sum_{t' >= t} r_t' m_t'`, `A_t = returns_t - b_i`, where `b_i`
     (`baselines` [B]) is the score of a greedy rollout of the same prompt. No whitening.
@@ -146,7 +146,7 @@ def remax(*, token_rewards, response_mask, baselines, **_):
     return adv, returns
 
 
-@register_advantage_estimator("opo")
+@register_advantage_estimator("opo", needs=("groups",))
 def opo(*, token_rewards, response_mask, group_index, **_):
     """OPO: baseline = length-weighted group mean `sum_j |y_j| S_j / sum_j |y_j|` (the row
     itself included); `A_i = S_i - b`. A singleton group uses baseline 0 (as verl), so A_i = S_i.
@@ -161,7 +161,7 @@ def opo(*, token_rewards, response_mask, group_index, **_):
     return adv, adv.clone()
 
 
-@register_advantage_estimator("grpo_passk")
+@register_advantage_estimator("grpo_passk", needs=("groups",))
 def grpo_passk(*, token_rewards, response_mask, group_index, norm_adv_by_std, eps, **_):
     """Pass@k GRPO: in each group only the best response gets `A = S_max - S_second`, divided by
     `(std_g + eps)` when `norm_adv_by_std` (taken from the argument); everyone else gets 0. Ties

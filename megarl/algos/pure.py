@@ -23,6 +23,7 @@ from megarl.algos._checks import (
     work_dtype,
 )
 from megarl.algos.groups import group_sum, leave_one_out_mean, make_groups
+from megarl.algos.registry import register_advantage_pipeline
 
 MIN_ALIASES = ("min", "strict min-form")
 SUM_ALIASES = ("sum", "gamma-decay")
@@ -216,3 +217,7 @@ def pure_rloo_advantages(
         if normalize:
             advantages = _replay_buffer_normalize(advantages, mask, mask_separator)
     return advantages.to(out_dtype), returns.to(out_dtype)
+
+
+# algorithm.adv_estimator=pure_rloo: megarl.trainer.algorithm's PURE entry calls it
+register_advantage_pipeline("pure_rloo", needs=("groups",))(pure_rloo_advantages)

@@ -2,7 +2,7 @@
 
 Users add their own with the decorators::
 
-    @register_advantage_estimator("my_adv")
+    @register_advantage_estimator("my_adv", needs=("groups",))
     def my_adv(*, token_rewards, response_mask, group_index, values, gamma, lam,
                norm_adv_by_std, eps, baselines):
         ...
@@ -17,25 +17,44 @@ Users add their own with the decorators::
 Every registered function is called with all of the keyword arguments above (inputs already
 validated: shapes match, masks are bool); `norm` is the dict of global-normalisation arguments
 for `agg_loss` (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
+
+`needs` declares what an estimator cannot do without (`NEEDS`); the config checks and the
+trainer read it (`algorithm.adv_estimator` with `rollout.n = 1` is refused for "groups", a critic
+is built for "values", a greedy response per prompt is generated and scored for "baselines").
+An estimator whose inputs are not the ones above (PURE's pipeline reads PRM step scores and
+verifiable rewards separately) is registered with `register_advantage_pipeline`: its name may
+be chosen in a config like any other, and a trainer algorithm of the same name calls it
+(`megarl.trainer.algorithm`); `compute_advantages` does not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
+ADVANTAGE_PIPELINES: dict[str, Callable[..., Any]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {}  # estimator or pipeline name -> its needs
+
+NEEDS = {
+    "groups": "compares the responses of one prompt (group_index; rollout.n >= 2)",
+    "values": "[B, L] values of a critic (gae)",
+    "baselines": "[B] score of a greedy response to each prompt (remax)",
+}
 
 
-def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[[F], F]:
+def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str,
+              others: tuple[dict[str, Callable[..., Any]], ...] = ()) -> Callable[[F], F]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{kind} name must be a non-empty string, got {name!r}")
 
     def decorator(fn: F) -> F:
         existing = registry.get(name)
+        for other in others:
+            existing = existing or other.get(name)
         if existing is not None and existing is not fn:
             raise ValueError(
                 f"{kind} {name!r} is already registered ({existing.__module__}.{existing.__qualname__}); "
@@ -47,14 +66,58 @@ def _register(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> 
     return decorator
 
 
-def register_advantage_estimator(name: str) -> Callable[[F], F]:
-    """Decorator: register `fn` in ADVANTAGE_ESTIMATORS under `name`."""
-    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+def _needs(kind: str, name: str, needs: Iterable[str]) -> frozenset[str]:
+    if isinstance(needs, str):
+        needs = (needs,)
+    out = frozenset(needs)
+    unknown = sorted(out - set(NEEDS))
+    if unknown:
+        raise ValueError(f"{kind} {name!r}: unknown needs {unknown}; valid: {sorted(NEEDS)}")
+    return out
+
+
+def _estimator(registry: dict[str, Callable[..., Any]], kind: str, name: str,
+               needs: Iterable[str]) -> Callable[[F], F]:
+    others = (ADVANTAGE_PIPELINES,) if registry is ADVANTAGE_ESTIMATORS else (ADVANTAGE_ESTIMATORS,)
+    register = _register(registry, kind, name, others)
+    declared = _needs(kind, name, needs)
+
+    def decorator(fn: F) -> F:
+        register(fn)
+        ESTIMATOR_NEEDS[name] = declared
+        return fn
+
+    return decorator
+
+
+def register_advantage_estimator(name: str, *, needs: Iterable[str] = ()) -> Callable[[F], F]:
+    """Decorator: register `fn` in ADVANTAGE_ESTIMATORS under `name`, needing `needs` (NEEDS)."""
+    return _estimator(ADVANTAGE_ESTIMATORS, "advantage estimator", name, needs)
+
+
+def register_advantage_pipeline(name: str, *, needs: Iterable[str] = ()) -> Callable[[F], F]:
+    """Decorator: register `fn` in ADVANTAGE_PIPELINES under `name`: an estimator with inputs
+    of its own, called by the trainer algorithm of the same name (not by compute_advantages)."""
+    return _estimator(ADVANTAGE_PIPELINES, "advantage pipeline", name, needs)
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
     """Decorator: register `fn` in POLICY_LOSSES under `name`."""
     return _register(POLICY_LOSSES, "policy loss", name)
+
+
+def estimator_names() -> list[str]:
+    """Every name `algorithm.adv_estimator` may take: the estimators, then the pipelines, each
+    in the order registered."""
+    return [*ADVANTAGE_ESTIMATORS, *(n for n in ADVANTAGE_PIPELINES if n not in ADVANTAGE_ESTIMATORS)]
+
+
+def estimator_needs(name: str) -> frozenset[str]:
+    """What the estimator or pipeline `name` needs (a subset of NEEDS); ValueError listing the
+    valid names if there is none."""
+    if name not in ADVANTAGE_ESTIMATORS and name not in ADVANTAGE_PIPELINES:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {estimator_names()}")
+    return ESTIMATOR_NEEDS.get(name, frozenset())
 
 
 def lookup(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[..., Any]:

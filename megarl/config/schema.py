@@ -38,18 +38,6 @@ from megarl.config.schema_reward import (
     RewardModelModelConfig,
 )
 
-AdvEstimator = Literal[
-    "gae",
-    "grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "opo",
-    "grpo_passk",
-    "pure_rloo",  # PURE main-branch pipeline (megarl.algos.pure_rloo_advantages)
-]
-
 
 @dataclass
 class DataConfig:
@@ -126,12 +114,25 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class CustomAlgorithmsConfig:
+    """``algorithm.custom_algorithms``: the user's own estimators and losses
+    (``megarl.config.algorithms``)."""
+
+    # a .py file imported before the config's algorithm names are checked and the run is built:
+    # what it registers (@register_advantage_estimator, @register_policy_loss from megarl.algos)
+    # can be chosen as algorithm.adv_estimator / actor.policy_loss.loss_mode. null = none
+    path: str | None = None
+
+
+@dataclass
 class AlgorithmConfig:
     """``algorithm``: advantage estimation and KL in the reward."""
 
     gamma: float = 1.0  # discount (GAE, REINFORCE++)
     lam: float = 1.0  # GAE lambda
-    adv_estimator: AdvEstimator = "gae"
+    # a name of megarl.algos.estimator_names() (gae, grpo, rloo, ..., pure_rloo: PURE's
+    # main-branch pipeline) or one registered by custom_algorithms.path
+    adv_estimator: str = "gae"
     norm_adv_by_std_in_grpo: bool = True  # false = Dr.GRPO (no std division)
     use_kl_in_reward: bool = False  # reward -= beta * KL(actor || ref) per token
     kl_penalty: KLKind = "kl"  # estimator of the KL in the reward
@@ -139,6 +140,7 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     pure: PureConfig = field(default_factory=PureConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    custom_algorithms: CustomAlgorithmsConfig = field(default_factory=CustomAlgorithmsConfig)
 
 
 @dataclass
@@ -248,6 +250,7 @@ __all__ = [
     "Config",
     "CriticConfig",
     "CriticModelConfig",
+    "CustomAlgorithmsConfig",
     "CustomRewardFunctionConfig",
     "DataConfig",
     "FilterGroupsConfig",

@@ -107,7 +107,9 @@ class CheckpointConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: Literal["vanilla", "gspo", "geo_mean", "cispo", "reinforce"] = "vanilla"
+    # a name of megarl.algos.POLICY_LOSSES (vanilla, gspo, geo_mean, cispo, reinforce) or one
+    # registered by algorithm.custom_algorithms.path
+    loss_mode: str = "vanilla"
 
 
 @dataclass

@@ -10,19 +10,18 @@ from __future__ import annotations
 import copy
 import logging
 
+from megarl.config import algorithms as A
 from megarl.config.schema import Config, ParallelConfig
 
 log = logging.getLogger("megarl.config")
 
-# Estimators whose baseline compares the responses of one prompt: with n = 1 they give no signal.
-GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "pure_rloo", "opo", "reinforce_plus_plus_baseline")
-
 
 def critic_enabled(cfg: Config) -> bool:
-    """critic.enable, with None (auto) meaning on iff the advantage estimator is GAE."""
+    """critic.enable, with None (auto) meaning on iff the advantage estimator needs a critic's
+    values (``megarl.algos`` NEEDS "values": gae)."""
     if cfg.critic.enable is not None:
         return cfg.critic.enable
-    return cfg.algorithm.adv_estimator == "gae"
+    return "values" in A.estimator_needs(cfg.algorithm.adv_estimator)
 
 
 def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tuple[str, ...], str]]]:
@@ -30,6 +29,10 @@ def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tu
     dotted keys the user wrote (files or overrides). Returns (config, problems)."""
     cfg = copy.deepcopy(cfg)
     problems: list[tuple[tuple[str, ...], str]] = []
+    # the user's estimators and losses first: the critic's auto rule below reads their needs
+    bad_file = A.custom_algorithms_problem(cfg.algorithm.custom_algorithms.path)
+    if bad_file:
+        problems.append(((A.PATH_KEY,), bad_file))
     if cfg.data.seed is None:
         cfg.data.seed = cfg.trainer.seed
     arr = cfg.actor_rollout_ref
@@ -260,10 +263,23 @@ def _check_optim(prefix: str, o, c: _Checker) -> None:
         c.fail(f"{prefix}.betas", f"must be two numbers in [0, 1) (Adam beta1, beta2), got {o.betas!r}")
 
 
+def _check_algorithm_names(cfg: Config, c: _Checker) -> None:
+    """The estimator and the policy loss are registered names (megarl.config.algorithms); an
+    unknown one is reported once and the rules reading it are skipped."""
+    for key, problem in ((A.ESTIMATOR_KEY, A.unknown_estimator(cfg.algorithm.adv_estimator)),
+                         (A.LOSS_KEY, A.unknown_policy_loss(
+                             cfg.actor_rollout_ref.actor.policy_loss.loss_mode))):
+        if problem:
+            c.fail(key, problem)
+            c.bad.add(key)
+
+
 def _check_algorithm(cfg: Config, c: _Checker) -> None:
     alg, rm, pacs = cfg.algorithm, cfg.reward_model, cfg.pacs
     rollout = cfg.actor_rollout_ref.rollout
+    _check_algorithm_names(cfg, c)
     est = alg.adv_estimator
+    needs = A.estimator_needs(est)
     c.unit("algorithm.gamma", alg.gamma)
     c.unit("algorithm.lam", alg.lam)
     c.non_negative("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef)
@@ -285,7 +301,7 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
                f"temperature must be > 0, got {ca!r}; use a float T > 0 (PURE: 0.1), 'min' or 'sum'")
 
     if rollout.n < 2:
-        if est in GROUP_ESTIMATORS and not pacs.enable:
+        if "groups" in needs and not pacs.enable:
             c.fail(("actor_rollout_ref.rollout.n", "algorithm.adv_estimator"),
                    f"{rollout.n} < 2 but algorithm.adv_estimator={est} compares the responses of one "
                    f"prompt; set actor_rollout_ref.rollout.n >= 2")
@@ -302,12 +318,13 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
                f"{alg.filter_groups.metric!r} is not implemented: dynamic sampling filters groups on "
                f"'score' (the verifiable reward, overlong penalty included; equal to DAPO's 'acc' "
                f"when the penalty is off); set algorithm.filter_groups.metric=score")
-    if est == "gae" and not cfg.critic.enable:
+    if "values" in needs and not cfg.critic.enable:
         c.fail(("critic.enable", "algorithm.adv_estimator"),
-               "false but algorithm.adv_estimator=gae needs a critic's values; set critic.enable=true "
-               "(or null = auto), or choose another algorithm.adv_estimator")
+               f"false but algorithm.adv_estimator={est} needs a critic's values; set "
+               "critic.enable=true (or null = auto), or choose another algorithm.adv_estimator")
     if pacs.enable and cfg.critic.enable:
-        why = "critic.enable is true" if est != "gae" else "algorithm.adv_estimator=gae turns it on"
+        why = (f"algorithm.adv_estimator={est} turns it on" if "values" in needs
+               else "critic.enable is true")
         c.fail(("pacs.enable", "critic.enable"),
                f"PACS trains the actor with its BCE loss and uses no critic, but {why}; set "
                f"critic.enable=false and algorithm.adv_estimator to a critic-free one (PACS: grpo)")
@@ -327,11 +344,11 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
                f"{rc.rollout_is!r} weights the policy loss per token, but PACS (pacs.enable) "
                "trains with its BCE loss, which takes no importance weights; set "
                "algorithm.rollout_correction.rollout_is=null or pacs.enable=false")
-    if est == "remax" and not rollout.do_sample:
+    if "baselines" in needs and not rollout.do_sample:
         c.fail(("algorithm.adv_estimator", "actor_rollout_ref.rollout.do_sample"),
-               "remax needs actor_rollout_ref.rollout.do_sample=true (its baseline is a greedy "
+               f"{est} needs actor_rollout_ref.rollout.do_sample=true (its baseline is a greedy "
                "response compared against sampled ones)")
-    if cfg.critic.enable and est != "gae":
+    if cfg.critic.enable and "values" not in needs:
         log.warning("critic.enable is true but algorithm.adv_estimator=%s does not use values", est)
 
 

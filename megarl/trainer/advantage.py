@@ -1,12 +1,14 @@
-"""From scores to advantages: reward placement, PURE credit assignment, KL in reward.
+"""From scores to advantages: reward placement, PRM credit assignment, KL in reward, and the
+registered advantage estimators (``megarl.algos.compute_advantages``).
 
 Inputs live in ``batch.tensors``:
   verifiable  [B]     verifiable reward of each response (0 where the manager is blank)
   step_rewards [B, L] PRM score p(correct) - p(incorrect) at step-end tokens, 0 elsewhere
   step_mask   [B, L]  1 at step-end tokens (PRM enabled only)
-  old_logprob, ref_logprob [B, L]; values [B, L] (critic)
-Outputs written back: token_level_scores, token_level_rewards, advantages, returns [B, L]
-(and ``scores`` [B] for PACS, which computes its own advantage inside the loss).
+  old_logprob, ref_logprob [B, L]; values [B, L] (critic); reward_baselines [B] (greedy scores)
+Outputs written back: token_level_scores, token_level_rewards (``place_rewards``), advantages,
+returns [B, L] (``estimator_advantages``). Algorithms with an advantage stage of their own
+(``megarl.trainer.algorithm``) start from ``place_rewards`` too.
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ class AdvantageSettings:
     vr_enabled: bool = True  # False for reward_manager=blank
     credit_assignment: float | str = 0.1
     verifiable_reward_coef: float = 1.0
-    pure_mask_separator: bool = True
-    pure_normalize: bool = True
-    pacs: bool = False
 
 
 def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
@@ -45,15 +44,14 @@ def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pure_mode(s: AdvantageSettings) -> str:
-    if s.prm_enabled and s.vr_enabled:
-        return "prm_vr"
-    return "prm" if s.prm_enabled else "vr"
-
-
-def compute_step_advantages(batch: RolloutBatch, s: AdvantageSettings,
-                            kl_coef: float) -> dict[str, float]:
-    """Fill token_level_scores / token_level_rewards / advantages / returns; return metrics."""
+def place_rewards(batch: RolloutBatch, s: AdvantageSettings,
+                  kl_coef: float) -> tuple[dict[str, float], torch.Tensor | None]:
+    """Fill token_level_scores (the verifiable reward at the last token, times
+    ``verifiable_reward_coef`` with a PRM, plus the PRM's credit-assigned step rewards, kept as
+    ``prm_token_rewards``) and token_level_rewards (the scores minus ``kl_coef`` x the KL to the
+    reference per token, with ``use_kl_in_reward``). Returns (metrics, the masked KL [B, L] or
+    None when none is in the reward); ``_kl_for_controller`` in the metrics is the step's KL for
+    the adaptive controller."""
     t = batch.tensors
     mask = batch.response_mask
     eos = last_token_mask(mask)
@@ -82,25 +80,25 @@ def compute_step_advantages(batch: RolloutBatch, s: AdvantageSettings,
     else:
         rewards = scores
     t["token_level_rewards"] = rewards
+    return metrics, kl
 
-    if s.pacs:
-        t["scores"] = vr
-        return metrics
 
-    if s.estimator == "pure_rloo":
-        step_rewards = t.get("step_rewards", torch.zeros_like(mask))
-        step_mask = t.get("step_mask", eos)
-        adv, ret = algos.pure_rloo_advantages(
-            step_rewards=step_rewards, step_mask=step_mask, response_mask=mask,
-            verifiable_rewards=vr, group_index=batch.group_index, mode=pure_mode(s),
-            credit_assignment=s.credit_assignment, vr_coef=s.verifiable_reward_coef,
-            kl=kl, kl_coef=kl_coef if kl is not None else 0.0,
-            mask_separator=s.pure_mask_separator, normalize=s.pure_normalize)
-    else:
-        adv, ret = algos.compute_advantages(
-            s.estimator, token_rewards=rewards, response_mask=mask,
-            group_index=batch.group_index, values=t.get("values"), gamma=s.gamma, lam=s.lam,
-            norm_adv_by_std=s.norm_adv_by_std_in_grpo, baselines=t.get("reward_baselines"))
+def estimator_advantages(batch: RolloutBatch, s: AdvantageSettings) -> None:
+    """advantages, returns [B, L] from token_level_rewards by the registered estimator
+    ``s.estimator`` (group_index, critic values and greedy baselines passed when present)."""
+    t = batch.tensors
+    adv, ret = algos.compute_advantages(
+        s.estimator, token_rewards=t["token_level_rewards"], response_mask=batch.response_mask,
+        group_index=batch.group_index, values=t.get("values"), gamma=s.gamma, lam=s.lam,
+        norm_adv_by_std=s.norm_adv_by_std_in_grpo, baselines=t.get("reward_baselines"))
     t["advantages"] = adv
     t["returns"] = ret
+
+
+def compute_step_advantages(batch: RolloutBatch, s: AdvantageSettings,
+                            kl_coef: float) -> dict[str, float]:
+    """The PPO family's advantage stage: ``place_rewards`` then ``estimator_advantages``;
+    returns the metrics."""
+    metrics, _ = place_rewards(batch, s, kl_coef)
+    estimator_advantages(batch, s)
     return metrics

@@ -35,6 +35,16 @@ class RolloutSample:
     routed_experts: torch.Tensor | None = None
 
 
+@dataclass
+class PromptItem:
+    """One row's prompt as a dataset item: what generation reads (``prompt_ids`` unpadded)."""
+
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict
+
+
 def _pad(rows: list[list], width: int, value, left: bool, dtype: torch.dtype) -> torch.Tensor:
     out = torch.full((len(rows), width), value, dtype=dtype)
     for i, row in enumerate(rows):
@@ -143,3 +153,17 @@ class RolloutBatch:
             finish_reasons=[self.finish_reasons[i] for i in ids],
             tensors={k: v[idx] for k, v in self.tensors.items()},
         )
+
+    def prompt_item(self, row: int) -> PromptItem:
+        """Row ``row``'s prompt (padding removed) with its data source, ground truth and info."""
+        mask = self.prompt_mask[row].bool()
+        return PromptItem(prompt_ids=self.prompt_ids[row][mask].tolist(),
+                          data_source=self.data_sources[row],
+                          ground_truth=self.ground_truths[row],
+                          extra_info=self.extra_infos[row])
+
+    def group_prompts(self) -> tuple[list[int], list[PromptItem]]:
+        """The group ids in order of first appearance and each group's prompt (its first row)."""
+        ids = self.group_index.tolist()
+        groups = list(dict.fromkeys(ids))
+        return groups, [self.prompt_item(ids.index(g)) for g in groups]

@@ -1,4 +1,5 @@
-"""Loss functions handed to ``Backend.train_step``: actor (PPO family or PACS) and critic.
+"""Loss functions handed to ``Backend.train_step``: actor (the PPO family's registered policy
+losses, or an algorithm's own objective) and critic.
 
 Each factory closes over the mini-batch's global normalisation (``norm``: dp_size,
 batch_num_tokens, global_batch_size, loss_scale_factor) so that summing micro-batch losses and
@@ -11,7 +12,7 @@ this micro-batch's share of the mini-batch's tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +40,23 @@ class Norm:
         return float(mask.sum()) / max(self.batch_num_tokens, 1) * self.dp_size
 
 
+class PolicyTerm(Protocol):
+    """A policy objective replacing the PPO family's registered policy loss (an algorithm's loss
+    hook, e.g. PACS's classifier loss in ``megarl.trainer.algorithm``)."""
+
+    # the entropy bonus (entropy_coeff) and the KL loss (use_kl_loss) are added to it
+    regularized: bool
+
+    def __call__(self, logprob: torch.Tensor, old_logprob: torch.Tensor, mask: torch.Tensor,
+                 mb: SequenceBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
+        """``logprob`` [b, L] (carries the gradient), ``old_logprob`` [b, L], ``mask`` [b, L]
+        float32 of this micro-batch -> (its share of the mini-batch loss, metrics)."""
+        ...
+
+
+FUSED_LOSS_MODE = "vanilla"  # the policy loss megarl_kernels.fused_ppo_loss computes
+
+
 @dataclass(frozen=True)
 class ActorLossSettings:
     loss_mode: str = "vanilla"
@@ -50,13 +68,8 @@ class ActorLossSettings:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    # PACS (replaces the PPO family when enabled)
-    pacs: bool = False
-    pacs_beta: float = 1.0
-    pacs_reward_method: str = "1"
-    pacs_adv_estimator: str = "rloo"
-    pacs_weight_mode: str | None = "question"
-    pacs_norm_adv_by_std: bool = True
+    # None: the registered policy loss ``loss_mode``; else the algorithm's own objective
+    policy: PolicyTerm | None = None
     # One mini-batch and one epoch: the policy that sampled is the one being updated, so the
     # ratio is exactly 1 (verl's on-policy rule: old_logprob = logprob.detach()).
     on_policy: bool = False
@@ -66,19 +79,44 @@ class ActorLossSettings:
     fused: bool = True
 
     def use_fused(self, out) -> bool:
-        return (self.fused and not self.pacs and self.loss_mode == "vanilla"
+        return (self.fused and self.policy is None and self.loss_mode == FUSED_LOSS_MODE
                 and not self.use_kl_loss and getattr(out, "hidden", None) is not None)
+
+    @property
+    def regularized(self) -> bool:
+        """Whether the entropy bonus and the KL loss apply (the PPO family's loss: always)."""
+        return self.policy is None or self.policy.regularized
 
     @property
     def needs_entropy(self) -> bool:
         return True  # entropy is always logged (actor/entropy); kernels return it for free
 
 
+def ppo_policy_term(s: ActorLossSettings, logprob: torch.Tensor, old_logprob: torch.Tensor,
+                    mask: torch.Tensor, mb: SequenceBatch,
+                    norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
+    """The registered policy loss ``s.loss_mode`` on ``advantages`` (and rollout_is_weights);
+    metrics pg_loss (normalised) and the clip fractions and ppo_kl times the token share."""
+    t = mb.tensors
+    loss, m = algos.policy_loss(
+        s.loss_mode, logprob=logprob, old_logprob=old_logprob,
+        advantages=t["advantages"], response_mask=mask,
+        clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
+        clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode,
+        rollout_is_weights=t.get("rollout_is_weights"), **norm.kwargs())
+    share = norm.token_share(mask)
+    metrics = {"actor/pg_loss": float(m["pg_loss"])}
+    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        metrics[f"actor/{key}"] = float(m[key]) * share
+    return loss, metrics
+
+
 def actor_loss_fn(s: ActorLossSettings, norm: Norm):
-    """loss_fn(outputs, micro_batch) for the actor; micro_batch.tensors holds old_logprob,
-    advantages (PPO family) or scores (PACS), ref_logprob (KL loss), response_mask and, with
-    rollout correction, rollout_is_weights (multiply each token's policy loss; the fused
-    kernel takes no weights, so the unfused path runs then)."""
+    """loss_fn(outputs, micro_batch) for the actor: the policy objective (``s.policy``, or the
+    PPO family's registered loss on ``advantages``), minus the entropy bonus, plus the KL loss
+    against ``ref_logprob``. micro_batch.tensors holds old_logprob (unless on-policy), what the
+    objective reads and, with rollout correction, rollout_is_weights (multiply each token's
+    policy loss; the fused kernel takes no weights, so the unfused path runs then)."""
 
     def loss_fn(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if s.use_fused(out) and "rollout_is_weights" not in mb.tensors:
@@ -88,35 +126,18 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
         logprob = out.logprob
         old_logprob = logprob.detach() if s.on_policy else t["old_logprob"]
         share = norm.token_share(mask)
-        metrics: dict[str, float] = {}
-        if s.pacs:
-            loss, m = algos.pacs_loss(
-                logprob=logprob, old_logprob=old_logprob, response_mask=mask,
-                scores=t["scores"], group_index=t["group_index"], beta=s.pacs_beta,
-                reward_method=s.pacs_reward_method, adv_estimator=s.pacs_adv_estimator,
-                weight_mode=s.pacs_weight_mode, norm_adv_by_std=s.pacs_norm_adv_by_std)
-            # pacs_loss is a mean over this micro-batch's responses: rescale to the mini-batch.
-            seq_share = mb.batch_size / max(norm.global_batch_size, 1) * norm.dp_size
-            loss = loss * seq_share
-            metrics["actor/pacs_loss"] = float(loss.detach())
+        if s.policy is None:
+            loss, metrics = ppo_policy_term(s, logprob, old_logprob, mask, mb, norm)
         else:
-            loss, m = algos.policy_loss(
-                s.loss_mode, logprob=logprob, old_logprob=old_logprob,
-                advantages=t["advantages"], response_mask=mask,
-                clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
-                clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode,
-                rollout_is_weights=t.get("rollout_is_weights"), **norm.kwargs())
-            metrics["actor/pg_loss"] = float(m["pg_loss"])
-            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                metrics[f"actor/{key}"] = float(m[key]) * share
+            loss, metrics = s.policy(logprob, old_logprob, mask, mb, norm)
         entropy = out.entropy
         if entropy is not None:
             ent_mean = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
             metrics["actor/entropy"] = float(ent_mean) * share
-            if s.entropy_coeff != 0.0 and not s.pacs:
+            if s.entropy_coeff != 0.0 and s.regularized:
                 ent_loss = algos.agg_loss(entropy, mask, s.agg_mode, **norm.kwargs())
                 loss = loss - s.entropy_coeff * ent_loss
-        if s.use_kl_loss and not s.pacs:
+        if s.use_kl_loss and s.regularized:
             kl = algos.kl_penalty(logprob, t["ref_logprob"], s.kl_loss_type)
             kl_loss = algos.agg_loss(kl, mask, s.agg_mode, **norm.kwargs())
             loss = loss + s.kl_loss_coef * kl_loss

@@ -1,16 +1,18 @@
 """The RL loop. One step:
 
-  prompts -> rollout (n per prompt) -> verifiable rewards and PRM step scores
-  -> PURE credit assignment / KL in reward -> ref and old logprobs, values -> advantages
-  -> actor (and critic) updates over mini-batches and ppo epochs -> weight sync to the engine
-  -> metrics, validation, checkpoint.
+  prompts -> rollout (n per prompt) -> verifiable rewards -> algorithm.prepare
+  -> PRM step scores, ref and old logprobs, values -> algorithm.advantages (rewards placed,
+  KL in reward) -> actor (and critic) updates over mini-batches and ppo epochs with the
+  algorithm's loss -> weight sync to the engine -> metrics, validation, checkpoint.
+
+The algorithm (``megarl.trainer.algorithm``: the PPO family, PURE, PACS, the user's) supplies
+the hooks and declares what the step must provide; the loop never tests its name.
 
 SPMD: every rank started by torchrun runs this same loop and holds the same step batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import resource
 import time
@@ -25,13 +27,13 @@ from megarl.errors import UserInputError
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import rollout as R
-from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages
+from megarl.trainer.algorithm import StepContext, build_algorithm
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.correction import add_rollout_is_weights, require_rollout_logprobs
 from megarl.trainer.dump import dump_generations
 from megarl.trainer.flops import mfu, peak_flops
-from megarl.trainer.losses import ActorLossSettings, actor_loss_fn, critic_loss_fn
+from megarl.trainer.losses import actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
 from megarl.trainer.parts import RunParts, build_run
 from megarl.trainer.prm import prm_step_settings, score_steps
@@ -43,32 +45,14 @@ from megarl.utils import dist as mdist
 class RLTrainer:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        # the user's estimators and losses (algorithm.custom_algorithms.path) are imported
+        # first: a name that has no algorithm fails before any model is loaded
+        self.algorithm = build_algorithm(cfg)
         self.parts: RunParts = build_run(cfg)
         p = self.parts
         self.rank = mdist.rank()
         arr = cfg.actor_rollout_ref
-        self.actor_settings = ActorLossSettings(
-            loss_mode=arr.actor.policy_loss.loss_mode, agg_mode=arr.actor.loss_agg_mode,
-            clip_ratio_low=arr.actor.clip_ratio_low, clip_ratio_high=arr.actor.clip_ratio_high,
-            clip_ratio_c=arr.actor.clip_ratio_c, entropy_coeff=arr.actor.entropy_coeff,
-            use_kl_loss=arr.actor.use_kl_loss, kl_loss_coef=arr.actor.kl_loss_coef,
-            kl_loss_type=arr.actor.kl_loss_type, pacs=cfg.pacs.enable, pacs_beta=cfg.pacs.beta,
-            pacs_reward_method=str(cfg.pacs.reward_method),
-            pacs_adv_estimator=cfg.pacs.adv_estimator,
-            pacs_weight_mode=cfg.pacs.weight_mode if cfg.pacs.use_weight else None,
-            pacs_norm_adv_by_std=cfg.pacs.norm_adv_by_std_in_grpo,
-            fused=arr.model.use_fused_kernels)
         alg = cfg.algorithm
-        self.adv_settings = AdvantageSettings(
-            estimator=alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            use_kl_in_reward=alg.use_kl_in_reward, kl_penalty=alg.kl_penalty,
-            prm_enabled=cfg.reward_model.enable,
-            vr_enabled=cfg.reward_model.reward_manager != "blank",
-            credit_assignment=cfg.reward_model.credit_assignment,
-            verifiable_reward_coef=cfg.reward_model.verifiable_reward_coef,
-            pure_mask_separator=alg.pure.mask_separator, pure_normalize=alg.pure.normalize,
-            pacs=cfg.pacs.enable)
         self.kl_ctrl = algos.build_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef,
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         if p.prm is not None:
@@ -165,13 +149,12 @@ class RLTrainer:
         timer = Timer()
         t0 = time.perf_counter()
         batch, metrics = self.rollout_and_score(timer)
+        algo = self.algorithm
         t = batch.tensors
         seq = batch.sequence_batch()
         temperature = arr.rollout.temperature
 
-        if self.adv_settings.estimator == "remax" and not cfg.pacs.enable:
-            with timer("gen"):
-                t["reward_baselines"] = self._greedy_baselines(batch)
+        algo.prepare(batch, self.step_context(timer))  # may still generate (greedy baselines)
         if arr.rollout.free_cache_engine:  # the engine's memory goes to the training forwards
             with timer("engine_sleep"):
                 p.engine.sleep()
@@ -226,7 +209,7 @@ class RLTrainer:
                 t["values"] = p.critic.values(seq)
 
         with timer("adv"):
-            adv_metrics = compute_step_advantages(batch, self.adv_settings, self.kl_ctrl.value)
+            adv_metrics = algo.advantages(batch, self.kl_ctrl.value)
         cur_kl = adv_metrics.pop("_kl_for_controller", None)
         if cur_kl is not None:
             self.kl_ctrl.update(cur_kl, batch.batch_size)
@@ -247,23 +230,21 @@ class RLTrainer:
                                 for k, v in mean_metrics(steps).items()})
         if self.step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                keys = ("scores",) if cfg.pacs.enable else ("advantages",)
+                keys = algo.update_keys
                 if "old_logprob" in t:
                     keys += ("old_logprob",)
                 if a.use_kl_loss:
                     keys += ("ref_logprob",)
                 if "rollout_is_weights" in t:
                     keys += ("rollout_is_weights",)
-                if cfg.pacs.enable:
-                    t["scores"] = t["verifiable"]
-                settings = dataclasses.replace(self.actor_settings, on_policy=on_policy)
+                settings = algo.loss_settings(on_policy)
                 steps = run_update(
                     p.actor, batch, keys, lambda norm: actor_loss_fn(settings, norm),
                     prompts_per_mini=a.ppo_mini_batch_size, epochs=a.ppo_epochs,
                     shuffle=a.shuffle, seed=R.sampling_seed(cfg.trainer.seed, self.step, 3),
                     max_tokens_per_micro=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                     micro_size=a.ppo_micro_batch_size_per_gpu,
-                    keep_groups_on_rank=cfg.pacs.enable,
+                    keep_groups_on_rank=algo.needs.whole_groups,
                     loss_scale_factor=cfg.data.max_response_length, temperature=temperature)
                 metrics.update({("actor/" + k if "/" not in k else k): v
                                 for k, v in mean_metrics(steps).items()})
@@ -303,17 +284,16 @@ class RLTrainer:
         """Off-policy correction of a batch sampled by an earlier policy version (asynchronous
         rollout: `megarl.trainer.async_rollout.AsyncRLTrainer`); the synchronous loop has none."""
 
-    def _greedy_baselines(self, batch: RolloutBatch) -> torch.Tensor:
-        """ReMax: the score of a greedy response per prompt, broadcast to its group."""
+    def step_context(self, timer: Timer) -> StepContext:
+        """What the algorithm's prepare hook may use: generation on the engine (all ranks,
+        gathered), the scorer and the run's sampling settings."""
         p = self.parts
-        groups = list(dict.fromkeys(batch.group_index.tolist()))
-        first = {g: batch.group_index.tolist().index(g) for g in groups}
-        items = [_PromptView(batch, first[g]) for g in groups]
-        samples = R.generate(p.engine, items, self._sampling(0, greedy=True, n=1), 0,
-                             tp_size=self.rollout_tp)
-        scores, _ = p.scorer(samples)
-        by_group = dict(zip(groups, scores.tolist()))
-        return torch.tensor([by_group[g] for g in batch.group_index.tolist()])
+
+        def generate(items: list[Any], params: SamplingParams) -> list:
+            return R.generate(p.engine, items, params, 0, tp_size=self.rollout_tp)
+
+        return StepContext(generate=generate, score=lambda samples: p.scorer(samples)[0],
+                           sampling=self._sampling, timer=timer)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -422,17 +402,6 @@ class RLTrainer:
             summary["hf_export"] = p.export_actor_hf()
         summary["curves"] = logger.close()
         return summary
-
-
-class _PromptView:
-    """A dataset-item-like view of one row's prompt (for greedy baselines)."""
-
-    def __init__(self, batch: RolloutBatch, row: int) -> None:
-        mask = batch.prompt_mask[row].bool()
-        self.prompt_ids = batch.prompt_ids[row][mask].tolist()
-        self.data_source = batch.data_sources[row]
-        self.ground_truth = batch.ground_truths[row]
-        self.extra_info = batch.extra_infos[row]
 
 
 def generation_lines(samples: list, scores: list[float], tokenizer, count: int,

@@ -22,6 +22,7 @@ ADDED: dict[str, object] = {
     "algorithm.rollout_correction.rollout_is": None,
     "algorithm.rollout_correction.rollout_is_threshold": 2.0,
     "algorithm.rollout_correction.rollout_is_batch_normalize": False,
+    "algorithm.custom_algorithms.path": None,
     "reward_model.overlong_buffer.log": False,
     "reward_model.overlong_buffer.max_resp_len": None,
     "actor_rollout_ref.actor.router_replay.mode": "disabled",

@@ -1,5 +1,6 @@
 """megarl.trainer.advantage on small hand-built batches (no model, no trainer): reward placement,
-PRM credit assignment, KL in reward, every estimator branch and the metrics.
+PRM credit assignment, KL in reward, every estimator branch and the metrics; and the advantage
+stages of the algorithms with their own (megarl.trainer.algorithm: PURE, PACS).
 
 References are float64 loops written here (one response, one token at a time). PURE's pipeline
 is long and already tested in tests/algos against OpenRLHF's formulas, so for ``pure_rloo`` the
@@ -17,12 +18,8 @@ import pytest
 import torch
 
 from megarl import algos
-from megarl.trainer.advantage import (
-    AdvantageSettings,
-    compute_step_advantages,
-    last_token_mask,
-    pure_mode,
-)
+from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages, last_token_mask
+from megarl.trainer.algorithm import PureSettings, pacs_advantages, pure_advantages, pure_mode
 from megarl.trainer.batch import RolloutBatch
 
 LENGTHS = [5, 3, 4, 1, 2, 5]
@@ -318,8 +315,8 @@ def test_pacs_stops_after_the_rewards():
     rewards or left out (PACS would fail at the first update); advantages computed anyway."""
     batch = _batch(kl=True)
     batch.tensors["verifiable"] = torch.tensor(VR, dtype=torch.float64)
-    s = AdvantageSettings(pacs=True, use_kl_in_reward=True)
-    metrics = compute_step_advantages(batch, s, kl_coef=0.1)
+    s = AdvantageSettings(use_kl_in_reward=True)
+    metrics = pacs_advantages(batch, s, kl_coef=0.1)
     t = batch.tensors
     assert t["scores"].dtype == torch.float32 and t["scores"].tolist() == VR
     assert "advantages" not in t and "returns" not in t
@@ -335,8 +332,8 @@ def test_pure_vr_only_brute_force():
     the default step_mask not the EOS one-hot (EOS return kept: differs at 6 tokens); vr_coef
     not passed (c = 1 instead of 2: advantages halve); group_index not passed."""
     batch = _batch()
-    s = AdvantageSettings(estimator="pure_rloo", verifiable_reward_coef=2.0, pure_normalize=False)
-    compute_step_advantages(batch, s, kl_coef=0.0)
+    s = AdvantageSettings(estimator="pure_rloo", verifiable_reward_coef=2.0)
+    pure_advantages(batch, s, PureSettings(normalize=False), kl_coef=0.0)
     v = [x - 1.0 for x in VR]
     want = []
     for i, n in enumerate(LENGTHS):
@@ -360,8 +357,8 @@ def test_pure_wiring(prm, vr, kl):
     batch = _batch(prm=prm, kl=kl, seed=5)
     s = AdvantageSettings(estimator="pure_rloo", prm_enabled=prm, vr_enabled=vr,
                           credit_assignment="min", verifiable_reward_coef=1.7,
-                          use_kl_in_reward=kl, kl_penalty="low_var_kl", pure_mask_separator=False)
-    compute_step_advantages(batch, s, kl_coef=0.4)
+                          use_kl_in_reward=kl, kl_penalty="low_var_kl")
+    pure_advantages(batch, s, PureSettings(mask_separator=False), kl_coef=0.4)
     t = batch.tensors
     mask = batch.response_mask
     eos = last_token_mask(mask)

@@ -1,6 +1,6 @@
 """megarl.trainer.losses on hand-built micro-batches (no model): actor loss (PPO family, KL loss,
-entropy bonus, on-policy, the fused path from hidden states, PACS) and critic loss, with their
-normalisation and metrics.
+entropy bonus, on-policy, the fused path from hidden states, PACS's objective from
+megarl.trainer.algorithm) and critic loss, with their normalisation and metrics.
 
 References are float64 loops written here (token by token, response by response); PACS, a thin
 wrapper, is checked for its wiring against ``megarl.algos.pacs_loss`` and its rescaling from a
@@ -18,6 +18,7 @@ import torch
 import megarl_kernels
 from megarl import algos
 from megarl.backends.protocol import SequenceBatch
+from megarl.trainer.algorithm import PacsLoss
 from megarl.trainer.losses import ActorLossSettings, Norm, actor_loss_fn, critic_loss_fn
 
 LENGTHS = [5, 2, 4, 3]  # 14 valid tokens
@@ -198,9 +199,9 @@ def test_actor_pacs_wiring_and_rescale(norm_adv_by_std):
     std never used); the entropy bonus applied to PACS; `max(global_batch_size, 2)` (x0.5)."""
     mb = _micro_batch(seed=6)
     out = _outputs(mb, seed=7)
-    s = _settings(pacs=True, pacs_beta=0.4, pacs_reward_method="2", pacs_adv_estimator="grpo",
-                  pacs_weight_mode="only_positive", pacs_norm_adv_by_std=norm_adv_by_std,
-                  entropy_coeff=0.5, use_kl_loss=True)
+    pacs = PacsLoss(beta=0.4, reward_method="2", adv_estimator="grpo",
+                    weight_mode="only_positive", norm_adv_by_std=norm_adv_by_std)
+    s = _settings(policy=pacs, entropy_coeff=0.5, use_kl_loss=True)
     loss, metrics = actor_loss_fn(s, NORM)(out, mb)
     loss.backward()
     lp = out.logprob.detach().clone().requires_grad_()
@@ -273,7 +274,8 @@ def test_actor_fused_path_from_hidden_states(monkeypatch):
         "actor/pg_clipfrac_lower": lower * SHARE, "actor/ppo_kl": kl * SHARE,
         "actor/entropy": ent.mean().item() * SHARE}, rel=1e-5)
     assert s.use_fused(out) and not _settings(use_kl_loss=True).use_fused(out)
-    assert not _settings(pacs=True).use_fused(out) and not _settings(fused=False).use_fused(out)
+    assert not _settings(policy=PacsLoss()).use_fused(out)
+    assert not _settings(fused=False).use_fused(out)
     assert not _settings(loss_mode="gspo").use_fused(out)
     assert not s.use_fused(SimpleNamespace(hidden=None)) and s.needs_entropy
     assert not s.use_fused(SimpleNamespace(logprob=None))  # outputs without the raw pieces

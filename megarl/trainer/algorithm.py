@@ -1,0 +1,334 @@
+"""Algorithms: what a training step runs between scoring and the weight sync.
+
+``RLTrainer.train_step`` reads, whatever the algorithm (no algorithm name in the loop):
+
+    rollout -> score -> algo.prepare(batch, step) -> PRM / old / ref logprobs, values
+    -> algo.advantages(batch, kl_coef) -> updates with algo.loss_settings(on_policy) -> sync
+
+An ``Algorithm`` declares what it needs (``Needs``: groups compared per prompt, a critic, a
+greedy baseline per prompt, whole groups on one rank) and supplies the hooks. The entries:
+
+- ``PPOFamily``: any estimator of ``megarl.algos.ADVANTAGE_ESTIMATORS`` (gae, grpo, rloo,
+  reinforce_plus_plus(_baseline), remax, opo, grpo_passk, the user's); advantages by
+  ``compute_step_advantages``, the registered policy loss ``actor.policy_loss.loss_mode``.
+  ReMax is this family with an estimator that needs "baselines": ``prepare`` generates one
+  greedy response per prompt and scores it (``reward_baselines`` [B]); any estimator registered
+  with ``needs=("baselines",)`` gets the same.
+- ``PureRloo`` (``algorithm.adv_estimator=pure_rloo``): PURE's pipeline
+  (``algos.pure_rloo_advantages``) as the advantage stage, the PPO family's loss.
+- ``Pacs`` (``pacs.enable``): the rewards only, ``scores`` = the verifiable reward; PACS's BCE
+  (``algos.pacs_loss``) as the loss, each group on one rank and in one micro-batch.
+
+``build_algorithm(cfg)`` picks the entry: one whose switch is on (PACS), else the one registered
+under ``algorithm.adv_estimator`` (PURE), else the PPO family. A user's own entry:
+``@register_algorithm("name")`` on an ``Algorithm`` subclass in the file named by
+``algorithm.custom_algorithms.path``, its estimator name registered with
+``megarl.algos.register_advantage_pipeline`` (so that the config accepts it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from megarl import algos
+from megarl.backends.protocol import SequenceBatch
+from megarl.config.algorithms import PATH_KEY, import_custom_algorithms
+from megarl.errors import UserInputError
+from megarl.rollout.protocol import SamplingParams
+from megarl.trainer.advantage import (
+    AdvantageSettings,
+    compute_step_advantages,
+    last_token_mask,
+    place_rewards,
+)
+from megarl.trainer.batch import RolloutBatch, RolloutSample
+from megarl.trainer.losses import ActorLossSettings, Norm
+from megarl.trainer.metrics import Timer
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an algorithm asks of the config and of the step."""
+
+    groups: bool = False  # compares the responses of one prompt (rollout.n >= 2)
+    critic: bool = False  # values [B, L] of a critic before the advantages (critic.enable)
+    greedy_baseline: bool = False  # prepare: a greedy response per prompt, scored ([B])
+    whole_groups: bool = False  # the loss reads group statistics: a group stays on one DP
+    #                             rank and in one micro-batch
+
+    @classmethod
+    def of_estimator(cls, name: str) -> Needs:
+        """The needs ``megarl.algos`` declares for the estimator or pipeline ``name``."""
+        declared = algos.estimator_needs(name)
+        return cls(groups="groups" in declared, critic="values" in declared,
+                   greedy_baseline="baselines" in declared)
+
+
+@dataclass
+class StepContext:
+    """What ``Algorithm.prepare`` may use besides the batch (the trainer builds it each step)."""
+
+    # items (.prompt_ids, .data_source, .ground_truth, .extra_info), sampling -> the samples of
+    # every rank, gathered, in item order (group ids = item positions)
+    generate: Callable[[list[Any], SamplingParams], list[RolloutSample]]
+    score: Callable[[list[RolloutSample]], torch.Tensor]  # -> [len(samples)] verifiable rewards
+    sampling: Callable[..., SamplingParams]  # (seed, n=None, greedy=False) -> the run's params
+    timer: Timer
+
+
+def greedy_baselines(batch: RolloutBatch, step: StepContext) -> torch.Tensor:
+    """[B] float32: the score of one greedy response to each prompt, broadcast to its group
+    (ReMax's baseline; generated and scored under ``timing_s/gen``)."""
+    groups, items = batch.group_prompts()
+    with step.timer("gen"):
+        samples = step.generate(items, step.sampling(0, greedy=True, n=1))
+        scores = step.score(samples)
+    by_group = dict(zip(groups, scores.tolist()))
+    return torch.tensor([by_group[g] for g in batch.group_index.tolist()])
+
+
+def advantage_settings(cfg: Any) -> AdvantageSettings:
+    """The reward placement and estimator settings of a config."""
+    alg, rm = cfg.algorithm, cfg.reward_model
+    return AdvantageSettings(
+        estimator=alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
+        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        use_kl_in_reward=alg.use_kl_in_reward, kl_penalty=alg.kl_penalty,
+        prm_enabled=rm.enable, vr_enabled=rm.reward_manager != "blank",
+        credit_assignment=rm.credit_assignment,
+        verifiable_reward_coef=rm.verifiable_reward_coef)
+
+
+def actor_loss_settings(cfg: Any) -> ActorLossSettings:
+    """The PPO family's actor loss settings of a config."""
+    arr = cfg.actor_rollout_ref
+    a = arr.actor
+    return ActorLossSettings(
+        loss_mode=a.policy_loss.loss_mode, agg_mode=a.loss_agg_mode,
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+        fused=arr.model.use_fused_kernels)
+
+
+class Algorithm:
+    """Hooks of one training step. The base is verl's PPO family: the registered estimator
+    ``algorithm.adv_estimator`` on the placed rewards, the registered policy loss
+    ``actor.policy_loss.loss_mode`` on ``advantages``."""
+
+    needs: Needs = Needs()
+    update_keys: tuple[str, ...] = ("advantages",)  # batch tensors the actor's loss reads
+
+    def __init__(self, cfg: Any) -> None:
+        self.adv = advantage_settings(cfg)
+        self.loss = actor_loss_settings(cfg)
+
+    def prepare(self, batch: RolloutBatch, step: StepContext) -> None:
+        """After scoring, before the engine sleeps (it may still generate)."""
+
+    def advantages(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
+        """After the logprobs and values: fill what ``update_keys`` names; return metrics
+        (``_kl_for_controller``: the step's KL for the adaptive KL controller)."""
+        return compute_step_advantages(batch, self.adv, kl_coef)
+
+    def loss_settings(self, on_policy: bool) -> ActorLossSettings:
+        """The actor loss of this step's update (``losses.actor_loss_fn``)."""
+        return dataclasses.replace(self.loss, on_policy=on_policy)
+
+
+class PPOFamily(Algorithm):
+    """Any registered advantage estimator with any registered policy loss; an estimator that
+    needs "baselines" (remax) gets a greedy response per prompt, scored, in ``prepare``."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.needs = Needs.of_estimator(self.adv.estimator)
+
+    def prepare(self, batch: RolloutBatch, step: StepContext) -> None:
+        if self.needs.greedy_baseline:
+            batch.tensors["reward_baselines"] = greedy_baselines(batch, step)
+
+
+AlgoT = TypeVar("AlgoT", bound=type[Algorithm])
+
+
+@dataclass(frozen=True)
+class Entry:
+    build: Callable[[Any], Algorithm]
+    enabled_by: Callable[[Any], bool] | None  # a config switch choosing it (else: by name)
+
+
+ALGORITHMS: dict[str, Entry] = {}
+
+
+def register_algorithm(name: str, *,
+                       enabled_by: Callable[[Any], bool] | None = None) -> Callable[[AlgoT], AlgoT]:
+    """Decorator: register an ``Algorithm`` subclass (built from the config) under ``name``.
+    Without ``enabled_by`` it runs when ``algorithm.adv_estimator`` is ``name`` (an estimator
+    or pipeline of ``megarl.algos``); with it, whenever ``enabled_by(cfg)`` is true."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"algorithm name must be a non-empty string, got {name!r}")
+
+    def decorator(cls: AlgoT) -> AlgoT:
+        existing = ALGORITHMS.get(name)
+        if existing is not None and existing.build is not cls:
+            raise ValueError(f"algorithm {name!r} is already registered "
+                             f"({existing.build.__module__}.{existing.build.__qualname__}); "
+                             "pick another name")
+        ALGORITHMS[name] = Entry(cls, enabled_by)
+        return cls
+
+    return decorator
+
+
+def build_algorithm(cfg: Any) -> Algorithm:
+    """The algorithm a config runs (module doc); imports ``algorithm.custom_algorithms.path``
+    first. UserInputError naming the keys when two switches are on or the estimator has no
+    algorithm."""
+    try:
+        import_custom_algorithms(cfg.algorithm.custom_algorithms.path)
+    except ValueError as err:
+        raise UserInputError(f"{PATH_KEY}: {err}") from err
+    on = [name for name, e in ALGORITHMS.items() if e.enabled_by is not None and e.enabled_by(cfg)]
+    if len(on) > 1:
+        raise UserInputError(f"algorithms {on} are all switched on; enable one of them")
+    if on:
+        return ALGORITHMS[on[0]].build(cfg)
+    est = cfg.algorithm.adv_estimator
+    entry = ALGORITHMS.get(est)
+    if entry is not None and entry.enabled_by is None:
+        return entry.build(cfg)
+    if est not in algos.ADVANTAGE_ESTIMATORS:
+        raise UserInputError(
+            f"algorithm.adv_estimator: {est!r} has no algorithm that computes it; register an "
+            "advantage estimator (megarl.algos.register_advantage_estimator), or an algorithm of "
+            f"that name (megarl.trainer.algorithm.register_algorithm) in {PATH_KEY}")
+    return PPOFamily(cfg)
+
+
+# ---------------------------------------------------------------------------------- PURE
+
+
+@dataclass(frozen=True)
+class PureSettings:
+    """``algorithm.pure``: options of PURE's main-branch pipeline."""
+
+    mask_separator: bool = True  # zero the advantage at step-end tokens
+    normalize: bool = True  # replay-buffer whitening of the advantages
+
+
+def pure_mode(s: AdvantageSettings) -> str:
+    """PURE's reward mode: "prm_vr" (PRM and a verifiable reward), "prm" (reward manager
+    blank) or "vr" (no PRM)."""
+    if s.prm_enabled and s.vr_enabled:
+        return "prm_vr"
+    return "prm" if s.prm_enabled else "vr"
+
+
+def pure_advantages(batch: RolloutBatch, s: AdvantageSettings, pure: PureSettings,
+                    kl_coef: float) -> dict[str, float]:
+    """PURE: the rewards placed as for every algorithm (metrics, KL), then advantages and
+    returns [B, L] by ``algos.pure_rloo_advantages`` from the PRM step scores (zeros and the
+    last-token mask without a PRM), the raw verifiable rewards and the KL of the reward."""
+    metrics, kl = place_rewards(batch, s, kl_coef)
+    t = batch.tensors
+    mask = batch.response_mask
+    step_rewards = t.get("step_rewards", torch.zeros_like(mask))
+    step_mask = t.get("step_mask", last_token_mask(mask))
+    adv, ret = algos.pure_rloo_advantages(
+        step_rewards=step_rewards, step_mask=step_mask, response_mask=mask,
+        verifiable_rewards=t["verifiable"].to(torch.float32), group_index=batch.group_index,
+        mode=pure_mode(s), credit_assignment=s.credit_assignment,
+        vr_coef=s.verifiable_reward_coef, kl=kl, kl_coef=kl_coef if kl is not None else 0.0,
+        mask_separator=pure.mask_separator, normalize=pure.normalize)
+    t["advantages"] = adv
+    t["returns"] = ret
+    return metrics
+
+
+@register_algorithm("pure_rloo")
+class PureRloo(PPOFamily):
+    """PURE (Cheng et al.): its RLOO pipeline over PRM step scores and verifiable rewards,
+    then the PPO family's policy loss."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        p = cfg.algorithm.pure
+        self.pure = PureSettings(mask_separator=p.mask_separator, normalize=p.normalize)
+
+    def advantages(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
+        return pure_advantages(batch, self.adv, self.pure, kl_coef)
+
+
+# ---------------------------------------------------------------------------------- PACS
+
+
+@dataclass(frozen=True)
+class PacsLoss:
+    """PACS's objective (``losses.PolicyTerm``): ``algos.pacs_loss`` of a micro-batch holding
+    whole groups, with ``scores`` [b] as labels, rescaled from its mean over the micro-batch's
+    responses to its share of the mini-batch (x b / global_batch_size x dp). No entropy bonus
+    and no KL loss are added (PACS trains a classifier)."""
+
+    beta: float = 1.0
+    reward_method: str = "1"
+    adv_estimator: str = "rloo"
+    weight_mode: str | None = "question"
+    norm_adv_by_std: bool = True
+    regularized: bool = False
+
+    def __call__(self, logprob: torch.Tensor, old_logprob: torch.Tensor, mask: torch.Tensor,
+                 mb: SequenceBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
+        t = mb.tensors
+        loss, _ = algos.pacs_loss(
+            logprob=logprob, old_logprob=old_logprob, response_mask=mask, scores=t["scores"],
+            group_index=t["group_index"], beta=self.beta, reward_method=self.reward_method,
+            adv_estimator=self.adv_estimator, weight_mode=self.weight_mode,
+            norm_adv_by_std=self.norm_adv_by_std)
+        seq_share = mb.batch_size / max(norm.global_batch_size, 1) * norm.dp_size
+        loss = loss * seq_share
+        return loss, {"actor/pacs_loss": float(loss.detach())}
+
+
+def pacs_loss_term(cfg: Any) -> PacsLoss:
+    """``pacs.*`` of a config as PACS's objective."""
+    p = cfg.pacs
+    return PacsLoss(beta=p.beta, reward_method=str(p.reward_method),
+                    adv_estimator=p.adv_estimator,
+                    weight_mode=p.weight_mode if p.use_weight else None,
+                    norm_adv_by_std=p.norm_adv_by_std_in_grpo)
+
+
+def pacs_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float) -> dict[str, float]:
+    """PACS's advantage stage: the rewards placed (their metrics, the KL controller's input) and
+    ``scores`` [B] float32 = the verifiable reward, the labels of its loss; no advantages."""
+    metrics, _ = place_rewards(batch, s, kl_coef)
+    batch.tensors["scores"] = batch.tensors["verifiable"].to(torch.float32)
+    return metrics
+
+
+@register_algorithm("pacs", enabled_by=lambda cfg: cfg.pacs.enable)
+class Pacs(Algorithm):
+    """PACS (Li et al.): the actor trained as a classifier of its responses' correctness; the
+    advantage is computed inside the loss from the policy itself, so the advantage stage only
+    places the rewards (their metrics and KL) and hands the verifiable reward over as
+    ``scores``."""
+
+    needs = Needs(groups=True, whole_groups=True)
+    update_keys = ("scores",)
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.loss = dataclasses.replace(self.loss, policy=pacs_loss_term(cfg))
+
+    def advantages(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
+        return pacs_advantages(batch, self.adv, kl_coef)
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "Needs", "PPOFamily", "StepContext", "build_algorithm",
+           "register_algorithm"]
