@@ -26,6 +26,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 ROLES = ("actor", "ref", "critic", "prm")
+LM_ROLES = ("actor", "ref")  # an LM head: logprobs / entropy (the policy and its reference)
+VALUE_ROLES = ("critic", "prm")  # a token-classification head: values / token scores
+TRAINABLE_ROLES = ("actor", "critic")  # built with an optimizer; ref and prm are frozen
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Dtype = Literal["fp32", "bf16"]
-DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
+from megarl.utils.dtypes import DTYPE_ALIASES, Dtype
+
 Strategy = Literal["torch", "megatron"]
 # verl's FSDP strategies map to megarl's pure-PyTorch backend, which shards with FSDP2.
 STRATEGY_ALIASES = {"fsdp": "torch", "fsdp2": "torch"}

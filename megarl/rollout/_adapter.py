@@ -9,8 +9,10 @@ from typing import Any
 import torch
 
 from megarl.rollout.reshard import weight_buckets
+from megarl.utils.dtypes import CONFIG_DTYPES
 
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+# config dtype name -> the engine's ``dtype`` argument (torch's name), for both adapters
+DTYPE_NAMES = CONFIG_DTYPES
 
 
 def missing_engine(name: str, extra: str) -> ImportError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.backends.megatron.backend import _forward_micro_size
+from megarl.backends.megatron.config import backend_kwargs as megatron_kwargs
 from megarl.backends.torch import TorchBackend
 from megarl.backends.torch.config import backend_kwargs
 from megarl.config import load_config
@@ -162,12 +162,14 @@ def test_megatron_forward_micro_size_follows_dynamic_flag():
     fixed = load_config("ppo", ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
                                 "critic.ppo_micro_batch_size_per_gpu=5",
                                 "critic.use_dynamic_bsz=false"])
-    arr = fixed.actor_rollout_ref
-    assert _forward_micro_size("actor", arr, arr.actor) == 3
-    assert _forward_micro_size("ref", arr, arr.actor) == 3
-    assert _forward_micro_size("critic", arr, fixed.critic) == 5
+
+    def micro(role, cfg):
+        return megatron_kwargs(role, cfg, "m")[1]["forward_micro_batch_size"]
+
+    assert micro("actor", fixed) == 3
+    assert micro("ref", fixed) == 3
+    assert micro("critic", fixed) == 5
     dyn = load_config("ppo", ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3",
                               "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true"])
-    arr = dyn.actor_rollout_ref
-    assert _forward_micro_size("actor", arr, arr.actor) is None
-    assert _forward_micro_size("ref", arr, arr.actor) is None
+    assert micro("actor", dyn) is None
+    assert micro("ref", dyn) is None

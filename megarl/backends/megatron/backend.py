@@ -9,7 +9,8 @@ and the AVERAGE over data-parallel ranks of the gradients of the already normali
   float32 rounding of the gradient seed);
 - megatron's DDP scales gradients by ``1 / dp_size`` before its all-reduce / reduce-scatter
   (``calculate_per_token_loss=False``, ``average_in_collective=False``): the DP average.
-Metrics follow the same rule: summed over micro-batches, averaged over DP ranks.
+Metrics follow the same rule: summed over micro-batches, averaged over DP ranks over the union
+of the ranks' keys (`megarl.backends.metrics.reduce_metrics`, shared with the torch backend).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from megarl.backends.megatron.batching import (
     split_rows,
     to_micro_batch,
 )
+from megarl.backends.megatron.config import backend_kwargs, recompute_settings
 from megarl.backends.megatron.heads import MegatronHeadOutputs, lm_outputs, value_outputs
 from megarl.backends.megatron.model import (
-    LM_ROLES,
     Layout,
     MegarlGPTModel,
     build_model_chunks,
@@ -51,30 +52,14 @@ from megarl.backends.megatron.model import (
 )
 from megarl.backends.megatron.optim import OptimSettings, build_optimizer, optimizer_step
 from megarl.backends.megatron.weights import export_hf, load_hf_into_chunks
-from megarl.backends.protocol import ROLES, LossFn, SequenceBatch
+from megarl.backends.metrics import reduce_metrics
+from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES, LossFn, SequenceBatch
 from megarl.backends.routing import check_router_replay
 from megarl.models.args import ModelArgs, num_labels_from_hf_config
 from megarl.models.hf_io import read_hf_config
+from megarl.utils.dtypes import canonical_dtype, torch_dtype
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TRAINABLE_ROLES = ("actor", "critic")
-
-
-def _recompute_settings(recompute: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if recompute is None or recompute is False:
-        return None
-    if isinstance(recompute, str):
-        if recompute == "full":
-            return {"granularity": "full", "method": "uniform", "num_layers": 1}
-        if recompute == "selective":
-            return {"granularity": "selective"}
-        raise ValueError(f"recompute must be None, 'full', 'selective' or a dict, got {recompute!r}")
-    out = {k: v for k, v in dict(recompute).items() if v is not None}
-    if out.get("granularity") == "full":
-        out.setdefault("method", "uniform")
-        out.setdefault("num_layers", 1)
-    return out
 
 
 class MegatronBackend:
@@ -139,8 +124,7 @@ class MegatronBackend:
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        dtype = canonical_dtype(dtype)
         if spec not in ("auto", "local", "te"):
             raise ValueError(f"spec must be 'auto', 'local' or 'te', got {spec!r}")
         self.role = role
@@ -151,7 +135,7 @@ class MegatronBackend:
         self.args = ModelArgs.from_hf_config(self.hf_config)
         self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp)
         check_supported(self.args, self.layout)
-        self.dtype = _DTYPES[dtype]
+        self.dtype = torch_dtype(dtype)
         self.dtype_name = dtype
         self.num_labels = None
         if role == "critic":
@@ -174,7 +158,7 @@ class MegatronBackend:
             raise RuntimeError("spec='te' needs TransformerEngine and CUDA; use spec='local'")
         self.moe_aux_loss_coeff = float(moe_aux_loss_coeff) if self.args.is_moe else 0.0
         self.config = transformer_config(
-            self.args, self.layout, dtype=self.dtype, recompute=_recompute_settings(recompute),
+            self.args, self.layout, dtype=self.dtype, recompute=recompute_settings(recompute),
             moe_aux_loss_coeff=self.moe_aux_loss_coeff,
         )
         with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(vpp):
@@ -226,73 +210,10 @@ class MegatronBackend:
 
     @classmethod
     def from_config(cls, role: str, cfg: Any, model_path: str | None = None) -> MegatronBackend:
-        """Build ``role`` from the project config (megarl.config.Config, or any object / nested
-        mapping with the same keys). Sections read (absent keys keep the defaults):
-        actor/ref: ``actor_rollout_ref.{model, actor.{optim, grad_clip, parallel, megatron}}``;
-        critic: ``critic.{model, optim, grad_clip, parallel, megatron}``;
-        prm: ``reward_model.{model, parallel, micro_batch_size_per_gpu}``; ``trainer.seed``.
+        """Build ``role`` from the project config (`megarl.backends.megatron.config`);
         ``model_path`` overrides the section's ``model.path``."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        arr = _get(cfg, "actor_rollout_ref")
-        actor_model = _get(arr, "model")
-        if role in LM_ROLES:
-            section, model = _get(arr, "actor"), actor_model
-        elif role == "critic":
-            section = _get(cfg, "critic")
-            model = _get(section, "model")
-        else:
-            section = _get(cfg, "reward_model")
-            model = _get(section, "model")
-        path = model_path or _get(model, "path") or (
-            _get(actor_model, "path") if role == "critic" else None
-        )
-        if not path:
-            where = {"critic": "critic.model.path", "prm": "reward_model.model.path"}.get(
-                role, "actor_rollout_ref.model.path"
-            )
-            raise ValueError(f"{where}: an HF model folder is required for the {role} backend")
-        par = _get(section, "parallel") or _get(_get(arr, "actor"), "parallel")
-        mega = _get(section, "megatron") or _get(_get(arr, "actor"), "megatron")
-        dtype = _get(mega, "param_dtype") or _get(model, "dtype") or _get(actor_model, "dtype")
-        recompute = None
-        if _get(mega, "recompute_granularity"):
-            recompute = {
-                "granularity": _get(mega, "recompute_granularity"),
-                "method": _get(mega, "recompute_method"),
-                "num_layers": _get(mega, "recompute_num_layers"),
-            }
-        elif _get(model, "enable_gradient_checkpointing"):
-            recompute = "full"
-        optim = None
-        if role in TRAINABLE_ROLES:
-            optim = OptimSettings.coerce(_get(section, "optim"))
-            clip = _get(section, "grad_clip", "missing")
-            if clip != "missing":
-                optim.grad_clip = clip
-        fwd_mbs = _forward_micro_size(role, arr, section)
-        use_fused = _get(actor_model, "use_fused_kernels")
-        return cls(
-            role,
-            str(path),
-            tp=int(_get(par, "tensor_model_parallel_size") or 1),
-            pp=int(_get(par, "pipeline_model_parallel_size") or 1),
-            vpp=_get(par, "virtual_pipeline_model_parallel_size"),
-            sp=bool(_get(par, "sequence_parallel") or False),
-            dtype=str(dtype or "bf16"),
-            optim_config=optim,
-            use_distributed_optimizer=_get(mega, "use_distributed_optimizer") is not False,
-            recompute=recompute,
-            seed=int(_get(_get(cfg, "trainer"), "seed") or 1),
-            use_fused_kernels=True if use_fused is None else bool(use_fused),
-            forward_micro_batch_size=fwd_mbs,
-            ep=int(_get(mega, "expert_model_parallel_size") or 1),
-            etp=_get(mega, "expert_tensor_parallel_size"),
-            moe_aux_loss_coeff=float(_get(mega, "moe_aux_loss_coeff") or 0.0)
-            if role in TRAINABLE_ROLES else 0.0,
-            router_replay=role == "actor"
-            and _get(_get(_get(arr, "actor"), "router_replay"), "mode") == "R3",
-        )
+        path, kwargs = backend_kwargs(role, cfg, model_path)
+        return cls(role, path, **kwargs)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -388,14 +309,14 @@ class MegatronBackend:
         if self.moe_aux_loss_coeff > 0:
             moe.reset_aux_tracker()
         stored = self._run_schedule(mbs, loss_func, forward_only=False)
-        metrics = self._reduce_metrics(stored)
-        if self.moe_aux_loss_coeff > 0:
+        summed: dict[str, float] = {}  # over micro-batches (last stage)
+        for d in stored:
+            for k, v in d.items():
+                summed[k] = summed.get(k, 0.0) + float(v)
+        metrics = reduce_metrics(summed, parallel.dp_group(), parallel.pp_group())
+        if self.moe_aux_loss_coeff > 0:  # every stage holds it: averaged over DP only
             aux = moe.aux_loss_metric(M, parallel.tp_group(), parallel.pp_group())
-            if self.dp_size > 1:
-                box = torch.tensor([aux], dtype=torch.float64, device=_device())
-                dist.all_reduce(box, group=parallel.dp_group())
-                aux = float(box) / self.dp_size
-            metrics["moe_aux_loss"] = aux
+            metrics.update(reduce_metrics({"moe_aux_loss": aux}, parallel.dp_group()))
         grad_norm, skipped, lr = optimizer_step(self.optimizer, self.optim, self.step)
         if not skipped:
             self.step += 1
@@ -590,55 +511,8 @@ class MegatronBackend:
             out = torch.cat(parts, dim=1)
         return out[:, :B].cpu()
 
-    def _reduce_metrics(self, stored: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Sum over micro-batches (last stage), share over PP, average over DP."""
-        summed: dict[str, float] = {}
-        for d in stored:
-            for k, v in d.items():
-                summed[k] = summed.get(k, 0.0) + float(v)
-        if self.layout.pp > 1:
-            box = [summed]
-            dist.broadcast_object_list(box, src=parallel.pp_ranks()[-1], group=parallel.pp_group())
-            summed = box[0]
-        if self.dp_size > 1:
-            keys = sorted(summed)
-            t = torch.tensor([summed[k] for k in keys], dtype=torch.float64, device=_device())
-            dist.all_reduce(t, group=parallel.dp_group())
-            summed = dict(zip(keys, (t / self.dp_size).tolist()))
-        return summed
-
-
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    """``obj.key`` or ``obj[key]``; ``default`` when obj is None or lacks it."""
-    if obj is None:
-        return default
-    if isinstance(obj, Mapping):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _forward_micro_size(role: str, arr: Any, section: Any) -> int | None:
-    """Rows per no-grad forward from the config: the role's micro size when its dynamic
-    batching is off (``use_dynamic_bsz`` false; verl's rule: dynamic batching ignores micro
-    sizes), else None (the DP share in ``pp`` pieces)."""
-    rollout, ref = _get(arr, "rollout"), _get(arr, "ref")
-    if role == "actor":
-        pairs = [(rollout, "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz")]
-    elif role == "ref":
-        pairs = [(ref, "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz"),
-                 (rollout, "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz")]
-    elif role == "critic":
-        pairs = [(section, "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz")]
-    else:
-        pairs = [(section, "micro_batch_size_per_gpu", "use_dynamic_bsz")]
-    for node, micro_key, dyn_key in pairs:
-        micro, dynamic = _get(node, micro_key), _get(node, dyn_key)
-        if micro is not None or dynamic is not None:
-            return None if dynamic else micro
-    return None

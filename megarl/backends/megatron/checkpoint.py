@@ -21,6 +21,7 @@ from megatron.core import parallel_state as ps
 
 from megarl.backends import checkpoint_meta
 from megarl.backends.megatron import cpu_compat
+from megarl.backends.protocol import LM_ROLES
 
 FORMAT = "megarl-megatron-v1"
 
@@ -194,8 +195,6 @@ def expected_model_tensors(args, role: str, num_labels: int | None) -> dict[str,
     key per layer, the experts of a layer stacked along a leading [num_experts] axis), pre-norms under
     TransformerEngine's names (megatron's local spec maps its keys onto them), a tied LM head
     stored once as the embedding."""
-    from megarl.backends.megatron.model import LM_ROLES
-
     h, hd, L = args.hidden_size, args.head_dim, args.num_hidden_layers
     q, kv, ffn = args.num_attention_heads * hd, args.num_key_value_heads * hd, args.intermediate_size
     layer = {

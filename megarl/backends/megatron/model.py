@@ -34,10 +34,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megarl.backends.megatron import moe
+from megarl.backends.protocol import LM_ROLES, VALUE_ROLES
 from megarl.models.args import ModelArgs, UnsupportedModelError
-
-LM_ROLES = ("actor", "ref")
-VALUE_ROLES = ("critic", "prm")
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,12 @@ from safetensors import safe_open
 
 from megarl.backends.megatron import moe, parallel
 from megarl.backends.megatron.model import (
-    LM_ROLES,
     Layout,
     MegarlGPTModel,
     global_layer_numbers,
     layer_owner,
 )
+from megarl.backends.protocol import LM_ROLES
 from megarl.models.args import ModelArgs
 from megarl.models.hf_io import hf_weight_map
 from megarl.models.state_dict_adapter import CheckpointMismatchError, hf_sort_key

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from megarl.backends.protocol import ROLES, LossFn, SequenceBatch
+from megarl.backends.metrics import reduce_metrics
+from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES, LossFn, SequenceBatch
 from megarl.backends.routing import check_router_replay
 from megarl.backends.torch import checkpoint as ckpt
 from megarl.backends.torch import parallelize as par
@@ -66,12 +67,9 @@ from megarl.backends.torch.weights import iter_full_weights, weight_specs
 from megarl.errors import UserInputError
 from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
+from megarl.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
-TRAINABLE_ROLES = ("actor", "critic")
-LM_ROLES = ("actor", "ref")
 
 
 def default_device() -> torch.device:
@@ -141,9 +139,7 @@ class TorchBackend:
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        dtype = _DTYPE_ALIASES.get(dtype, dtype)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {dtype!r}")
+        self.compute_dtype = torch_dtype(dtype)
         self.role = role
         self.model_path = str(model_path)
         self.trainable = role in TRAINABLE_ROLES
@@ -151,7 +147,6 @@ class TorchBackend:
         self.layout = Layout.resolve(world_size(), tp=tp, pp=pp, dp_shard=dp_shard, sp=sp,
                                      ulysses=ulysses)
         self.mesh = build_mesh(self.layout, self.device)
-        self.compute_dtype = _DTYPES[dtype]
         self.param_dtype = torch.float32 if self.trainable else self.compute_dtype
         self.optim = OptimSettings(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
@@ -359,9 +354,10 @@ class TorchBackend:
     ) -> dict[str, float]:
         """Accumulate the gradients of every micro-batch (summed over micro-batches, averaged
         over DP ranks) without an optimizer step; returns ``loss`` and the loss function's
-        metrics (summed over micro-batches, averaged over DP). Every DP rank must pass the same
-        number of micro-batches. Under pipeline parallelism with FSDP, torch's schedule clears
-        gradients when it sets up a step, so calls do not accumulate there."""
+        metrics (summed over micro-batches, averaged over DP: `reduce_metrics`). Every DP rank
+        must pass the same number of micro-batches. Under pipeline parallelism with FSDP,
+        torch's schedule clears gradients when it sets up a step, so calls do not accumulate
+        there."""
         if self.optimizer is None:
             raise TypeError(f"the {self.role} backend is frozen (no optimizer)")
         if not micro_batches:
@@ -377,7 +373,7 @@ class TorchBackend:
                 loss.backward()
         else:
             self._train_pipeline(mbs, loss_fn, temperature, sums)
-        return self._reduce_metrics(sums)
+        return reduce_metrics(sums, self.dp_group, self.pp_group)
 
     def _loss(self, out, p: Packed, mb: SequenceBatch, loss_fn: LossFn, temperature: float,
               sums: dict[str, float]) -> torch.Tensor:
@@ -423,20 +419,6 @@ class TorchBackend:
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
-
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sums of this rank (last stage) -> broadcast over PP -> average over DP."""
-        if self.layout.pp > 1:
-            box = [sums]
-            src = dist.get_process_group_ranks(self.pp_group)[-1]
-            dist.broadcast_object_list(box, src=src, group=self.pp_group)
-            sums = box[0]
-        if self.dp_size == 1:
-            return dict(sums)
-        gathered: list[Any] = [None] * self.dp_size
-        dist.all_gather_object(gathered, sums, group=self.dp_group)
-        keys = sorted({k for g in gathered for k in g})
-        return {k: sum(g.get(k, 0.0) for g in gathered) / self.dp_size for k in keys}
 
     # ------------------------------------------------------------------ weights / checkpoints
 

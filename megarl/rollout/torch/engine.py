@@ -47,10 +47,9 @@ from megarl.rollout.sampling import check_sampling_params, noise_key, sample_nex
 from megarl.rollout.torch.kv_cache import SlotKVCache, to_device
 from megarl.rollout.torch.stopping import StopStrings
 from megarl.rollout.torch.weights import load_weight_stream
+from megarl.utils.dtypes import canonical_dtype, torch_dtype
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class _Seq:
@@ -194,12 +193,7 @@ class TorchRolloutEngine:
         from megarl.data.locations import resolve_path
 
         arr = cfg.actor_rollout_ref
-        dtype_name = arr.model.dtype
-        if dtype_name not in _DTYPES:
-            raise ValueError(
-                f"actor_rollout_ref.model.dtype must be one of {sorted(_DTYPES)}, "
-                f"got {dtype_name!r}"
-            )
+        dtype_name = canonical_dtype(arr.model.dtype, "actor_rollout_ref.model.dtype")
         device = torch.device(device if device is not None else "cpu")
         return {
             "path": resolve_path(model_path),
@@ -216,7 +210,7 @@ class TorchRolloutEngine:
     def from_settings(cls, settings: dict[str, Any]) -> TorchRolloutEngine:
         """The engine of `settings` (another process's included: the dict is picklable)."""
         kwargs = dict(settings)
-        return cls.from_pretrained(kwargs.pop("path"), dtype=_DTYPES[kwargs.pop("dtype")],
+        return cls.from_pretrained(kwargs.pop("path"), dtype=torch_dtype(kwargs.pop("dtype")),
                                    **kwargs)
 
     @classmethod

@@ -1,0 +1,198 @@
+"""Project config -> the settings of one backend role, the same for both training backends.
+
+Sections read per role (``model`` is ``actor_rollout_ref.model``):
+
+    actor  model.{path, dtype, enable_gradient_checkpointing}, actor_rollout_ref.actor.{parallel,
+           megatron, optim, grad_clip, router_replay.mode (R3: router_replay)}; no-grad
+           micro-batching from actor_rollout_ref.rollout.log_prob_*
+    ref    the actor's model, parallel and megatron blocks, no optimizer; micro-batching from
+           actor_rollout_ref.ref.log_prob_* (None = the rollout's)
+    critic critic.{model, parallel, megatron, optim, grad_clip} (model.path / dtype None = the
+           actor's); no-grad micro-batching from critic.ppo_* / use_dynamic_bsz
+    prm    reward_model.{model, parallel}; micro-batching from reward_model.*; the actor's megatron
+           block (megatron's expert layout is one per process)
+    every  seed = trainer.seed; kernels = model.use_fused_kernels / fused_kernel_options (the LM
+           head's)
+
+Micro-batching of the no-grad passes (verl's rule, as ``load_config`` fills it): a dynamic flag
+None means dynamic unless the role's micro size is given; dynamic packs by ``max_tokens`` and
+ignores the micro size. Critic and PRM flags None follow the actor's.
+
+The backends map these onto their own constructors (`megarl.backends.torch.config`,
+`megarl.backends.megatron.config`); what only one backend has (torch: FSDP shard group, Ulysses,
+device; megatron: param_dtype, recompute, distributed optimizer, expert layout) stays there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.backends.optim_settings import OptimSettings
+from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES
+from megarl.errors import UserInputError
+from megarl.utils.dtypes import canonical_dtype
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank's rows are cut for the no-grad forwards (logprobs, values, token scores)."""
+
+    dynamic: bool  # pack by a token budget (verl's use_dynamic_bsz)
+    max_tokens: int | None  # TOKENS per micro-batch per rank, used when dynamic
+    rows: int | None  # RESPONSES per forward, used when not dynamic
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The role's ``parallel`` block (sizes in ranks)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # interleaved pipeline stages per rank (megatron only)
+    sp: bool = False  # sequence parallelism inside TP
+    dp_shard: int = -1  # torch: FSDP shard group inside DP (-1: all DP ranks)
+    ulysses: int = 1  # torch: Ulysses sequence-parallel size
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The LM head's logprob / entropy path (``actor_rollout_ref.model``)."""
+
+    fused: bool = True  # megarl_kernels.linear_logprob_entropy, else the naive path
+    impl: str = "auto"  # auto | torch | triton (torch backend)
+    chunk_size: int | None = None  # tokens per chunk of the fused path (torch backend)
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """What both backends take for one role, read from the project config by `role_settings`.
+
+    megatron: the role's ``megatron`` config block (critic: its own; actor, ref, prm: the
+    actor's), read only by the megatron backend."""
+
+    role: str
+    model_path: str
+    dtype: str  # fp32 | bf16: the dtype the role's model computes in
+    parallel: Parallel
+    micro: MicroBatching
+    kernels: Kernels
+    seed: int
+    optim: OptimSettings | None = None  # actor and critic
+    activation_checkpointing: bool = False  # recompute each block in backward
+    router_replay: bool = False  # the actor replays the rollout's MoE routing (R3)
+    megatron: Any = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.role in TRAINABLE_ROLES
+
+
+_PATH_KEYS = {"critic": "critic.model.path", "prm": "reward_model.model.path"}
+
+
+def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSettings:
+    """The settings of ``role`` (actor | ref | critic | prm) from ``cfg`` (a `megarl.config.Config`;
+    `load_config`'s output or a bare one: unfilled None keys follow the rules above).
+    ``model_path`` overrides the role's ``model.path``."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    arr = cfg.actor_rollout_ref
+    model, actor = arr.model, arr.actor
+    if role in LM_ROLES:
+        own_model, section, path = model, actor, model.path
+    elif role == "critic":
+        own_model, section = cfg.critic.model, cfg.critic
+        path = _first(own_model.path, model.path)
+    else:
+        own_model, section = cfg.reward_model.model, cfg.reward_model
+        path = own_model.path
+    path = _first(model_path, path)
+    if not path:
+        key = _PATH_KEYS.get(role, "actor_rollout_ref.model.path")
+        raise UserInputError(f"{key}: an HF model folder is required for the {role} backend")
+    optim = None
+    if role in TRAINABLE_ROLES:
+        optim = _optim(section.optim, section.grad_clip)
+    opts = model.fused_kernel_options
+    return RoleSettings(
+        role=role,
+        model_path=str(path),
+        dtype=canonical_dtype(_first(own_model.dtype, model.dtype), _dtype_key(role)),
+        parallel=_parallel(section.parallel),
+        micro=micro_batching(role, cfg),
+        kernels=Kernels(fused=model.use_fused_kernels, impl=opts.impl_backend,
+                        chunk_size=opts.chunk_size),
+        seed=int(cfg.trainer.seed),
+        optim=optim,
+        activation_checkpointing=role != "prm" and bool(own_model.enable_gradient_checkpointing),
+        router_replay=role == "actor" and actor.router_replay.mode == "R3",
+        megatron=cfg.critic.megatron if role == "critic" else actor.megatron,
+    )
+
+
+def micro_batching(role: str, cfg: Any) -> MicroBatching:
+    """The no-grad micro-batching of ``role`` (see the module docstring)."""
+    arr = cfg.actor_rollout_ref
+    ro, ref, actor_dynamic = arr.rollout, arr.ref, arr.actor.use_dynamic_bsz
+    if role == "actor":
+        return _micro(ro.log_prob_use_dynamic_bsz, ro.log_prob_max_token_len_per_gpu,
+                      ro.log_prob_micro_batch_size_per_gpu)
+    if role == "ref":
+        dynamic = ref.log_prob_use_dynamic_bsz
+        if dynamic is None:  # the ref's own micro size means fixed rows; else the rollout's flag
+            own = ref.log_prob_micro_batch_size_per_gpu is not None
+            dynamic = False if own else ro.log_prob_use_dynamic_bsz
+        return _micro(dynamic,
+                      _first(ref.log_prob_max_token_len_per_gpu, ro.log_prob_max_token_len_per_gpu),
+                      _first(ref.log_prob_micro_batch_size_per_gpu,
+                             ro.log_prob_micro_batch_size_per_gpu))
+    if role == "critic":
+        c = cfg.critic
+        return _micro(_first(c.use_dynamic_bsz, actor_dynamic), c.ppo_max_token_len_per_gpu,
+                      c.ppo_micro_batch_size_per_gpu)
+    if role == "prm":
+        rm = cfg.reward_model
+        return _micro(_first(rm.use_dynamic_bsz, actor_dynamic), rm.forward_max_token_len_per_gpu,
+                      rm.micro_batch_size_per_gpu)
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def _micro(dynamic: bool | None, max_tokens: int | None, rows: int | None) -> MicroBatching:
+    return MicroBatching(dynamic=rows is None if dynamic is None else bool(dynamic),
+                         max_tokens=max_tokens, rows=rows)
+
+
+def _optim(optim: Any, grad_clip: float | None) -> OptimSettings:
+    return OptimSettings(
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        grad_clip=grad_clip,
+        lr_scheduler_type=optim.lr_scheduler_type,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
+        min_lr_ratio=optim.min_lr_ratio,
+        total_training_steps=optim.total_training_steps,
+    )
+
+
+def _parallel(par: Any) -> Parallel:
+    return Parallel(
+        tp=int(par.tensor_model_parallel_size),
+        pp=int(par.pipeline_model_parallel_size),
+        vpp=par.virtual_pipeline_model_parallel_size,
+        sp=bool(par.sequence_parallel),
+        dp_shard=int(par.data_parallel_shard),
+        ulysses=int(par.ulysses_sequence_parallel_size),
+    )
+
+
+def _dtype_key(role: str) -> str:
+    return {"critic": "critic.model.dtype", "prm": "reward_model.model.dtype"}.get(
+        role, "actor_rollout_ref.model.dtype")
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
