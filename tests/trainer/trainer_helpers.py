@@ -35,10 +35,16 @@ def env() -> dict[str, str]:
 
 
 def train(run_dir: Path, config: str, *overrides: str, nproc: int = 1, timeout: float = 600,
-          check: bool = True, fast: bool = True) -> subprocess.CompletedProcess:
+          check: bool = True, fast: bool = True,
+          python_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python_args`` (one process only) go before ``launch/train.py`` on the interpreter's
+    command line: e.g. ``("-c", code, arg)`` runs ``code`` with sys.argv = ["-c", arg,
+    "launch/train.py", ...] (a wrapper that patches the trainer, then runs the script)."""
     args = [f"trainer.default_local_dir={run_dir}", *(FAST if fast else []), *overrides]
+    if python_args and nproc != 1:
+        raise ValueError("python_args needs nproc=1")
     if nproc == 1:
-        cmd = [sys.executable, "launch/train.py", "--config", config, *args]
+        cmd = [sys.executable, *python_args, "launch/train.py", "--config", config, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", "launch/train.py", "--config", config, *args]
