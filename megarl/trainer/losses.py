@@ -42,7 +42,7 @@ class Norm:
 
 class PolicyTerm(Protocol):
     """A policy objective replacing the PPO family's registered policy loss (an algorithm's loss
-    hook, e.g. PACS's classifier loss in ``megarl.trainer.algorithm``)."""
+    hook, e.g. a classifier loss; ``megarl.trainer.algorithm``)."""
 
     # the entropy bonus (entropy_coeff) and the KL loss (use_kl_loss) are added to it
     regularized: bool

@@ -5,8 +5,8 @@
   KL in reward) -> actor (and critic) updates over mini-batches and ppo epochs with the
   algorithm's loss -> weight sync to the engine -> metrics, validation, checkpoint.
 
-The algorithm (``megarl.trainer.algorithm``: the PPO family, PURE, PACS, the user's) supplies
-the hooks and declares what the step must provide; the loop never tests its name.
+The algorithm (``megarl.trainer.algorithm``: its registry of entries, the user's included)
+supplies the hooks and declares what the step must provide; the loop never tests its name.
 
 SPMD: every rank started by torchrun runs this same loop and holds the same step batch.
 """
