@@ -3,7 +3,8 @@
 No model, process group or config object here: tensors in, tensors out. Per-token tensors are
 `[B, L]` (B responses, L padded response length), per-response tensors `[B]`; `group_index` is an
 int64 `[B]` tensor (same value = same prompt, any order). float32 / float64 in, same dtype out.
-Contract: specs/algorithms.md of the team's shared folder.
+Each function's docstring gives its formula and source (the paper, or verl's core_algos);
+tests/algos checks each against a float64 brute-force loop.
 """
 
 from megarl.algos.advantages import compute_advantages

@@ -35,14 +35,13 @@ uninterrupted run would (the sampler's position is never advanced by a prefetch)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megarl.errors import UserInputError
-from megarl.trainer import rollout as R
+from megarl.trainer import generation as R
 from megarl.trainer.parts import async_settings
 from megarl.trainer.trainer import RLTrainer
 from megarl.utils import dist as mdist
@@ -60,7 +59,6 @@ class AsyncRLTrainer(RLTrainer):
             raise UserInputError("async_training.staleness_threshold > 0 needs the engine "
                                  "process (actor_rollout_ref.rollout.name=torch or vllm)")
         engine.version_fn = lambda: self.step
-        self.ckpt.save = self._with_inflight(self.ckpt.save)
         self._queued: dict[int, Any] = {}  # step -> match key of its prefetched first round
 
     # ------------------------------------------------------------------ producer
@@ -118,25 +116,16 @@ class AsyncRLTrainer(RLTrainer):
             t["old_logprob"] = behaviour
 
     # ------------------------------------------------------------------ checkpoints
-    def _with_inflight(self, save: Callable[..., Path]) -> Callable[..., Path]:
-        """``CheckpointManager.save`` that also writes the batches in flight (waited for) into
-        the checkpoint before it is marked complete."""
-
-        def save_all(step: int, write_roles: Callable[[Path], None], *args: Any,
-                     **kwargs: Any) -> Path:
-            def write(tmp: Path) -> None:
-                write_roles(tmp)
-                inflight = self.parts.engine.export_prefetched()
-                if mdist.rank() == 0:
-                    (tmp / "async").mkdir(exist_ok=True)
-                mdist.barrier()
-                torch.save({"inflight": inflight,
-                            "queued": {str(s): k for s, k in self._queued.items()}},
-                           tmp / "async" / f"rank{mdist.rank()}.pt")
-
-            return save(step, write, *args, **kwargs)
-
-        return save_all
+    def write_checkpoint(self, tmp: Path) -> None:
+        """The weights, and the batches in flight (waited for), before the checkpoint is
+        marked complete."""
+        super().write_checkpoint(tmp)
+        inflight = self.parts.engine.export_prefetched()
+        if mdist.rank() == 0:
+            (tmp / "async").mkdir(exist_ok=True)
+        mdist.barrier()
+        torch.save({"inflight": inflight, "queued": {str(s): k for s, k in self._queued.items()}},
+                   tmp / "async" / f"rank{mdist.rank()}.pt")
 
     def maybe_resume(self) -> int | None:
         step = super().maybe_resume()

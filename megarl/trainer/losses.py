@@ -87,10 +87,6 @@ class ActorLossSettings:
         """Whether the entropy bonus and the KL loss apply (the PPO family's loss: always)."""
         return self.policy is None or self.policy.regularized
 
-    @property
-    def needs_entropy(self) -> bool:
-        return True  # entropy is always logged (actor/entropy); kernels return it for free
-
 
 def ppo_policy_term(s: ActorLossSettings, logprob: torch.Tensor, old_logprob: torch.Tensor,
                     mask: torch.Tensor, mb: SequenceBatch,

@@ -22,7 +22,7 @@ from megarl.errors import UserInputError
 from megarl.logging import MetricLogger
 from megarl.rollout.build import build_engine, check_engine_installed, engine_spec
 from megarl.rollout.protocol import RolloutEngine
-from megarl.trainer.rollout import Scorer
+from megarl.trainer.generation import Scorer
 from megarl.utils import dist as mdist
 
 log = logging.getLogger(__name__)

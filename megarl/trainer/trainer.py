@@ -26,7 +26,7 @@ from megarl.config.notices import startup_notices
 from megarl.errors import UserInputError
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
-from megarl.trainer import rollout as R
+from megarl.trainer import generation as R
 from megarl.trainer.algorithm import StepContext, build_algorithm
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
@@ -158,7 +158,7 @@ class RLTrainer:
         if arr.rollout.free_cache_engine:  # the engine's memory goes to the training forwards
             with timer("engine_sleep"):
                 p.engine.sleep()
-            metrics["rollout/engine_asleep"] = float(getattr(p.engine, "asleep", False))
+            metrics["rollout/engine_asleep"] = float(p.engine.asleep)
 
         if p.prm is not None:
             with timer("prm"):
@@ -248,7 +248,7 @@ class RLTrainer:
                     loss_scale_factor=cfg.data.max_response_length, temperature=temperature)
                 metrics.update({("actor/" + k if "/" not in k else k): v
                                 for k, v in mean_metrics(steps).items()})
-        if self.step > cfg.trainer.critic_warmup or getattr(p.engine, "asleep", False):
+        if self.step > cfg.trainer.critic_warmup or p.engine.asleep:
             with timer("update_weights"):  # an asleep engine may have dropped its weights
                 p.engine.update_weights(p.actor.export_weights())
         if arr.rollout.free_cache_engine:
@@ -330,15 +330,16 @@ class RLTrainer:
         return {"step": self.step, "sampler": self.parts.sampler.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(), "step_metrics": step_metrics}
 
-    def save(self, step_metrics: dict[str, float] | None = None) -> Path:
+    def write_checkpoint(self, tmp: Path) -> None:
+        """Write this step's state into the checkpoint folder ``tmp`` (collective; the folder
+        is marked complete after it returns): the trained roles' weights and optimizers."""
         p = self.parts
+        p.actor.save(str(tmp / "actor"))
+        if p.critic is not None:
+            p.critic.save(str(tmp / "critic"))
 
-        def write_roles(tmp: Path) -> None:
-            p.actor.save(str(tmp / "actor"))
-            if p.critic is not None:
-                p.critic.save(str(tmp / "critic"))
-
-        return self.ckpt.save(self.step, write_roles, self.trainer_state(step_metrics))
+    def save(self, step_metrics: dict[str, float] | None = None) -> Path:
+        return self.ckpt.save(self.step, self.write_checkpoint, self.trainer_state(step_metrics))
 
     def maybe_resume(self) -> int | None:
         mode = self.cfg.trainer.resume

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.protocol import RolloutEngine, SamplingParams
-from megarl.trainer.rollout import Scorer, generate
+from megarl.trainer.generation import Scorer, generate
 
 
 def validate(

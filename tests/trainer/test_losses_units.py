@@ -277,7 +277,7 @@ def test_actor_fused_path_from_hidden_states(monkeypatch):
     assert not _settings(policy=PacsLoss()).use_fused(out)
     assert not _settings(fused=False).use_fused(out)
     assert not _settings(loss_mode="gspo").use_fused(out)
-    assert not s.use_fused(SimpleNamespace(hidden=None)) and s.needs_entropy
+    assert not s.use_fused(SimpleNamespace(hidden=None))
     assert not s.use_fused(SimpleNamespace(logprob=None))  # outputs without the raw pieces
 
     # on-policy through the fused path: ratio 1, loss = agg(-A) whatever the logits

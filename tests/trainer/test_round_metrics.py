@@ -7,7 +7,7 @@ import pytest
 
 from megarl.rewards.managers import _metrics as one_call_metrics
 from megarl.rewards.pool import RewardResult
-from megarl.trainer.rollout import merge_round_metrics
+from megarl.trainer.generation import merge_round_metrics
 
 SOURCES = ["arith", "gsm8k", "math"]
 

@@ -57,7 +57,7 @@ from megarl.models.moe import moe_blocks
 from megarl.rollout.consistency import METRIC_MAX, METRIC_MEAN, logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
-from megarl.trainer import rollout as R
+from megarl.trainer import generation as R
 from megarl.trainer.batch import RolloutBatch
 from megarl.utils import dist as mdist
 

@@ -6,7 +6,7 @@ release with every piece used here: per-request ``sampling_seed`` and
 names are checked against the released source by tests/rollout/test_sglang_contract.py.
 
 Placement (one engine per group of ``rollout.tensor_model_parallel_size`` consecutive ranks,
-as `megarl.trainer.rollout` deals prompts): SGLang's offline engine starts its own tensor-parallel
+as `megarl.trainer.generation` deals prompts): SGLang's offline engine starts its own tensor-parallel
 workers, one subprocess per GPU, on GPUs ``base_gpu_id + tp_rank`` (``gpu_id_step=1``). So the
 group's first rank hosts the engine with ``base_gpu_id`` = its LOCAL_RANK and spans the GPUs of
 the whole group; the other ranks of the group host none (`_HostedByGroupLeader`): they generate

@@ -9,7 +9,7 @@ so weight updates pass tensors by reference, never through a pipe.
 - under torchrun: the ``external_launcher`` executor. vLLM then takes torch's default process
   group as its world: consecutive groups of ``tensor_model_parallel_size`` ranks form one
   engine (each rank one TP shard) and engine groups generate independently. The ranks of one
-  group must submit the same prompts with the same seeds (`megarl.trainer.rollout` does).
+  group must submit the same prompts with the same seeds (`megarl.trainer.generation` does).
 """
 
 from __future__ import annotations
