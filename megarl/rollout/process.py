@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from megarl.rollout.build import EngineSpec
 from megarl.rollout.engine_process import completion_from_state, completion_state, engine_main
 from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.reshard import as_named
 
 
 class EngineProcessError(RuntimeError):
@@ -111,15 +112,13 @@ class ProcessRolloutEngine:
     def update_weights(self, weights: Iterable[Any]) -> None:
         """Publish a new version: copy the (HF name, full tensor) stream (flat or bucketed)
         into the next ring slot. Every rank must consume its whole stream (collective)."""
-        from megarl.rollout.torch.engine import _flatten
-
         version = (self.version_fn() if self.version_fn is not None
                    else (0 if self._latest is None else self._latest[0] + 1))
         slot = self._next_slot
         self._wait_slot_free(slot)
         if self._ring is None:
             self._ring = [{} for _ in range(self._nslots)]
-            for name, tensor in _flatten(weights):
+            for name, tensor in as_named(weights):
                 for ring in self._ring:
                     ring[name] = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
                 self._ring[slot][name].copy_(tensor.detach())
@@ -127,7 +126,7 @@ class ProcessRolloutEngine:
         else:
             target = self._ring[slot]
             seen = set()
-            for name, tensor in _flatten(weights):
+            for name, tensor in as_named(weights):
                 if name not in target:
                     raise ValueError(f"update_weights: {name!r} was not in the first published "
                                      "stream; every publish must carry the same tensors")

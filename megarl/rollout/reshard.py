@@ -93,6 +93,16 @@ def flatten_buckets(buckets: Iterable[Bucket]) -> Iterator[Named]:
             yield bucket.pop()
 
 
+def as_named(weights: Iterable[Any]) -> Iterator[Named]:
+    """(name, tensor) pairs from either a flat stream or an iterable of buckets (lists of
+    pairs), in order; buckets are not copied."""
+    for item in weights:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            yield item
+        else:
+            yield from item
+
+
 def backend_buckets(backend: Any, bucket_bytes: int, **kwargs: Any) -> Iterator[Bucket]:
     """`weight_buckets` of ``backend.export_weights()`` (collective: every rank iterates)."""
     return weight_buckets(backend.export_weights(), bucket_bytes, **kwargs)

@@ -1,10 +1,11 @@
 """`TorchRolloutEngine`: batched generation with megarl's own `Transformer` in plain PyTorch.
 
-Continuous batching over a preallocated slot KV cache (`SlotKVCache`): up to ``max_num_seqs``
-sequences decode together; a finished sequence frees its slot at once and the next waiting
-(prompt, sample) is prefilled into it. The n samples of a prompt admitted together share one
-prefill. Sampling noise is a function of (seed, prompt key, sample index, token position)
-only (the key is the prompt's index unless ``prompt_keys`` are given) (`megarl.rollout.sampling`), so outputs do not depend on ``max_num_seqs`` or on the order
+Continuous batching (`megarl.rollout.torch.scheduler`) over a preallocated slot KV cache
+(`SlotKVCache`): up to ``max_num_seqs`` sequences decode together; a finished sequence frees its
+slot at once and the next waiting (prompt, sample) is prefilled into it. The n samples of a
+prompt admitted together share one prefill. Sampling noise is a function of (seed, prompt key,
+sample index, token position) only (the key is the prompt's index unless ``prompt_keys`` are
+given; `megarl.rollout.sampling`), so outputs do not depend on ``max_num_seqs`` or on the order
 sequences happen to be scheduled in: continuous batching equals one-by-one generation, for
 greedy and seeded sampling alike (up to float reassociation in batched matmuls).
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,38 +41,17 @@ import torch
 
 from megarl.errors import UserInputError
 from megarl.models import Transformer, load_model, read_hf_config
-from megarl.models.moe import record_experts, routing_dtype, sparse_layers, stack_layers
+from megarl.models.moe import routing_dtype, sparse_layers
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
-from megarl.rollout.sampling import check_sampling_params, noise_key, sample_next, uniform_at
-from megarl.rollout.torch.kv_cache import SlotKVCache, to_device
+from megarl.rollout.reshard import as_named
+from megarl.rollout.sampling import check_sampling_params
+from megarl.rollout.torch.kv_cache import SlotKVCache
+from megarl.rollout.torch.scheduler import Run, Seq
 from megarl.rollout.torch.stopping import StopStrings
 from megarl.rollout.torch.weights import load_weight_stream
 from megarl.utils.dtypes import canonical_dtype, torch_dtype
 
 logger = logging.getLogger(__name__)
-
-
-class _Seq:
-    """One (prompt, sample) being generated."""
-
-    __slots__ = ("req", "sample", "prompt", "max_new", "prompt_key", "count", "tokens",
-                 "logprobs", "finish", "key", "routing")
-
-    def __init__(self, req: int, sample: int, prompt: list[int], max_new: int,
-                 prompt_key: int) -> None:
-        self.req, self.sample, self.prompt, self.max_new = req, sample, prompt, max_new
-        self.prompt_key = prompt_key  # the request number of the sampling noise
-        self.count = 0  # tokens sampled so far (their values may still be on the device)
-        self.tokens: list[int] = []  # filled when the run ends (with stop strings: as sampled)
-        self.logprobs: list[float] = []  # filled when the run ends
-        self.finish: str | None = None
-        self.key = 0  # noise_key(seed, prompt_key, sample), set by the run
-        self.routing: list[torch.Tensor] = []  # [n, n_sparse, k] per forward that ran its tokens
-
-    @property
-    def cached(self) -> int:
-        """Positions already in the KV cache (the last sampled token is not yet)."""
-        return len(self.prompt) + self.count - 1
 
 
 class TorchRolloutEngine:
@@ -243,7 +222,7 @@ class TorchRolloutEngine:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= set(self.eos_token_ids)
-        run = _Run(
+        run = Run(
             self,
             seqs,
             sampling,
@@ -266,7 +245,7 @@ class TorchRolloutEngine:
             for s in seqs
         ]
 
-    def _routing_of(self, s: _Seq) -> torch.Tensor:
+    def _routing_of(self, s: Seq) -> torch.Tensor:
         """[len(prompt) + len(tokens), n_sparse, k] int16: the recorded rows, then -1 for the
         last token (never run)."""
         a = self.model.args
@@ -284,7 +263,7 @@ class TorchRolloutEngine:
         """Copy (HF name, full tensor) pairs into the model in place (see load_weight_stream).
         Accepts a flat stream or the buckets of `megarl.rollout.reshard` (lists of pairs)."""
         self._await_wake()
-        load_weight_stream(self.model, _flatten(weights), strict=strict)
+        load_weight_stream(self.model, as_named(weights), strict=strict)
 
     def sleep(self) -> None:
         """Free the KV cache; with offload_weights_on_sleep also move the weights to CPU.
@@ -344,7 +323,7 @@ class TorchRolloutEngine:
     def _make_seqs(
         self, prompts: list[list[int]], sampling: SamplingParams,
         prompt_keys: Sequence[int] | None,
-    ) -> list[_Seq]:
+    ) -> list[Seq]:
         vocab = self.model.args.vocab_size
         keys = resolve_prompt_keys(prompt_keys, len(prompts))
         seqs = []
@@ -360,7 +339,7 @@ class TorchRolloutEngine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
             max_new = min(sampling.max_new_tokens, self.max_model_len - len(prompt))
-            seqs.extend(_Seq(i, s, prompt, max_new, keys[i]) for s in range(sampling.n))
+            seqs.extend(Seq(i, s, prompt, max_new, keys[i]) for s in range(sampling.n))
         return seqs
 
     def _get_cache(self, slots: int, max_len: int) -> SlotKVCache:
@@ -376,202 +355,6 @@ class TorchRolloutEngine:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden)
-
-
-class _Run:
-    """One generate() call: the scheduling loop over slots."""
-
-    def __init__(
-        self,
-        engine: TorchRolloutEngine,
-        seqs: list[_Seq],
-        sampling: SamplingParams,
-        seed: int,
-        stop_ids: frozenset[int],
-        stops: StopStrings,
-    ) -> None:
-        self.e, self.seqs, self.sampling, self.seed = engine, seqs, sampling, seed
-        self.stop_ids, self.stops = stop_ids, stops
-        max_len = max(len(s.prompt) + s.max_new for s in seqs)
-        self.slots = min(engine.max_num_seqs, len(seqs))
-        if engine.kv_cache_bytes is not None:
-            a = engine.model.args
-            per_slot = (2 * len(engine.model.model.layers) * a.num_key_value_heads * max_len
-                        * a.head_dim * torch.empty(0, dtype=engine.dtype).element_size())
-            fit = engine.kv_cache_bytes // per_slot
-            if fit < 1:
-                raise ValueError(
-                    f"the KV cache budget ({engine.kv_cache_bytes / 2**20:.0f} MiB) holds no "
-                    f"sequence of {max_len} tokens ({per_slot / 2**20:.1f} MiB); raise "
-                    f"actor_rollout_ref.rollout.gpu_memory_utilization or lower "
-                    f"data.max_prompt_length / max_response_length"
-                )
-            self.slots = min(self.slots, int(fit))
-        self.cache = engine._get_cache(self.slots, max_len)
-        self.device = engine.device
-        for s in seqs:
-            s.key = noise_key(seed, s.prompt_key, s.sample)
-        # the last sampled token of the sequence in each slot: the next decode's input
-        self.last = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-        self.stop_t = (to_device(sorted(stop_ids), torch.long, self.device) if stop_ids
-                       else None)
-        # (sequence ids, tokens [n], logprobs [n]) of every sampling call, on the device
-        self.sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
-
-    def loop(self) -> None:
-        pending = deque(range(len(self.seqs)))
-        active: list[int] = []  # active[i] is the sequence in cache slot i
-        while pending or active:
-            if pending and len(active) < self.slots:
-                new = []
-                while pending and len(active) + len(new) < self.slots:
-                    new.append(pending.popleft())
-                self.prefill(new, first_slot=len(active))
-                active = self.retire(active + new)
-                if pending and len(active) < self.slots:
-                    continue  # some finished on their first token: admit more first
-            if active:
-                self.decode(active)
-                active = self.retire(active)
-
-    # ------------------------------------------------------------------------- steps
-
-    def prefill(self, new: list[int], first_slot: int) -> None:
-        """Prefill the prompts of sequences ``new`` (slots first_slot...) and sample their
-        first tokens. Samples of one prompt share a row; rows are batched by length under the
-        token budget."""
-        by_req: dict[int, list[int]] = {}
-        for k, sid in enumerate(new):
-            by_req.setdefault(self.seqs[sid].req, []).append(k)
-        reqs = sorted(by_req, key=lambda r: len(self.seqs[new[by_req[r][0]]].prompt))
-        budget = self.e.prefill_token_budget
-        chunk: list[int] = []
-        for r in reqs:
-            length = len(self.seqs[new[by_req[r][0]]].prompt)
-            if chunk and (len(chunk) + 1) * length > budget:
-                self._prefill_chunk(chunk, by_req, new, first_slot)
-                chunk = []
-            chunk.append(r)
-        if chunk:
-            self._prefill_chunk(chunk, by_req, new, first_slot)
-
-    def _prefill_chunk(
-        self, reqs: list[int], by_req: dict[int, list[int]], new: list[int], first_slot: int
-    ) -> None:
-        prompts = [self.seqs[new[by_req[r][0]]].prompt for r in reqs]
-        lengths = [len(p) for p in prompts]
-        t = max(lengths)
-        ids = torch.zeros(len(prompts), t, dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
-        dst, src, sids = [], [], []
-        for row, r in enumerate(reqs):
-            for k in by_req[r]:
-                dst.append(first_slot + k)
-                src.append(row)
-                sids.append(new[k])
-        self.cache.begin_prefill(dst, src)
-        if self.device.type != "cpu":
-            ids = ids.to(self.device, non_blocking=True)
-        pos = torch.arange(t, device=self.device).expand(len(prompts), t)
-        hidden, routing = self._forward(ids, pos)
-        if routing is not None:  # [rows * t, n_sparse, k] -> each sample its prompt's rows
-            routing = routing.view(len(prompts), t, *routing.shape[1:])
-            for sid, row in zip(sids, src):
-                self.seqs[sid].routing.append(routing[row, : lengths[row]])
-        rows = torch.arange(len(prompts), device=self.device)
-        last = hidden[rows, to_device(lengths, torch.long, self.device) - 1]
-        logits = self.e._logits(last)
-        self.sample_into(sids, logits[to_device(src, torch.long, self.device)],
-                         to_device(dst, torch.long, self.device))
-
-    def decode(self, active: list[int]) -> None:
-        seqs = [self.seqs[s] for s in active]
-        n = len(seqs)
-        positions = [s.cached for s in seqs]
-        pos = to_device(positions, torch.long, self.device)
-        self.cache.begin_decode(pos, max(positions) + 1)
-        hidden, routing = self._forward(self.last[:n, None], pos[:, None])
-        if routing is not None:  # the token each sequence fed in: its last sampled one
-            for s, r in zip(seqs, routing.split(1)):
-                s.routing.append(r)
-        self.sample_into(active, self.e._logits(hidden[:, -1]), slice(0, n))
-
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(final hidden states [b, t, H], routing [b * t, n_sparse, k] on the device, or
-        None when the engine does not record it)."""
-        if not self.e.return_routed_experts:
-            return self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden"), None
-        with record_experts(self.e.model) as chosen:
-            hidden = self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
-        return hidden, stack_layers(chosen, self.e.model.args)
-
-    def sample_into(self, sids: list[int], logits: torch.Tensor,
-                    slots: torch.Tensor | slice) -> None:
-        """Sample one token for each sequence in ``sids`` (rows of ``logits``), keep it on the
-        device as the next input of the sequence's cache slot (``slots``: one per sid), and
-        apply the stop rules."""
-        seqs = [self.seqs[s] for s in sids]
-        u = None
-        if not self.sampling.is_greedy:
-            u = to_device([uniform_at(s.key, s.count) for s in seqs], torch.float64,
-                          self.device)
-        tokens, logprobs = sample_next(logits, self.sampling, u)
-        self.last[slots] = tokens
-        self.sampled.append((sids, tokens, logprobs))
-        for s, stop in zip(seqs, self._stopped(seqs, tokens)):
-            s.count += 1
-            if stop:
-                s.finish = "stop"
-            elif s.count >= s.max_new:
-                s.finish = "length"
-
-    def _stopped(self, seqs: list[_Seq], tokens: torch.Tensor) -> list[bool]:
-        """Whether each of ``seqs`` just sampled a stop token or completed a stop string
-        (``tokens`` [n] on the device): the step's one read of the device, skipped when no
-        stop is possible. Stop strings need the text, so the tokens come to the host."""
-        if self.stops:
-            flags = []
-            for s, tok in zip(seqs, tokens.tolist()):
-                s.tokens.append(tok)
-                flags.append(tok in self.stop_ids or self.stops.hit(s.tokens))
-            return flags
-        if self.stop_t is None:
-            return [False] * len(seqs)
-        return torch.isin(tokens, self.stop_t).tolist()
-
-    def collect(self) -> None:
-        """Copy every sampled token and logprob to the host (one transfer each) into the
-        sequences, in the order they were sampled."""
-        if not self.sampled:
-            return
-        tokens = torch.cat([t for _, t, _ in self.sampled]).tolist()
-        logprobs = torch.cat([lp for _, _, lp in self.sampled]).tolist()
-        for s in self.seqs:
-            s.tokens, s.logprobs = [], []
-        sids = (sid for ids, _, _ in self.sampled for sid in ids)
-        for sid, tok, lp in zip(sids, tokens, logprobs, strict=True):
-            seq = self.seqs[sid]
-            seq.tokens.append(tok)
-            seq.logprobs.append(lp)
-        self.sampled = []
-
-    def retire(self, active: list[int]) -> list[int]:
-        """Drop finished sequences and move live ones from the top slots into the holes (their
-        cache rows and last tokens), so the live sequences occupy slots 0..n-1."""
-        live = [s for s in active if self.seqs[s].finish is None]
-        if len(live) == len(active):
-            return active
-        n = len(live)
-        holes = [i for i in range(n) if self.seqs[active[i]].finish is not None]
-        movers = [i for i in range(n, len(active)) if self.seqs[active[i]].finish is None]
-        self.cache.move(movers, holes, [self.seqs[active[m]].cached for m in movers])
-        out = active[:n]
-        for h, m in zip(holes, movers):
-            out[h] = active[m]
-            self.last[h] = self.last[m]
-        return out
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -617,11 +400,3 @@ def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
             seen.add(id(t))
             out.append(t)
     return out
-
-
-def _flatten(weights: Iterable[Any]) -> Iterable[tuple[str, torch.Tensor]]:
-    for item in weights:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-            yield item
-        else:  # a bucket: list of (name, tensor)
-            yield from item

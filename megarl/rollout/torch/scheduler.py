@@ -1,0 +1,236 @@
+"""One `TorchRolloutEngine.generate` call: the continuous-batching loop over the slots of the
+KV cache (prefill newly admitted sequences, decode the active ones, sample, retire the finished
+ones and admit the waiting), and the per-sequence state it schedules (`Seq`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from megarl.models.moe import record_experts, stack_layers
+from megarl.rollout.protocol import SamplingParams
+from megarl.rollout.sampling import noise_key, sample_next, uniform_at
+from megarl.rollout.torch.kv_cache import to_device
+from megarl.rollout.torch.stopping import StopStrings
+
+
+class Seq:
+    """One (prompt, sample) being generated."""
+
+    __slots__ = ("req", "sample", "prompt", "max_new", "prompt_key", "count", "tokens",
+                 "logprobs", "finish", "key", "routing")
+
+    def __init__(self, req: int, sample: int, prompt: list[int], max_new: int,
+                 prompt_key: int) -> None:
+        self.req, self.sample, self.prompt, self.max_new = req, sample, prompt, max_new
+        self.prompt_key = prompt_key  # the request number of the sampling noise
+        self.count = 0  # tokens sampled so far (their values may still be on the device)
+        self.tokens: list[int] = []  # filled when the run ends (with stop strings: as sampled)
+        self.logprobs: list[float] = []  # filled when the run ends
+        self.finish: str | None = None
+        self.key = 0  # noise_key(seed, prompt_key, sample), set by the run
+        self.routing: list[torch.Tensor] = []  # [n, n_sparse, k] per forward that ran its tokens
+
+    @property
+    def cached(self) -> int:
+        """Positions already in the KV cache (the last sampled token is not yet)."""
+        return len(self.prompt) + self.count - 1
+
+
+
+class Run:
+    """One generate() call: the scheduling loop over slots."""
+
+    def __init__(
+        self,
+        engine: Any,  # the TorchRolloutEngine of this call (its model, cache and settings)
+        seqs: list[Seq],
+        sampling: SamplingParams,
+        seed: int,
+        stop_ids: frozenset[int],
+        stops: StopStrings,
+    ) -> None:
+        self.e, self.seqs, self.sampling, self.seed = engine, seqs, sampling, seed
+        self.stop_ids, self.stops = stop_ids, stops
+        max_len = max(len(s.prompt) + s.max_new for s in seqs)
+        self.slots = min(engine.max_num_seqs, len(seqs))
+        if engine.kv_cache_bytes is not None:
+            a = engine.model.args
+            per_slot = (2 * len(engine.model.model.layers) * a.num_key_value_heads * max_len
+                        * a.head_dim * torch.empty(0, dtype=engine.dtype).element_size())
+            fit = engine.kv_cache_bytes // per_slot
+            if fit < 1:
+                raise ValueError(
+                    f"the KV cache budget ({engine.kv_cache_bytes / 2**20:.0f} MiB) holds no "
+                    f"sequence of {max_len} tokens ({per_slot / 2**20:.1f} MiB); raise "
+                    f"actor_rollout_ref.rollout.gpu_memory_utilization or lower "
+                    f"data.max_prompt_length / max_response_length"
+                )
+            self.slots = min(self.slots, int(fit))
+        self.cache = engine._get_cache(self.slots, max_len)
+        self.device = engine.device
+        for s in seqs:
+            s.key = noise_key(seed, s.prompt_key, s.sample)
+        # the last sampled token of the sequence in each slot: the next decode's input
+        self.last = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        self.stop_t = (to_device(sorted(stop_ids), torch.long, self.device) if stop_ids
+                       else None)
+        # (sequence ids, tokens [n], logprobs [n]) of every sampling call, on the device
+        self.sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+
+    def loop(self) -> None:
+        pending = deque(range(len(self.seqs)))
+        active: list[int] = []  # active[i] is the sequence in cache slot i
+        while pending or active:
+            if pending and len(active) < self.slots:
+                new = []
+                while pending and len(active) + len(new) < self.slots:
+                    new.append(pending.popleft())
+                self.prefill(new, first_slot=len(active))
+                active = self.retire(active + new)
+                if pending and len(active) < self.slots:
+                    continue  # some finished on their first token: admit more first
+            if active:
+                self.decode(active)
+                active = self.retire(active)
+
+    # ------------------------------------------------------------------------- steps
+
+    def prefill(self, new: list[int], first_slot: int) -> None:
+        """Prefill the prompts of sequences ``new`` (slots first_slot...) and sample their
+        first tokens. Samples of one prompt share a row; rows are batched by length under the
+        token budget."""
+        by_req: dict[int, list[int]] = {}
+        for k, sid in enumerate(new):
+            by_req.setdefault(self.seqs[sid].req, []).append(k)
+        reqs = sorted(by_req, key=lambda r: len(self.seqs[new[by_req[r][0]]].prompt))
+        budget = self.e.prefill_token_budget
+        chunk: list[int] = []
+        for r in reqs:
+            length = len(self.seqs[new[by_req[r][0]]].prompt)
+            if chunk and (len(chunk) + 1) * length > budget:
+                self._prefill_chunk(chunk, by_req, new, first_slot)
+                chunk = []
+            chunk.append(r)
+        if chunk:
+            self._prefill_chunk(chunk, by_req, new, first_slot)
+
+    def _prefill_chunk(
+        self, reqs: list[int], by_req: dict[int, list[int]], new: list[int], first_slot: int
+    ) -> None:
+        prompts = [self.seqs[new[by_req[r][0]]].prompt for r in reqs]
+        lengths = [len(p) for p in prompts]
+        t = max(lengths)
+        ids = torch.zeros(len(prompts), t, dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
+        dst, src, sids = [], [], []
+        for row, r in enumerate(reqs):
+            for k in by_req[r]:
+                dst.append(first_slot + k)
+                src.append(row)
+                sids.append(new[k])
+        self.cache.begin_prefill(dst, src)
+        if self.device.type != "cpu":
+            ids = ids.to(self.device, non_blocking=True)
+        pos = torch.arange(t, device=self.device).expand(len(prompts), t)
+        hidden, routing = self._forward(ids, pos)
+        if routing is not None:  # [rows * t, n_sparse, k] -> each sample its prompt's rows
+            routing = routing.view(len(prompts), t, *routing.shape[1:])
+            for sid, row in zip(sids, src):
+                self.seqs[sid].routing.append(routing[row, : lengths[row]])
+        rows = torch.arange(len(prompts), device=self.device)
+        last = hidden[rows, to_device(lengths, torch.long, self.device) - 1]
+        logits = self.e._logits(last)
+        self.sample_into(sids, logits[to_device(src, torch.long, self.device)],
+                         to_device(dst, torch.long, self.device))
+
+    def decode(self, active: list[int]) -> None:
+        seqs = [self.seqs[s] for s in active]
+        n = len(seqs)
+        positions = [s.cached for s in seqs]
+        pos = to_device(positions, torch.long, self.device)
+        self.cache.begin_decode(pos, max(positions) + 1)
+        hidden, routing = self._forward(self.last[:n, None], pos[:, None])
+        if routing is not None:  # the token each sequence fed in: its last sampled one
+            for s, r in zip(seqs, routing.split(1)):
+                s.routing.append(r)
+        self.sample_into(active, self.e._logits(hidden[:, -1]), slice(0, n))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final hidden states [b, t, H], routing [b * t, n_sparse, k] on the device, or
+        None when the engine does not record it)."""
+        if not self.e.return_routed_experts:
+            return self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden"), None
+        with record_experts(self.e.model) as chosen:
+            hidden = self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
+        return hidden, stack_layers(chosen, self.e.model.args)
+
+    def sample_into(self, sids: list[int], logits: torch.Tensor,
+                    slots: torch.Tensor | slice) -> None:
+        """Sample one token for each sequence in ``sids`` (rows of ``logits``), keep it on the
+        device as the next input of the sequence's cache slot (``slots``: one per sid), and
+        apply the stop rules."""
+        seqs = [self.seqs[s] for s in sids]
+        u = None
+        if not self.sampling.is_greedy:
+            u = to_device([uniform_at(s.key, s.count) for s in seqs], torch.float64,
+                          self.device)
+        tokens, logprobs = sample_next(logits, self.sampling, u)
+        self.last[slots] = tokens
+        self.sampled.append((sids, tokens, logprobs))
+        for s, stop in zip(seqs, self._stopped(seqs, tokens)):
+            s.count += 1
+            if stop:
+                s.finish = "stop"
+            elif s.count >= s.max_new:
+                s.finish = "length"
+
+    def _stopped(self, seqs: list[Seq], tokens: torch.Tensor) -> list[bool]:
+        """Whether each of ``seqs`` just sampled a stop token or completed a stop string
+        (``tokens`` [n] on the device): the step's one read of the device, skipped when no
+        stop is possible. Stop strings need the text, so the tokens come to the host."""
+        if self.stops:
+            flags = []
+            for s, tok in zip(seqs, tokens.tolist()):
+                s.tokens.append(tok)
+                flags.append(tok in self.stop_ids or self.stops.hit(s.tokens))
+            return flags
+        if self.stop_t is None:
+            return [False] * len(seqs)
+        return torch.isin(tokens, self.stop_t).tolist()
+
+    def collect(self) -> None:
+        """Copy every sampled token and logprob to the host (one transfer each) into the
+        sequences, in the order they were sampled."""
+        if not self.sampled:
+            return
+        tokens = torch.cat([t for _, t, _ in self.sampled]).tolist()
+        logprobs = torch.cat([lp for _, _, lp in self.sampled]).tolist()
+        for s in self.seqs:
+            s.tokens, s.logprobs = [], []
+        sids = (sid for ids, _, _ in self.sampled for sid in ids)
+        for sid, tok, lp in zip(sids, tokens, logprobs, strict=True):
+            seq = self.seqs[sid]
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+        self.sampled = []
+
+    def retire(self, active: list[int]) -> list[int]:
+        """Drop finished sequences and move live ones from the top slots into the holes (their
+        cache rows and last tokens), so the live sequences occupy slots 0..n-1."""
+        live = [s for s in active if self.seqs[s].finish is None]
+        if len(live) == len(active):
+            return active
+        n = len(live)
+        holes = [i for i in range(n) if self.seqs[active[i]].finish is not None]
+        movers = [i for i in range(n, len(active)) if self.seqs[active[i]].finish is None]
+        self.cache.move(movers, holes, [self.seqs[active[m]].cached for m in movers])
+        out = active[:n]
+        for h, m in zip(holes, movers):
+            out[h] = active[m]
+            self.last[h] = self.last[m]
+        return out
