@@ -99,7 +99,9 @@ def _pop(tree: dict, path: str) -> Any:
     return value
 
 
-def _set(tree: dict, path: str, value: Any) -> None:
+def set_path(tree: dict, path: str, value: Any) -> None:
+    """Set ``tree[a][b][c] = value`` for ``path`` = "a.b.c", making (or replacing with) a
+    mapping at every level that is not one."""
     *parents, last = path.split(".")
     node = tree
     for part in parents:
@@ -196,7 +198,7 @@ def canonical_keys(layer: dict, source: str) -> dict:
         existing = _get(layer, dst)
         if existing is not _ABSENT and value is None:
             continue  # an unset alias beside its key (a saved config lists both)
-        _set(layer, dst, value if existing is _ABSENT else _merge_alias(existing, value, src, dst, source))
+        set_path(layer, dst, value if existing is _ABSENT else _merge_alias(existing, value, src, dst, source))
     _drop_empty(layer, "reward_model.reward_kwargs")
     _resume(layer, source)
     return layer

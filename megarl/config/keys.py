@@ -10,23 +10,11 @@ import dataclasses
 import typing
 from typing import Any
 
-from megarl.config.aliases import canonical_keys
+from megarl.config.aliases import canonical_keys, set_path
 from megarl.config.errors import ConfigError
 from megarl.config.provenance import walk
 from megarl.config.schema import Config
 from megarl.config.typecheck import unknown_key_message
-
-
-def set_path(tree: dict, dotted: str, value: Any) -> None:
-    """Set ``tree[a][b][c] = value`` for ``dotted`` = "a.b.c", making (or replacing with) a
-    mapping at every level that is not one."""
-    *parents, last = dotted.split(".")
-    node = tree
-    for part in parents:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[last] = value
 
 
 def schema_problem(dotted: str) -> str | None:

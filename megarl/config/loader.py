@@ -27,9 +27,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megarl.config.aliases import canonical_keys
+from megarl.config.aliases import canonical_keys, set_path
 from megarl.config.errors import ConfigError
-from megarl.config.keys import canonical_path, schema_problem, set_path
+from megarl.config.keys import canonical_path, schema_problem
 from megarl.config.provenance import Resolved, Sources, walk
 from megarl.config.schema import Config
 from megarl.config.typecheck import build

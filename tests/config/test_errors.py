@@ -6,19 +6,9 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from minimal import MINIMAL
 
 from megarl.config import ConfigError, load_config
-
-MINIMAL = """
-data:
-  train_files: train.parquet
-  train_batch_size: 32
-actor_rollout_ref:
-  model: {path: some/model}
-  actor: {ppo_mini_batch_size: 16}
-  rollout: {n: 4}
-algorithm: {adv_estimator: grpo}
-"""
 
 
 @pytest.fixture
