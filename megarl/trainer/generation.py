@@ -4,18 +4,21 @@ Each engine generates for its share of the prompts (every engine holds the full 
 share is over all engines, not only data-parallel ranks; an engine is one rank, or
 ``rollout.tensor_model_parallel_size`` ranks for a tensor-parallel vLLM), the samples are
 all-gathered so every rank holds the same ordered list, rank 0 scores them through the reward
-manager's bounded pool, and the scores are broadcast.
+manager's bounded pool, and the scores and reward metrics (`megarl.metrics.Metric` values, their
+reduction over generation rounds declared here) are broadcast.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megarl.metrics import Metric, merge, values
 from megarl.rollout.protocol import RolloutEngine, SamplingParams
 from megarl.trainer.batch import RolloutSample
 from megarl.utils import dist as mdist
@@ -85,7 +88,9 @@ def generate(
 
 @dataclass
 class Scorer:
-    """Rank 0 scores with the reward manager; everyone receives (scores, metrics)."""
+    """Rank 0 scores with the reward manager; everyone receives (scores [B] float32, metrics:
+    {name: `Metric`}, `reward_metrics` of the manager's plus the overlong penalty's, MEANs over
+    the B responses)."""
 
     manager: Any  # None on ranks other than 0
     tokenizer: Any
@@ -97,55 +102,60 @@ class Scorer:
         return self.tokenizer.batch_decode([s.response_ids for s in samples],
                                            skip_special_tokens=True)
 
-    def __call__(self, samples: list[RolloutSample]) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, samples: list[RolloutSample]) -> tuple[torch.Tensor, dict[str, Metric]]:
         result = None
         if mdist.rank() == 0:
             texts = self.decode(samples)
-            scores, metrics = self.manager(texts, [s.data_source for s in samples],
-                                           [s.ground_truth for s in samples],
-                                           [s.extra_info for s in samples])
+            sources = [s.data_source for s in samples]
+            scores, manager_metrics = self.manager(texts, sources,
+                                                   [s.ground_truth for s in samples],
+                                                   [s.extra_info for s in samples])
             scores = scores.to(torch.float32).tolist()
+            metrics = reward_metrics(manager_metrics, sources)
             if self.overlong is not None:
                 penalties = self.overlong([len(s.response_ids) for s in samples]).tolist()
                 scores = [a + b for a, b in zip(scores, penalties)]
-                metrics["reward/overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
+                n = len(penalties)
+                metrics["reward/overlong_penalty_mean"] = Metric.mean(
+                    sum(penalties) / max(n, 1), n)
                 if self.log_overlong:
-                    metrics["reward/overlong_ratio"] = (sum(x < 0 for x in penalties)
-                                                        / max(len(penalties), 1))
+                    metrics["reward/overlong_ratio"] = Metric.mean(
+                        sum(x < 0 for x in penalties) / max(n, 1), n)
             result = (scores, metrics)
         scores, metrics = mdist.broadcast_object(result)
         return torch.tensor(scores, dtype=torch.float32), metrics
 
 
-# Reward metrics that count or time a call; every other one is a mean over responses.
-_SUMMED_METRICS = frozenset({"reward/timeouts", "reward/errors", "reward/missing_ground_truth",
-                             "reward/time_s"})
+# The reward manager's metrics that count or time a call; every other one is a mean.
+REWARD_SUMS = frozenset({"reward/timeouts", "reward/errors", "reward/missing_ground_truth",
+                         "reward/time_s"})
 
 
-def merge_round_metrics(rounds: list[tuple[list[str], dict[str, float]]]) -> dict[str, float]:
-    """One step's reward metrics over all its generation rounds (dynamic sampling's refills),
-    as if every response had been scored in one call.
+def reward_metrics(metrics: Mapping[str, float], sources: list[str]) -> dict[str, Metric]:
+    """A reward manager's metrics of one call (``sources``: the data source of each response
+    scored) with their reduction declared: counts and seconds (`REWARD_SUMS`) are SUMs,
+    ``reward/score/{source}`` a MEAN over that source's responses, every other one
+    (``reward/score/mean``, ...) a MEAN over the call's responses."""
+    per_source = Counter(sources)
+    out = {}
+    for key, value in metrics.items():
+        if key in REWARD_SUMS:
+            out[key] = Metric.sum(value)
+            continue
+        source = key.removeprefix("reward/score/")
+        weight = per_source[source] if source != key and source in per_source else len(sources)
+        out[key] = Metric.mean(value, weight)
+    return out
 
-    ``rounds``: per round, the data source of each response scored and the Scorer's metrics.
-    Counts and seconds add up; ``reward/score/{source}`` is weighted by that source's responses,
-    every other metric (``reward/score/mean``, ``reward/overlong_penalty_mean``, ...) by the
-    round's responses.
-    """
+
+def merge_round_metrics(rounds: list[Mapping[str, Metric]]) -> dict[str, float]:
+    """One step's reward metrics over all its generation rounds (dynamic sampling's refills;
+    each round's from the `Scorer`), as if every response had been scored in one call: each
+    metric reduced as it declares (`megarl.metrics.merge`). A single round's values are its
+    own (nothing is merged)."""
     if len(rounds) == 1:
-        return dict(rounds[0][1])
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for sources, metrics in rounds:
-        per_source = Counter(sources)
-        for key, value in metrics.items():
-            if key in _SUMMED_METRICS:
-                sums[key] = sums.get(key, 0.0) + value
-                continue
-            source = key.removeprefix("reward/score/")
-            w = per_source[source] if source != key and source in per_source else len(sources)
-            sums[key] = sums.get(key, 0.0) + value * w
-            weights[key] = weights.get(key, 0.0) + w
-    return {k: v if k in _SUMMED_METRICS else v / max(weights[k], 1) for k, v in sums.items()}
+        return values(rounds[0])
+    return values(merge(rounds))
 
 
 def groups_with_signal(samples: list[RolloutSample], scores: torch.Tensor) -> list[int]:

@@ -4,13 +4,15 @@ losses, or an algorithm's own objective) and critic.
 Each factory closes over the mini-batch's global normalisation (``norm``: dp_size,
 batch_num_tokens, global_batch_size, loss_scale_factor) so that summing micro-batch losses and
 averaging over data-parallel ranks gives exactly the loss of the whole mini-batch (verl's new
-engine semantics). Metrics follow the same rule (see ``megarl.backends.protocol.LossFn``):
-losses are already normalised, and ratios (clip fractions, ppo_kl, entropy) are weighted by
-this micro-batch's share of the mini-batch's tokens.
+engine semantics). Metrics are `megarl.metrics.Metric` values declaring their reduction:
+losses, already normalised, are SUMs; ratios (clip fractions, ppo_kl, entropy, value means) are
+token MEANs over the micro-batch's response tokens. ``Norm.report`` turns them into what the
+backend sums (``megarl.backends.protocol.LossFn``; `megarl.backends.metrics.contributions`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,7 +20,9 @@ import torch
 
 import megarl_kernels
 from megarl import algos
+from megarl.backends.metrics import contributions, share
 from megarl.backends.protocol import SequenceBatch
+from megarl.metrics import Metric
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,14 @@ class Norm:
 
     def token_share(self, mask: torch.Tensor) -> float:
         """This micro-batch's weight for a token-mean metric (sums to 1 per rank-average)."""
-        return float(mask.sum()) / max(self.batch_num_tokens, 1) * self.dp_size
+        return share(float(mask.sum()), self.batch_num_tokens, self.dp_size)
+
+    def report(self, metrics: Mapping[str, Metric | float]) -> dict[str, float]:
+        """A micro-batch's metrics as the backend sums them: token MEANs (weight: this
+        micro-batch's response tokens) times their share of the mini-batch's tokens, SUMs and
+        plain floats (already normalised) as they are."""
+        return contributions({k: v if isinstance(v, Metric) else Metric.sum(v)
+                              for k, v in metrics.items()}, self.batch_num_tokens, self.dp_size)
 
 
 class PolicyTerm(Protocol):
@@ -48,9 +59,10 @@ class PolicyTerm(Protocol):
     regularized: bool
 
     def __call__(self, logprob: torch.Tensor, old_logprob: torch.Tensor, mask: torch.Tensor,
-                 mb: SequenceBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
+                 mb: SequenceBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, Metric | float]]:
         """``logprob`` [b, L] (carries the gradient), ``old_logprob`` [b, L], ``mask`` [b, L]
-        float32 of this micro-batch -> (its share of the mini-batch loss, metrics)."""
+        float32 of this micro-batch -> (its share of the mini-batch loss, metrics: `Metric`
+        values, or floats read as already-normalised SUMs)."""
         ...
 
 
@@ -90,9 +102,9 @@ class ActorLossSettings:
 
 def ppo_policy_term(s: ActorLossSettings, logprob: torch.Tensor, old_logprob: torch.Tensor,
                     mask: torch.Tensor, mb: SequenceBatch,
-                    norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
+                    norm: Norm) -> tuple[torch.Tensor, dict[str, Metric]]:
     """The registered policy loss ``s.loss_mode`` on ``advantages`` (and rollout_is_weights);
-    metrics pg_loss (normalised) and the clip fractions and ppo_kl times the token share."""
+    metrics pg_loss (normalised: a SUM) and the clip fractions and ppo_kl (token MEANs)."""
     t = mb.tensors
     loss, m = algos.policy_loss(
         s.loss_mode, logprob=logprob, old_logprob=old_logprob,
@@ -100,10 +112,10 @@ def ppo_policy_term(s: ActorLossSettings, logprob: torch.Tensor, old_logprob: to
         clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
         clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode,
         rollout_is_weights=t.get("rollout_is_weights"), **norm.kwargs())
-    share = norm.token_share(mask)
-    metrics = {"actor/pg_loss": float(m["pg_loss"])}
+    tokens = float(mask.sum())
+    metrics = {"actor/pg_loss": Metric.sum(float(m["pg_loss"]))}
     for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-        metrics[f"actor/{key}"] = float(m[key]) * share
+        metrics[f"actor/{key}"] = Metric.mean(float(m[key]), tokens)
     return loss, metrics
 
 
@@ -121,7 +133,8 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
         mask = t["response_mask"].to(torch.float32)
         logprob = out.logprob
         old_logprob = logprob.detach() if s.on_policy else t["old_logprob"]
-        share = norm.token_share(mask)
+        tokens = float(mask.sum())
+        metrics: dict[str, Metric | float]
         if s.policy is None:
             loss, metrics = ppo_policy_term(s, logprob, old_logprob, mask, mb, norm)
         else:
@@ -129,7 +142,7 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
         entropy = out.entropy
         if entropy is not None:
             ent_mean = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
-            metrics["actor/entropy"] = float(ent_mean) * share
+            metrics["actor/entropy"] = Metric.mean(float(ent_mean), tokens)
             if s.entropy_coeff != 0.0 and s.regularized:
                 ent_loss = algos.agg_loss(entropy, mask, s.agg_mode, **norm.kwargs())
                 loss = loss - s.entropy_coeff * ent_loss
@@ -137,14 +150,14 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
             kl = algos.kl_penalty(logprob, t["ref_logprob"], s.kl_loss_type)
             kl_loss = algos.agg_loss(kl, mask, s.agg_mode, **norm.kwargs())
             loss = loss + s.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = float(kl_loss.detach())
-            metrics["actor/kl_coef"] = s.kl_loss_coef * share
-        return loss, metrics
+            metrics["actor/kl_loss"] = Metric.sum(float(kl_loss.detach()))
+            metrics["actor/kl_coef"] = Metric.mean(s.kl_loss_coef, tokens)
+        return loss, norm.report(metrics)
 
     def fused_ppo(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
         t = mb.tensors
         rows, cols = out.flat_index
-        share = norm.token_share(t["response_mask"])
+        tokens = float(t["response_mask"].sum())
         old = None if s.on_policy else t["old_logprob"][rows, cols]
         scale = megarl_kernels.loss_scale_from_agg(s.agg_mode, rows, **norm.kwargs())
         loss, m = megarl_kernels.fused_ppo_loss(
@@ -152,10 +165,10 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
             loss_scale=scale, clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
             clip_ratio_c=s.clip_ratio_c, temperature=out.temperature,
             entropy_coeff=s.entropy_coeff, tp_group=out.tp_group)
-        metrics = {"actor/pg_loss": m["pg_loss"]}
+        metrics = {"actor/pg_loss": Metric.sum(m["pg_loss"])}
         for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"):
-            metrics[f"actor/{key}"] = m[key] * share
-        return loss, metrics
+            metrics[f"actor/{key}"] = Metric.mean(m[key], tokens)
+        return loss, norm.report(metrics)
 
     return loss_fn
 
@@ -169,12 +182,12 @@ def critic_loss_fn(cliprange_value: float, agg_mode: str, norm: Norm):
         loss, m = algos.value_loss(
             vpreds=out.values, returns=t["returns"], values=t["values"], response_mask=mask,
             cliprange_value=cliprange_value, agg_mode=agg_mode, **norm.kwargs())
-        share = norm.token_share(mask)
+        tokens = float(mask.sum())
         vmean = (out.values.detach() * mask).sum() / mask.sum().clamp(min=1)
-        return loss, {
-            "critic/vf_loss": float(m["vf_loss"]),
-            "critic/vf_clipfrac": float(m["vf_clipfrac"]) * share,
-            "critic/vpred_mean": float(vmean) * share,
-        }
+        return loss, norm.report({
+            "critic/vf_loss": Metric.sum(float(m["vf_loss"])),
+            "critic/vf_clipfrac": Metric.mean(float(m["vf_clipfrac"]), tokens),
+            "critic/vpred_mean": Metric.mean(float(vmean), tokens),
+        })
 
     return loss_fn

@@ -24,6 +24,7 @@ import torch
 from megarl import algos
 from megarl.config.notices import startup_notices
 from megarl.errors import UserInputError
+from megarl.metrics import Metric, prefixed
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import generation as R
@@ -101,7 +102,7 @@ class RLTrainer:
         kept: list = []
         kept_scores: list[torch.Tensor] = []
         n_groups, rnd = 0, 0
-        rounds: list[tuple[list[str], dict[str, float]]] = []
+        rounds: list[dict[str, Metric]] = []  # each round's reward metrics
         while True:
             idx = p.sampler.next_batch()
             items = [p.train_ds[i] for i in idx]
@@ -111,7 +112,7 @@ class RLTrainer:
                                      group_offset=rnd * per_round, tp_size=self.rollout_tp)
             with timer("reward"):
                 scores, round_metrics = p.scorer(samples)
-            rounds.append(([s.data_source for s in samples], round_metrics))
+            rounds.append(round_metrics)
             rnd += 1
             if not fg.enable:
                 kept, kept_scores = samples, [scores]
@@ -226,8 +227,7 @@ class RLTrainer:
                     max_tokens_per_micro=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
                     micro_size=c.ppo_micro_batch_size_per_gpu, keep_groups_on_rank=False,
                     loss_scale_factor=cfg.data.max_response_length)
-                metrics.update({("critic/" + k if "/" not in k else k): v
-                                for k, v in mean_metrics(steps).items()})
+                metrics.update(prefixed(mean_metrics(steps), "critic"))
         if self.step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 keys = algo.update_keys
@@ -246,8 +246,7 @@ class RLTrainer:
                     micro_size=a.ppo_micro_batch_size_per_gpu,
                     keep_groups_on_rank=algo.needs.whole_groups,
                     loss_scale_factor=cfg.data.max_response_length, temperature=temperature)
-                metrics.update({("actor/" + k if "/" not in k else k): v
-                                for k, v in mean_metrics(steps).items()})
+                metrics.update(prefixed(mean_metrics(steps), "actor"))
         if self.step > cfg.trainer.critic_warmup or p.engine.asleep:
             with timer("update_weights"):  # an asleep engine may have dropped its weights
                 p.engine.update_weights(p.actor.export_weights())

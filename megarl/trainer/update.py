@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from megarl.backends.protocol import Backend, SequenceBatch
+from megarl.metrics import means, merge, values
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.losses import Norm
 
@@ -151,6 +152,6 @@ def run_update(
 
 
 def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    keys = sorted({k for m in steps for k in m})
-    return {k: sum(m[k] for m in steps if k in m) / sum(1 for m in steps if k in m)
-            for k in keys}
+    """The update's metrics: each name averaged over the optimizer steps (mini-batches x epochs)
+    that report it, one weight per step (`megarl.metrics.merge`)."""
+    return values(merge([means(m) for m in steps]))

@@ -5,9 +5,10 @@ import random
 
 import pytest
 
+from megarl.metrics import Metric
 from megarl.rewards.managers import _metrics as one_call_metrics
 from megarl.rewards.pool import RewardResult
-from megarl.trainer.generation import merge_round_metrics
+from megarl.trainer.generation import merge_round_metrics, reward_metrics
 
 SOURCES = ["arith", "gsm8k", "math"]
 
@@ -28,12 +29,21 @@ def _scorer_metrics(results, sources, penalties, seconds):
     return m
 
 
+def _scorer_round(results, sources, penalties, seconds) -> dict[str, Metric]:
+    """What the Scorer reports for one call: the manager's metrics declared by
+    `reward_metrics`, the overlong penalty a mean over the call's responses."""
+    m = reward_metrics(one_call_metrics(results, sources, 0, seconds), sources)
+    m["reward/overlong_penalty_mean"] = Metric.mean(sum(penalties) / len(penalties),
+                                                    len(penalties))
+    return m
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_merged_rounds_equal_one_call_over_all_responses(seed):
     rng = random.Random(seed)
     rounds = [_round(rng, rng.choice([16, 24, 40])) for _ in range(rng.randint(2, 4))]
     seconds = [rng.random() for _ in rounds]
-    merged = merge_round_metrics([(src, _scorer_metrics(res, src, pen, t))
+    merged = merge_round_metrics([_scorer_round(res, src, pen, t)
                                   for (res, src, pen), t in zip(rounds, seconds)])
     everything = [sum((r[i] for r in rounds), []) for i in range(3)]
     expected = _scorer_metrics(*everything, sum(seconds))
@@ -44,4 +54,4 @@ def test_merged_rounds_equal_one_call_over_all_responses(seed):
 
 def test_a_single_round_passes_through_unchanged():
     metrics = {"reward/score/mean": 0.1 + 0.2, "reward/timeouts": 3.0}
-    assert merge_round_metrics([(["arith"] * 3, metrics)]) == metrics
+    assert merge_round_metrics([reward_metrics(metrics, ["arith"] * 3)]) == metrics
