@@ -1,13 +1,15 @@
 """Console progress with ETA and the key metrics of the last step.
 
 On a terminal: a tqdm bar. Redirected to a file (torchrun node logs, SLURM): one plain line per
-step, ``step 3/150 | score=0.41 pg=-0.012 ... | eta 2m13s``, so logs stay greppable.
+step, ``step 3/150 | score=0.41 pg=-0.012 ... | eta 2m13s``, so logs stay greppable. A sink
+(`megarl.logging.sink.Sink`) that also carries the run's text lines (``write``).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 
 from tqdm import tqdm
 
@@ -29,12 +31,13 @@ def _eta(seconds: float) -> str:
 
 
 class ConsoleProgress:
-    def __init__(self, total_steps: int, initial_step: int = 0, enabled: bool = True) -> None:
-        self.enabled = enabled
+    """The progress of ``total_steps`` steps from ``initial_step`` (a resumed run's)."""
+
+    def __init__(self, total_steps: int, initial_step: int = 0) -> None:
         self.total = total_steps
         self.start_step = initial_step
         self.start_time = time.perf_counter()
-        self.tty = enabled and sys.stdout.isatty()
+        self.tty = sys.stdout.isatty()
         self.bar = (
             tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True,
                  file=sys.stdout, mininterval=0.0)
@@ -43,12 +46,10 @@ class ConsoleProgress:
         )
 
     @staticmethod
-    def summary(metrics: dict[str, float]) -> dict[str, str]:
+    def summary(metrics: Mapping[str, float]) -> dict[str, str]:
         return {short: f"{metrics[k]:.4g}" for k, short in KEY_METRICS if k in metrics}
 
-    def update(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         shown = self.summary(metrics)
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
@@ -63,8 +64,6 @@ class ConsoleProgress:
         print(f"step {step}/{self.total} | {body} | eta {_eta(eta)}", flush=True)
 
     def write(self, text: str) -> None:
-        if not self.enabled:
-            return
         if self.bar is not None:
             tqdm.write(text, file=sys.stdout)
         else:

@@ -1,10 +1,12 @@
-"""Metrics as one JSON object per line: ``{"step": N, "<name>": value, ...}``."""
+"""Metrics as one JSON object per line: ``{"step": N, "<name>": value, ...}``: the run's record
+(always written; plots, tests and resume checks read it)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -16,7 +18,8 @@ def _jsonable(value: float) -> float | str:
 
 
 class JsonlWriter:
-    """Appends one line per ``write``; flushed and fsynced so a hard kill loses nothing written.
+    """A sink (`megarl.logging.sink.Sink`) appending one line per ``log``; flushed and fsynced
+    so a hard kill loses nothing written.
 
     On resume the file is truncated to the lines with ``step <= resume_step`` so that a run that
     died after logging but before checkpointing does not log the same step twice.
@@ -38,7 +41,7 @@ class JsonlWriter:
             self.path.unlink()
         self._file = open(self.path, "a")
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.steps.add(step)
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row, sort_keys=True) + "\n")

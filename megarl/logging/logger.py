@@ -1,25 +1,72 @@
-"""Fan-out of step metrics to the configured sinks (rank 0 only)."""
+"""`MetricLogger`: one ``log(step, metrics)`` call looped over the run's sinks.
+
+The sinks (`megarl.logging.sink.Sink`: ``log`` and ``close``) are those ``trainer.logger``
+names, plus the run's record, always: ``jsonl`` (run_dir/metrics.jsonl) and ``curves``
+(run_dir/curves.png at the end). Each is built where its `SinkType` says: the console on the
+first rank of every node (``local_rank == 0``; every rank holds the same metrics, so each node's
+log carries them), every other sink on global rank 0 only.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.logging.console import ConsoleProgress
-from megarl.logging.jsonl import JsonlWriter, read_jsonl
-from megarl.logging.plots import plot_curves
-from megarl.logging.trackers import TRACKERS, make_tracker
+from megarl.logging.jsonl import JsonlWriter
+from megarl.logging.plots import CurvesSink
+from megarl.logging.sink import RunInfo, Sink
+from megarl.logging.tensorboard import TensorBoardSink
+from megarl.logging.trackers import MlflowTracker, WandbTracker
 
-SINKS = ("console", "tensorboard", "jsonl", *TRACKERS)
+
+@dataclass(frozen=True)
+class SinkType:
+    build: Callable[[RunInfo], Sink]
+    every_node: bool = False  # built on each node's first rank, else on global rank 0 only
+    always: bool = False  # the run's record: built whatever trainer.logger names
+
+
+SINK_TYPES: dict[str, SinkType] = {
+    "console": SinkType(lambda run: ConsoleProgress(run.total_steps, run.resume_step or 0),
+                        every_node=True),
+    "jsonl": SinkType(lambda run: JsonlWriter(run.run_dir / "metrics.jsonl",
+                                              resume_step=run.resume_step), always=True),
+    "tensorboard": SinkType(lambda run: TensorBoardSink(run.run_dir / "tensorboard",
+                                                        run.resume_step)),
+    "wandb": SinkType(lambda run: WandbTracker(run.project, run.experiment, run.config,
+                                               run.run_dir)),
+    "mlflow": SinkType(lambda run: MlflowTracker(run.project, run.experiment, run.config,
+                                                 run.run_dir)),
+    "curves": SinkType(lambda run: CurvesSink(run.run_dir / "metrics.jsonl",
+                                              run.run_dir / "curves.png", run.title),
+                       always=True),
+}
+# the names trainer.logger accepts (curves are always drawn)
+SINKS = ("console", "tensorboard", "jsonl", "wandb", "mlflow")
+
+
+def build_sinks(names: list[str], run: RunInfo, rank: int = 0,
+                local_rank: int = 0) -> list[Sink]:
+    """The sinks of ``names`` (trainer.logger) and the record's that this rank writes, in
+    `SINK_TYPES` order."""
+    unknown = [s for s in names if s not in SINKS]
+    if unknown:
+        raise ValueError(f"trainer.logger: unknown sink(s) {unknown}; choose from {list(SINKS)}")
+    here = [name for name, t in SINK_TYPES.items()
+            if (name in names or t.always) and (local_rank if t.every_node else rank) == 0]
+    if rank == 0:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+    return [SINK_TYPES[name].build(run) for name in here]
 
 
 class MetricLogger:
-    """``log(step, metrics)`` writes to every sink of ``sinks``.
+    """``log(step, metrics)`` writes to every sink of this rank (module docstring).
 
-    Files (written by global rank 0 only): run_dir/metrics.jsonl, run_dir/tensorboard/
-    (TensorBoard event files, verl's metric names), and at ``close()`` run_dir/curves.png.
-    The console shows on the first rank of every node (``local_rank == 0``), so each node's log
-    carries the step metrics (every rank holds the same metrics).
+    Files (global rank 0): run_dir/metrics.jsonl, run_dir/tensorboard/ (TensorBoard event
+    files), the trackers' runs, and at ``close()`` run_dir/curves.png.
     """
 
     def __init__(
@@ -36,63 +83,40 @@ class MetricLogger:
         experiment: str = "run",
         config: dict | None = None,
     ) -> None:
-        unknown = [s for s in sinks if s not in SINKS]
-        if unknown:
-            raise ValueError(f"trainer.logger: unknown sink(s) {unknown}; choose from {list(SINKS)}")
-        self.active = rank == 0
-        self.run_dir = Path(run_dir)
-        self.title = title
-        self.jsonl = self.tb = None
-        self.trackers: list = []
-        self.console = ConsoleProgress(total_steps, resume_step or 0,
-                                       enabled=local_rank == 0 and "console" in sinks)
-        if not self.active:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        # jsonl is always written: it is the run's record (plots, tests and resume checks read it)
-        self.jsonl = JsonlWriter(self.run_dir / "metrics.jsonl", resume_step=resume_step)
-        if "tensorboard" in sinks:
-            from torch.utils.tensorboard import SummaryWriter
+        run = RunInfo(Path(run_dir), total_steps, resume_step, title, project, experiment,
+                      config or {})
+        self.rank = rank
+        self.sinks = build_sinks(list(sinks), run, rank, local_rank)
+        self.console = _first(self.sinks, ConsoleProgress)
+        self.record = _first(self.sinks, JsonlWriter)
+        self.curves = _first(self.sinks, CurvesSink)
 
-            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
-                                    purge_step=(resume_step + 1) if resume_step else None)
-        self.trackers = [make_tracker(name, project, experiment, config or {}, self.run_dir)
-                         for name in sinks if name in TRACKERS]
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.console.update(step, metrics)
-        if not self.active:
-            return
-        self.jsonl.write(step, metrics)
-        if self.tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, global_step=step)
-            self.tb.flush()
-        for tracker in self.trackers:
-            tracker.log(step, metrics)
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
     def has_step(self, step: int) -> bool:
         """Whether the run's record already holds a row for ``step`` (always true off rank 0)."""
-        return self.jsonl is None or step in self.jsonl.steps
+        return self.record is None or step in self.record.steps
 
     def print(self, text: str) -> None:
-        if self.console.enabled:
+        """A line of the run's log: through the console sink where there is one (above its
+        progress bar), else printed on rank 0."""
+        if self.console is not None:
             self.console.write(text)
-        elif self.active:
+        elif self.rank == 0:
             print(text, flush=True)
 
     def close(self, plot: bool = True) -> str | None:
-        self.console.close()
-        if not self.active:
-            return None
-        if self.tb is not None:
-            self.tb.close()
-        for tracker in self.trackers:
-            tracker.close()
-        self.jsonl.close()
-        if plot:
-            rows = read_jsonl(self.run_dir / "metrics.jsonl")
-            if rows:
-                return plot_curves(rows, self.run_dir / "curves.png", title=self.title)
-        return None
+        """Close every sink (``plot=False``: without drawing the curves); the curves' path, or
+        None."""
+        written = None
+        for sink in self.sinks:
+            if sink is self.curves and not plot:
+                continue
+            written = sink.close() or written
+        return written
+
+
+def _first(sinks: list[Sink], kind: type):
+    return next((s for s in sinks if isinstance(s, kind)), None)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from megarl.logging.jsonl import read_jsonl
 
 REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean")
 
@@ -38,3 +42,19 @@ def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> s
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
+
+
+class CurvesSink:
+    """A sink drawing ``path`` (curves.png) at ``close`` from the run's record ``record`` (its
+    metrics.jsonl, so a resumed run's curves include the steps before the resume); nothing per
+    step."""
+
+    def __init__(self, record: str | os.PathLike, path: str | os.PathLike, title: str = "") -> None:
+        self.record, self.path, self.title = Path(record), Path(path), title
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def close(self) -> str | None:
+        rows = read_jsonl(self.record) if self.record.exists() else []
+        return plot_curves(rows, self.path, title=self.title) if rows else None

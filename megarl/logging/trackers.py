@@ -1,25 +1,27 @@
 """Experiment trackers beside the run's own files: Weights & Biases and MLflow, as verl's
-``trainer.logger`` names them (``['console','wandb']``). Rank 0 only, verl's metric names.
+``trainer.logger`` names them (``['console','wandb']``): sinks (`megarl.logging.sink.Sink`),
+rank 0 only, verl's metric names.
 
 - ``wandb``: ``wandb.init(project=trainer.project_name, name=trainer.experiment_name,
   config=<the resolved config>)``; each step ``wandb.log(metrics, step=step)``. Offline runs:
   ``WANDB_MODE=offline`` (the run lands in ``$WANDB_DIR/wandb/offline-run-*``, ``wandb sync``
   uploads it later). A resumed megarl run starts a new wandb run from the resumed step.
 - ``mlflow``: tracking URI from ``MLFLOW_TRACKING_URI`` (default: a file store in
-  ``run_dir/mlruns``, which MLflow 3 keeps behind MLFLOW_ALLOW_FILE_STORE=true), experiment = project name, run name = experiment name; the config as
-  flattened params (``a/b/c``), metrics per step. MLflow accepts only ``[/\\w.\\- :]`` in metric
-  names: ``@`` becomes ``_at_`` (``val-core/x/reward/mean@4`` -> ``mean_at_4``), runs of ``/``
-  collapse, any other character becomes ``_`` (verl's spelling of the same rule).
+  ``run_dir/mlruns``, which MLflow 3 keeps behind MLFLOW_ALLOW_FILE_STORE=true), experiment =
+  project name, run name = experiment name; the config as flattened params (``a/b/c``),
+  metrics per step. MLflow accepts only ``[/\\w.\\- :]`` in metric names: ``@`` becomes
+  ``_at_`` (``val-core/x/reward/mean@4`` -> ``mean_at_4``), runs of ``/`` collapse, any other
+  character becomes ``_`` (verl's spelling of the same rule).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-TRACKERS = ("wandb", "mlflow")
 _EXTRA = "pip install 'megarl[loggers]'"
 
 
@@ -60,7 +62,7 @@ class WandbTracker:
         self.run = wandb.init(project=project, name=experiment, config=config,
                               dir=os.environ.get("WANDB_DIR", str(run_dir)))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
 
     def close(self) -> None:
@@ -83,16 +85,10 @@ class MlflowTracker:
         for i in range(0, len(keys), 100):  # MLflow takes at most 100 params per call
             mlflow.log_params({k: params[k][:6000] for k in keys[i:i + 100]})
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         numbers = {mlflow_metric_name(k): float(v) for k, v in metrics.items()
                    if isinstance(v, int | float) and not isinstance(v, bool)}
         self.mlflow.log_metrics(numbers, step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()
-
-
-def make_tracker(name: str, project: str, experiment: str, config: dict, run_dir: Path):
-    """The tracker ``name`` (one of TRACKERS), started."""
-    cls = {"wandb": WandbTracker, "mlflow": MlflowTracker}[name]
-    return cls(project, experiment, config, run_dir)
