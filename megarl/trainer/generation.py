@@ -89,8 +89,8 @@ def generate(
 @dataclass
 class Scorer:
     """Rank 0 scores with the reward manager; everyone receives (scores [B] float32, metrics:
-    {name: `Metric`}, `reward_metrics` of the manager's plus the overlong penalty's, MEANs over
-    the B responses)."""
+    {name: `Metric`}, the manager's through `declare_reward_metrics` plus the overlong
+    penalty's, MEANs over the B responses)."""
 
     manager: Any  # None on ranks other than 0
     tokenizer: Any
@@ -111,7 +111,7 @@ class Scorer:
                                                    [s.ground_truth for s in samples],
                                                    [s.extra_info for s in samples])
             scores = scores.to(torch.float32).tolist()
-            metrics = reward_metrics(manager_metrics, sources)
+            metrics = declare_reward_metrics(manager_metrics, sources)
             if self.overlong is not None:
                 penalties = self.overlong([len(s.response_ids) for s in samples]).tolist()
                 scores = [a + b for a, b in zip(scores, penalties)]
@@ -131,7 +131,7 @@ REWARD_SUMS = frozenset({"reward/timeouts", "reward/errors", "reward/missing_gro
                          "reward/time_s"})
 
 
-def reward_metrics(metrics: Mapping[str, float], sources: list[str]) -> dict[str, Metric]:
+def declare_reward_metrics(metrics: Mapping[str, float], sources: list[str]) -> dict[str, Metric]:
     """A reward manager's metrics of one call (``sources``: the data source of each response
     scored) with their reduction declared: counts and seconds (`REWARD_SUMS`) are SUMs,
     ``reward/score/{source}`` a MEAN over that source's responses, every other one

@@ -8,7 +8,7 @@ import pytest
 from megarl.metrics import Metric
 from megarl.rewards.managers import _metrics as one_call_metrics
 from megarl.rewards.pool import RewardResult
-from megarl.trainer.generation import merge_round_metrics, reward_metrics
+from megarl.trainer.generation import declare_reward_metrics, merge_round_metrics
 
 SOURCES = ["arith", "gsm8k", "math"]
 
@@ -31,8 +31,8 @@ def _scorer_metrics(results, sources, penalties, seconds):
 
 def _scorer_round(results, sources, penalties, seconds) -> dict[str, Metric]:
     """What the Scorer reports for one call: the manager's metrics declared by
-    `reward_metrics`, the overlong penalty a mean over the call's responses."""
-    m = reward_metrics(one_call_metrics(results, sources, 0, seconds), sources)
+    `declare_reward_metrics`, the overlong penalty a mean over the call's responses."""
+    m = declare_reward_metrics(one_call_metrics(results, sources, 0, seconds), sources)
     m["reward/overlong_penalty_mean"] = Metric.mean(sum(penalties) / len(penalties),
                                                     len(penalties))
     return m
@@ -54,4 +54,4 @@ def test_merged_rounds_equal_one_call_over_all_responses(seed):
 
 def test_a_single_round_passes_through_unchanged():
     metrics = {"reward/score/mean": 0.1 + 0.2, "reward/timeouts": 3.0}
-    assert merge_round_metrics([reward_metrics(metrics, ["arith"] * 3)]) == metrics
+    assert merge_round_metrics([declare_reward_metrics(metrics, ["arith"] * 3)]) == metrics
