@@ -40,7 +40,7 @@ _PACKAGES = {
 class EngineSpec:
     """An engine as picklable data.
 
-    engine: "torch" (`TorchRolloutEngine.settings`: `from_pretrained`'s arguments) or "vllm"
+    engine: "torch" (`TorchRolloutEngine.engine_settings`: `from_pretrained`'s arguments) or "vllm"
         (`VLLMEngine.engine_settings`: model and tokenizer folders, sleep mode, ``vllm.LLM``
         arguments).
     settings: the engine class's own settings of the run (built by `engine_from_spec`).
@@ -123,7 +123,7 @@ def engine_spec(cfg: Any, model_path: str, device: torch.device | str, *,
     check_engine_installed(cfg)
     device = _indexed(torch.device(device))
     if name == "torch":
-        settings = engine_class(name).settings(cfg, model_path, device)
+        settings = engine_class(name).engine_settings(cfg, model_path, device)
         if own_process:
             settings["offload_weights_on_sleep"] = False
     else:

@@ -160,7 +160,7 @@ class TorchRolloutEngine:
         return cls(model, tokenizer=tokenizer, **kwargs)
 
     @staticmethod
-    def settings(cfg: Any, model_path: str, device: torch.device | str | None = None
+    def engine_settings(cfg: Any, model_path: str, device: torch.device | str | None = None
                  ) -> dict[str, Any]:
         """The engine of a run as plain data: `from_pretrained`'s arguments (``path``, the dtype
         by name, ``device`` as a string). Reads actor_rollout_ref.model.{dtype, tokenizer_path},
@@ -197,7 +197,7 @@ class TorchRolloutEngine:
         cls, cfg: Any, model_path: str, device: torch.device | str | None = None
     ) -> TorchRolloutEngine:
         """Engine for a run (`settings`)."""
-        return cls.from_settings(cls.settings(cfg, model_path, device))
+        return cls.from_settings(cls.engine_settings(cfg, model_path, device))
 
     # ------------------------------------------------------------------------- protocol
 
