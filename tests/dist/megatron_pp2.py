@@ -32,6 +32,7 @@ def pipeline_checks(res, root, key, **layout):
     res[f"{key}.logprob"] = lib.max_diff(lp, ref_lp)
     res[f"{key}.entropy"] = lib.max_diff(ent, ref_ent)
     res[f"{key}.logits"] = lib.max_diff(be.logits(batch, temperature=1.3), ref_logits)
+    res[f"{key}.tol"] = lib.fp32_tols(path, ref_logits, batch.response_mask, 1.3)
     source = load_hf_state_dict(path)
     exported = dict(be.export_weights())
     res[f"{key}.export_exact"] = sorted(exported) == sorted(source) and all(
@@ -68,6 +69,7 @@ def main():
     critic = MegatronBackend("critic", str(path), pp=2)
     ref_v = lib.hf_values(lib.hf_model(path, head="token_cls"), batch)
     res["critic.values"] = lib.max_diff(critic.values(batch), ref_v)
+    res["critic.values_tol"] = lib.fp32_value_tol(path, batch.response_mask)
     del critic
 
     # the TP=2 checkpoint (after one Adam step) loaded at PP=2

@@ -35,6 +35,7 @@ def lm_checks(res, root, name, **layout):
     res[f"{name}.logprob"] = lib.max_diff(lp, ref_lp)
     res[f"{name}.entropy"] = lib.max_diff(ent, ref_ent)
     res[f"{name}.logits"] = lib.max_diff(logits, ref_logits)
+    res[f"{name}.tol"] = lib.fp32_tols(path, ref_logits, batch.response_mask, 0.7)
     res[f"{name}.no_entropy_is_none"] = be.logprobs(batch)[1] is None
 
     source = load_hf_state_dict(path)
@@ -90,6 +91,7 @@ def main():
     hf = lib.hf_model(path, head="token_cls")
     ref_v = lib.hf_values(hf, batch)
     res["critic.values"] = lib.max_diff(critic.values(batch), ref_v)
+    res["critic.values_tol"] = lib.fp32_value_tol(path, batch.response_mask)
     n = float(batch.response_mask.sum())
     batch.tensors["returns"] = torch.randn(batch.response_mask.shape, generator=torch.Generator()
                                            .manual_seed(3))
@@ -107,6 +109,7 @@ def main():
     scores = prm.token_scores(batch)
     res["prm.shape"] = list(scores.shape)
     res["prm.scores"] = lib.max_diff(scores, lib.hf_scores(lib.hf_model(path, "token_cls"), batch))
+    res["prm.scores_tol"] = lib.fp32_value_tol(path, batch.response_mask)
 
     if dist.get_rank() == 0:
         lib.write_results(results, res)

@@ -4,7 +4,14 @@ torch.optim.AdamW + clip_grad_norm_, plus the test batch and loss used on both s
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: fp32_bounds
+
+from fp32_bounds import AdamErrorBound, fp32_grad_norm_bound, fp32_grad_rel_bound  # noqa: E402
 
 from megarl.backends.protocol import SequenceBatch
 from megarl.models import load_model
@@ -98,17 +105,67 @@ def ref_grads(model, batch: SequenceBatch, kind: str = "policy") -> dict[str, to
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def ref_adamw(model, batch: SequenceBatch, steps: int, kind: str = "policy", *, lr=1e-3,
-              eps=1e-8, weight_decay=0.01, grad_clip=1.0) -> list[float]:
-    """``steps`` AdamW updates on the whole batch; returns the pre-clip grad norms."""
+def ref_adamw_bound(path: str, batch: SequenceBatch, other: list[dict[str, torch.Tensor]], *,
+                    lr: float, eps: float, weight_decay: float, grad_clip: float):
+    """torch.optim.AdamW with clip_grad_norm_ on the whole batch, on a fresh reference model of
+    ``path``, one step per entry of ``other`` (the weights another fp32 run of the same steps
+    had after each), plus how far that run may be from it (tests/fp32_bounds.py): returns
+    (reference weights, pre-clip grad norms, norm bounds, entry-wise weight bound {name:
+    tensor}).
+
+    Step k's gradients of the two runs differ by
+    - rounding: `fp32_grad_rel_bound` (two fp32 backwards, relative to each tensor's largest
+      entry) x that entry, from the model's shape and weights;
+    - from step 2, the weight gap the earlier steps left: measured as the float64 gradients
+      at the other run's and at the reference's weights before step k, entry by entry;
+    and after clipping by min(1, clip / norm) by that coefficient, plus the coefficient's own
+    error (the norm bound / norm) times the clipped gradient. The pre-clip norm gap is
+    `fp32_grad_norm_bound` plus the float64 norms' gap at the two weight sets.
+    `AdamErrorBound` carries the gradient bound through AdamW's moments into the weights."""
+    model = reference_model(path)
+    params = dict(model.named_parameters())
+    count = sum(p.numel() for p in params.values())
+    tokens = int(batch.attention_mask.sum())
+    rel = fp32_grad_rel_bound(path, tokens, TEMPERATURE, sides=2)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=weight_decay)
-    norms = []
-    for _ in range(steps):
+    tracker = AdamErrorBound(eps=eps, weight_decay=weight_decay, sides=2)
+    norms, norm_bounds = [], []
+    for k in range(len(other)):
+        if k:  # what the weight gap so far does to this step's gradients (float64, exact)
+            mine = {n: p.detach().clone() for n, p in params.items()}
+            g_other, n_other = _f64_grads(path, {**mine, **other[k - 1]}, batch)
+            g_mine, n_mine = _f64_grads(path, mine, batch)
+            carried = {n: (g_other[n] - g_mine[n]).abs() for n in g_mine}
+            carried_norm = abs(n_other - n_mine)
+        else:
+            carried, carried_norm = {n: 0.0 for n in params}, 0.0
         opt.zero_grad(set_to_none=True)
-        ref_loss(model, batch, kind).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
+        ref_loss(model, batch).backward()
+        raw = {n: p.grad.detach().double().clone() for n, p in params.items()}
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        largest = max(float(g.abs().max()) for g in raw.values())
+        norm_bound = fp32_grad_norm_bound(norm, largest, count, rel) + carried_norm
+        coef = min(1.0, grad_clip / (norm + 1e-6))
+        clipped = {n: p.grad.detach().double().clone() for n, p in params.items()}
+        delta = {n: coef * (rel * float(raw[n].abs().max()) + carried[n])
+                 + (clipped[n].abs() * norm_bound / norm if coef < 1 else 0.0)
+                 for n in params}
         opt.step()
-    return norms
+        bound = tracker.step(lr, clipped, delta, dict(model.named_parameters()))
+        norms.append(norm)
+        norm_bounds.append(norm_bound)
+    state = model.state_dict()
+    return state, norms, norm_bounds, bound
+
+
+def _f64_grads(path: str, weights: dict[str, torch.Tensor], batch: SequenceBatch):
+    """float64 gradients of `ref_loss` at ``weights`` (HF names) and their global norm."""
+    model = reference_model(path)
+    model.load_state_dict({n: w.detach().cpu() for n, w in weights.items()}, strict=False)
+    model.double()
+    ref_loss(model, batch).backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    return grads, float(torch.sqrt(sum(g.pow(2).sum() for g in grads.values())))
 
 
 def max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

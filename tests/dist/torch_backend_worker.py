@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch_backend_ref as R  # noqa: E402
+from fp32_bounds import bound_ratio  # noqa: E402  (tests/ is on the path through R)
 
 from megarl.backends.torch import TorchBackend, interleave_rank_splits  # noqa: E402
 from megarl.utils.dist import destroy, init_distributed  # noqa: E402
@@ -118,13 +119,18 @@ def check_actor(name: str, path: str, layout: dict, res: Results, work: Path,
         )
     be.optimizer.zero_grad(set_to_none=True)
 
-    norms = [be.train_step(mbs, policy(be.dp_size), R.TEMPERATURE)["grad_norm"] for _ in range(3)]
-    ref2 = R.reference_model(path)
-    ref_norms = R.ref_adamw(ref2, BATCH, 3, **OPT)
-    after = dict(be.export_weights())
-    ref_state = ref2.state_dict()
+    norms, steps = [], []
+    for _ in range(3):
+        norms.append(be.train_step(mbs, policy(be.dp_size), R.TEMPERATURE)["grad_norm"])
+        steps.append({k: v.detach().clone() for k, v in be.export_weights()})
+    after = steps[-1]
+    ref_state, ref_norms, norm_bounds, bound = R.ref_adamw_bound(path, BATCH, steps, **OPT)
     res[f"{name}/adamw3_err"] = R.max_err(after, {k: ref_state[k] for k in after})
-    res[f"{name}/grad_norm_err"] = max(abs(a - b) for a, b in zip(norms, ref_norms))
+    res[f"{name}/adamw3_ratio"] = bound_ratio(after, {k: ref_state[k] for k in after},
+                                              {k: bound[k] for k in after})
+    gaps = [abs(a - b) for a, b in zip(norms, ref_norms)]
+    res[f"{name}/grad_norm_err"] = max(gaps)
+    res[f"{name}/grad_norm_ratio"] = max(g / b for g, b in zip(gaps, norm_bounds))
     res[f"{name}/step"] = be.step
     if dcp:
         check_dcp_save(be, mbs, work)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
 DIST_DIR = REPO / "tests" / "dist"
+if str(REPO / "tests") not in sys.path:  # fp32_bounds, for the tests/dist workers too
+    sys.path.insert(0, str(REPO / "tests"))
 
 
 def device() -> torch.device:
@@ -116,6 +119,45 @@ def hf_scores(model, batch) -> torch.Tensor:
     return hf_outputs(model, batch)[:, -L:].double() * batch.response_mask.double()[..., None]
 
 
+def fp32_tols(path: Path, ref_logits: torch.Tensor, mask: torch.Tensor,
+              temperature: float = 1.0) -> dict[str, float]:
+    """How far one fp32 forward of ``path`` may be from transformers in float64 on the
+    response tokens of ``mask`` [B, L] (tests/fp32_bounds.py: lambda |w_j| max|g| (L + 1)
+    sqrt(n) u / T per logit, twice that plus the logsumexp's sum per logprob), given the
+    reference's float64 logits / T ``ref_logits`` [B, L, V] (for the entropy's sensitivity
+    sum_v p_v |log p_v + H| and its size H): {"logits", "logprob", "entropy"}. The logprob
+    bound also bounds the token-mean loss (a mean is at most the largest term)."""
+    from fp32_bounds import fp32_ref_gap_bound, fp32_ref_logit_bound
+
+    tokens = int(mask.sum())
+    logp = torch.log_softmax(ref_logits.detach().double()[mask.bool()], -1)
+    ent = -(logp.exp() * logp).sum(-1, keepdim=True)
+    spread = float((logp.exp() * (logp + ent).abs()).sum(-1).max())
+    return {
+        "logits": fp32_ref_logit_bound(path, tokens, temperature),
+        "logprob": fp32_ref_gap_bound(path, tokens, temperature),
+        "entropy": fp32_ref_gap_bound(path, tokens, temperature, spread=spread,
+                                      entropy=float(ent.max())),
+    }
+
+
+def fp32_value_tol(path: Path, mask: torch.Tensor) -> float:
+    """How far one fp32 forward's values / scores (token-classification head) of ``path``
+    may be from transformers in float64 on the tokens of ``mask`` (`fp32_ref_logit_bound`)."""
+    from fp32_bounds import fp32_ref_logit_bound
+
+    return fp32_ref_logit_bound(path, int(mask.sum()))
+
+
+def fp32_grad_tol(path: Path, batch, temperature: float = 1.0) -> float:
+    """How far one fp32 backward's gradients of ``path`` (a loss of per-token logprob terms of
+    ``batch``) may be from float64, relative to each tensor's largest entry
+    (`fp32_grad_rel_bound`, one side)."""
+    from fp32_bounds import fp32_grad_rel_bound
+
+    return fp32_grad_rel_bound(path, int(batch.attention_mask.sum()), temperature, sides=1)
+
+
 def pg_loss(outputs, mb, n_tokens: float):
     """-sum(logprob * mask) / n_tokens (a globally normalised LM loss)."""
     m = mb.response_mask.to(outputs.logprob.device).float()
@@ -215,28 +257,88 @@ def lr_lambda(step: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def torch_adamw_reference(path: Path) -> dict[str, torch.Tensor]:
-    """The DP run replayed on transformers in float64 with torch.optim.AdamW, clip_grad_norm_
-    and LambdaLR: the HF state dict after DP_STEPS steps."""
+def dp_step_lr(step: int) -> float:
+    """The LR of the DP run's step ``step`` (0-based): DP_OPTIM's lr x `lr_lambda`."""
+    return DP_OPTIM["lr"] * lr_lambda(step)
+
+
+def dp_loss(model, step: int) -> torch.Tensor:
+    """The DP run's loss of step ``step`` on the HF model: -sum(logprob) / tokens."""
+    batch = dp_global_batch(step)
+    lp, _, _ = hf_logprobs(model, batch)
+    return -lp.sum() / batch.response_mask.sum()
+
+
+def _f64_grads(path: Path, weights: dict[str, torch.Tensor], step: int):
+    """float64 gradients of `dp_loss` at ``weights`` (HF names) and their global norm."""
     model = hf_model(path)
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=DP_OPTIM["lr"],
-        betas=DP_OPTIM["betas"],
-        eps=DP_OPTIM["eps"],
-        weight_decay=DP_OPTIM["weight_decay"],
-    )
+    model.load_state_dict({k: v.detach().double().cpu() for k, v in weights.items()},
+                          strict=False)
+    dp_loss(model, step).backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    return grads, float(torch.sqrt(sum(g.pow(2).sum() for g in grads.values())))
+
+
+def dp_adamw_bounds(path: Path, runs: dict[str, list[dict[str, torch.Tensor]]]):
+    """The DP run replayed on transformers in float64 with torch.optim.AdamW, clip_grad_norm_
+    and LambdaLR, and for each fp32 run in ``runs`` ({name: its weights after each of the
+    DP_STEPS steps}) an entry-wise bound on its final weights' distance from the float64 ones
+    (tests/fp32_bounds.py). Returns (reference weights, {name: {HF name: bound}},
+    {name: [grad-norm bound per step]}).
+
+    A run's step-k gradient is off from the float64 one by
+    - rounding: `fp32_grad_rel_bound` (one fp32 backward against float64) of each tensor's
+      largest entry;
+    - from step 2, what the run's weight gap to the float64 run so far does to the gradient,
+      computed in float64 at both weight sets, entry by entry;
+    after clipping (min(1, clip / norm)) times that coefficient, plus the coefficient's error
+    (norm bound / norm) times the clipped gradient. `AdamErrorBound` carries it through AdamW
+    (one fp32 side: the rounding of the run's own updates). Two runs' gap is at most the sum
+    of their bounds."""
+    from fp32_bounds import AdamErrorBound, fp32_grad_norm_bound, fp32_grad_rel_bound
+
+    model = hf_model(path)
+    params = dict(model.named_parameters())
+    count = sum(p.numel() for p in params.values())
+    opt = torch.optim.AdamW(model.parameters(), lr=DP_OPTIM["lr"], betas=DP_OPTIM["betas"],
+                            eps=DP_OPTIM["eps"], weight_decay=DP_OPTIM["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    trackers = {name: AdamErrorBound(DP_OPTIM["betas"], DP_OPTIM["eps"],
+                                     DP_OPTIM["weight_decay"], sides=1) for name in runs}
+    norm_bounds: dict[str, list[float]] = {name: [] for name in runs}
     for step in range(DP_STEPS):
-        batch = dp_global_batch(step)
-        lp, _, _ = hf_logprobs(model, batch)
-        loss = -lp.sum() / batch.response_mask.sum()
+        tokens = int(dp_global_batch(step).attention_mask.sum())
+        rel = fp32_grad_rel_bound(path, tokens, sides=1)
+        mine = {n: p.detach().clone() for n, p in params.items()}
+        carried = {}
+        for name, steps in runs.items():
+            if step:
+                g_run, n_run = _f64_grads(path, {**mine, **steps[step - 1]}, step)
+                g_mine, n_mine = _f64_grads(path, mine, step)
+                carried[name] = ({n: (g_run[n] - g_mine[n]).abs() for n in params},
+                                 abs(n_run - n_mine))
+            else:
+                carried[name] = ({n: 0.0 for n in params}, 0.0)
         opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), DP_OPTIM["grad_clip"])
+        dp_loss(model, step).backward()
+        raw = {n: p.grad.detach().clone() for n, p in params.items()}
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), DP_OPTIM["grad_clip"]))
+        clipped = {n: p.grad.detach().clone() for n, p in params.items()}
+        coef = min(1.0, DP_OPTIM["grad_clip"] / (norm + 1e-6))
+        largest = max(float(g.abs().max()) for g in raw.values())
+        lr = dp_step_lr(step)
         opt.step()
         sched.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
+        for name, tracker in trackers.items():
+            grads_gap, norm_gap = carried[name]
+            norm_bound = fp32_grad_norm_bound(norm, largest, count, rel, sides=1) + norm_gap
+            norm_bounds[name].append(norm_bound)
+            delta = {n: coef * (rel * float(raw[n].abs().max()) + grads_gap[n])
+                     + (clipped[n].abs() * norm_bound / norm if coef < 1 else 0.0)
+                     for n in params}
+            tracker.step(lr, clipped, delta, params)
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    return weights, {name: t.bound for name, t in trackers.items()}, norm_bounds
 
 
 # ------------------------------------------------- checkpoint resharding: the next Adam step

@@ -26,8 +26,10 @@ MOE_ZOO = {
     "qwen3_moe_4l": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [1]}),
 }
 TEMPERATURE = 0.7
-TOL = 1e-5  # logprob / entropy, absolute, fp32 megatron vs float64 transformers
-GRAD_TOL = 1e-5  # per tensor, relative to the tensor's largest entry
+# fp32 megatron against float64: the checks record tolerances derived from the model and batch
+# next to the errors (`lib.fp32_tols`: logprobs, entropies and the loss, absolute;
+# `lib.fp32_grad_tol`: gradients per tensor relative to its largest entry; tests/fp32_bounds.py)
+# as `<key>.tol` / `<key>.grads_tol`, and `failures` / `replay_failures` read them.
 
 
 def moe_model(root: Path, name: str) -> Path:
@@ -69,10 +71,12 @@ def moe_checks(res: dict, path: Path, key: str, **layout) -> None:
                          use_distributed_optimizer=False, **layout)
     hf = hf_moe_model(path)
     batch = lib.make_batch(B=4, seed=1)
-    ref_lp, ref_ent, _ = lib.hf_logprobs(hf, batch, temperature=TEMPERATURE)
+    ref_lp, ref_ent, ref_logits = lib.hf_logprobs(hf, batch, temperature=TEMPERATURE)
     lp, ent = be.logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
     res[f"{key}.logprob"] = lib.max_diff(lp, ref_lp.detach())
     res[f"{key}.entropy"] = lib.max_diff(ent, ref_ent.detach())
+    res[f"{key}.tol"] = lib.fp32_tols(path, ref_logits, batch.response_mask, TEMPERATURE)
+    res[f"{key}.grads_tol"] = lib.fp32_grad_tol(path, batch, TEMPERATURE)
     source = load_hf_state_dict(path)
     exported = {k: v.cpu() for k, v in be.export_weights()}
     res[f"{key}.export_names"] = sorted(exported) == sorted(source)
@@ -98,7 +102,9 @@ def moe_checks(res: dict, path: Path, key: str, **layout) -> None:
 
 def failures(res: dict, key: str) -> list[str]:
     out = []
-    for name, tol in (("logprob", TOL), ("entropy", TOL), ("loss", TOL), ("grads", GRAD_TOL)):
+    tols = res[f"{key}.tol"]
+    for name, tol in (("logprob", tols["logprob"]), ("entropy", tols["entropy"]),
+                      ("loss", tols["logprob"]), ("grads", res[f"{key}.grads_tol"])):
         if not res[f"{key}.{name}"] < tol:
             out.append(f"{key}.{name} = {res[f'{key}.{name}']} (tolerance {tol})")
     for flag in ("export_names", "export_exact", "grad_names"):
@@ -117,7 +123,7 @@ def next_step(be) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in be.export_weights()}
 
 
-AUX_COEFF = 0.5  # large enough that the load-balancing gradient is far above GRAD_TOL
+AUX_COEFF = 0.5  # large enough that the load-balancing gradient is far above the gradient tol
 
 
 def hf_aux_loss(model, mb) -> torch.Tensor:
@@ -239,6 +245,11 @@ def replay_checks(res: dict, path: Path, key: str, recompute=None, **layout) -> 
                                                      TEMPERATURE)
     lp, _ = be.logprobs(batch, temperature=TEMPERATURE)
     res[f"{key}.replay_logprob"] = lib.max_diff(lp, ref_lp)
+    from fp32_bounds import fp32_ref_gap_bound
+
+    res[f"{key}.replay_tol"] = fp32_ref_gap_bound(path, int(batch.response_mask.sum()),
+                                                  TEMPERATURE)
+    res[f"{key}.replay_grads_tol"] = lib.fp32_grad_tol(path, batch, TEMPERATURE)
     hf_lp, _, _ = lib.hf_logprobs(hf_moe_model(path), plain, temperature=TEMPERATURE)
     res[f"{key}.replay_off_logprob"] = lib.max_diff(be.logprobs(plain, temperature=TEMPERATURE)[0],
                                                     hf_lp.detach())
@@ -256,9 +267,11 @@ def replay_checks(res: dict, path: Path, key: str, recompute=None, **layout) -> 
 
 def replay_failures(res: dict, key: str) -> list[str]:
     """What `replay_checks` recorded under ``key`` that is out of bounds."""
-    out = [f"{key}.{m} = {res[f'{key}.{m}']} (tolerance {TOL})"
-           for m in ("replay_logprob", "replay_loss", "replay_grads", "replay_off_logprob")
-           if not res[f"{key}.{m}"] < TOL]
+    tols = {"replay_logprob": res[f"{key}.replay_tol"], "replay_loss": res[f"{key}.replay_tol"],
+            "replay_off_logprob": res[f"{key}.replay_tol"],
+            "replay_grads": res[f"{key}.replay_grads_tol"]}
+    out = [f"{key}.{m} = {res[f'{key}.{m}']} (tolerance {tol})" for m, tol in tols.items()
+           if not res[f"{key}.{m}"] < tol]
     if not res[f"{key}.replay_flipped"] > 0.5:  # random routing: most recorded rows differ
         out.append(f"{key}.replay_flipped = {res[f'{key}.replay_flipped']} (expected > 0.5)")
     if not res[f"{key}.replay_gap"] > 0.1:  # without replay the logprobs move
