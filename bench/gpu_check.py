@@ -58,6 +58,7 @@ from gpu_check_lib import (
     work_dir,
 )
 from gpu_check_numerics import step_kernels, step_megatron_vs_hf
+from results import check_ran
 
 # (step, timeout s on the GPU); the order they run in. pytest runs beside the others.
 STEPS = {"env": 60, "pytest": 330, "kernels": 150, "model": 120, "megatron_vs_hf": 120,
@@ -225,6 +226,8 @@ def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
     print(proc.stdout[-20000:], proc.stderr[-20000:], sep="\n", flush=True)
     require(proc.returncode == 0, f"launch/train.py ({strategy}) exited {proc.returncode}: "
             + (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1])
+    ran = check_ran(run_dir, engine="torch", backend=strategy, dtype=sizes.dtype,
+                    device=sizes.device)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     rows = [r for r in rows if r.get("step", 0) > 0 and "timing_s/step" in r]
     require(len(rows) == sizes.steps, f"{len(rows)} training steps logged, {sizes.steps} asked")
@@ -239,6 +242,7 @@ def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
     bound = _gap_bound(sizes, out)
     require(gap_mean <= bound, f"engine-vs-trainer logprob gap {gap_mean:.3g} > {bound:.3g}")
     return {
+        "ran": ran,
         "wall_s": round(wall, 1),
         "s_per_step": statistics.median(r["timing_s/step"] for r in steady),
         "gen_s": statistics.median(r["timing_s/gen"] for r in steady),

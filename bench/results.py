@@ -34,3 +34,35 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
         f.truncate()
         f.write(text)
         fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# What a launch/train.py run really ran, read from its resolved config (run_dir/config.yaml),
+# so a benchmark labels its rows by the run, not by the script's intent.
+RAN_KEYS = {"engine": "actor_rollout_ref.rollout.name", "backend": "actor_rollout_ref.actor.strategy",
+            "dtype": "actor_rollout_ref.model.dtype", "device": "trainer.device"}
+
+
+def resolved_run(run_dir: Path) -> dict[str, str]:
+    """{engine, backend, dtype, device} of the run in ``run_dir`` (its config.yaml)."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    out = {}
+    for label, dotted in RAN_KEYS.items():
+        node = cfg
+        for part in dotted.split("."):
+            node = node[part]
+        out[label] = str(node)
+    return out
+
+
+def check_ran(run_dir: Path, **expected: str) -> dict[str, str]:
+    """`resolved_run`, raising when it differs from what the benchmark meant to measure."""
+    ran = resolved_run(run_dir)
+    wrong = {k: (v, ran[k]) for k, v in expected.items() if ran[k] != v}
+    if wrong:
+        raise RuntimeError(
+            f"{run_dir}: the run did not run what the benchmark labels it as: "
+            + ", ".join(f"{k} meant {a!r} but the run's config says {b!r} ({RAN_KEYS[k]})"
+                        for k, (a, b) in wrong.items()))
+    return ran

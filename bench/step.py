@@ -66,7 +66,7 @@ from bench.peers_env import (  # noqa: E402
     run_trl,
     thread_env,
 )
-from bench.results import RESULTS, write_section  # noqa: E402
+from bench.results import RESULTS, check_ran, write_section  # noqa: E402
 
 TITLE = "RL step vs TRL"
 BATCH, GENERATIONS, COMPLETION_LEN, LR = 16, 4, 64, 1e-4
@@ -147,10 +147,10 @@ def run_megarl(root: Path, model: Path, data: Path, reward: Path, steps: int, ou
     timing_s/step and response lengths from its metrics.jsonl."""
     if out.exists():
         shutil.rmtree(out)
+    engine = "vllm" if vllm else "torch"
     cmd = [sys.executable, str(root / "launch" / "train.py"), "--config", "grpo",
-           *megarl_overrides(model, data, reward, steps, out)]
-    if vllm:
-        cmd.append("actor_rollout_ref.rollout.name=vllm")
+           *megarl_overrides(model, data, reward, steps, out),
+           f"actor_rollout_ref.rollout.name={engine}"]  # the recipe's default is vLLM
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=root, env=thread_env(), capture_output=True, text=True,
                           timeout=timeout_s)
@@ -159,9 +159,10 @@ def run_megarl(root: Path, model: Path, data: Path, reward: Path, steps: int, ou
     if proc.returncode != 0 or not metrics.is_file():
         raise PeerRunError(f"megarl run failed ({proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stderr[-3000:]}", last_error_line(proc.stderr))
+    ran = check_ran(out, engine=engine, backend="torch", dtype="fp32")
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "timing_s/step" in r]
-    return {"step_s": [r["timing_s/step"] for r in rows],
+    return {"ran": ran, "step_s": [r["timing_s/step"] for r in rows],
             "mean_length": [r["response_length/mean"] for r in rows],
             "phases": phase_medians(rows[2:] or rows),
             "wall_s": wall}
@@ -283,6 +284,11 @@ def render(out: dict, models: list[str], systems: list[str], steps: dict[str, in
         f"{warmup} steps of every run dropped; medians over the kept steps of all rounds.",
         "",
     ]
+    as_run = {s: sorted({", ".join(f"{k}={v}" for k, v in r["ran"].items())
+                         for m in models for r in out["results"][m][s] if "ran" in r})
+              for s in ran if s.startswith("megarl")}
+    lines += ["megarl's runs, from each run's own config.yaml: " + "; ".join(
+        f"{LABELS[s]}: {' | '.join(v)}" for s, v in as_run.items()) + ".", ""]
     head = "| model | params | vocab | " + " | ".join(f"{LABELS[s]} s/step" for s in ran)
     ratio_cols = [(a, b) for a, b in (("megarl", "trl"), ("megarl-vllm", "trl"),
                                       ("megarl-vllm", "trl-vllm"), ("megarl", "megarl-vllm"))
