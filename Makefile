@@ -32,7 +32,7 @@ $(STAMP): setup.py
 
 # The demo assets first (2 threads, as make demo builds them: the same SFT policy and PRM).
 test: assets
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n 2 --timeout=1200 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n 2 --timeout=1200 --durations=30 tests
 
 test-fast: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not slow and not dist" tests
