@@ -88,6 +88,10 @@ class _NoSkipAtCollection:
 
 
 def pytest_configure(config):
-    """Registers ``_NoSkipAtCollection`` under MEGARL_NO_SKIP=1 (tests/test_no_skip.py)."""
+    """Registers ``_NoSkipAtCollection`` under MEGARL_NO_SKIP=1 (tests/test_no_skip.py), and
+    the table of where the suite's time went (tests/timing_table.py)."""
+    import timing_table
+
+    timing_table.pytest_configure(config)
     if os.environ.get("MEGARL_NO_SKIP") == "1":
         config.pluginmanager.register(_NoSkipAtCollection(), "megarl-no-skip-at-collection")

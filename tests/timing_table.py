@@ -1,0 +1,72 @@
+"""A pytest plugin: where the suite's time goes, printed after the summary.
+
+Every test report carries the seconds of its phase (set-up, call, tear-down); under xdist the
+controller receives them all. At the end this prints, per test folder and for the slowest
+files, the test-seconds spent (the sum over tests, not wall time: with ``-n 2`` two tests run
+at once) and the set-up share (fixtures: a module-scoped engine or model is charged to the
+first test that uses it). ``MEGARL_TIMINGS=path.json`` also writes the per-file numbers there,
+the source of the table in docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import pytest
+
+FILES_SHOWN = 15
+
+
+def _folder(path: str) -> str:
+    parts = path.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+class TimingTable:
+    def __init__(self) -> None:
+        # file -> [setup s, call s, teardown s, tests]
+        self.files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        row = self.files[report.nodeid.split("::")[0]]
+        row[("setup", "call", "teardown").index(report.when)] += report.duration
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            row[3] += 1
+
+    def _rows(self, key) -> list[tuple[str, float, float, int]]:
+        groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+        for path, (setup, call, teardown, tests) in self.files.items():
+            g = groups[key(path)]
+            g[0] += setup + call + teardown
+            g[1] += setup
+            g[2] += tests
+        return sorted(((k, t, s, int(n)) for k, (t, s, n) in groups.items()),
+                      key=lambda r: -r[1])
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.files:
+            return
+        write = terminalreporter.write_line
+        total = sum(sum(r[:3]) for r in self.files.values())
+        terminalreporter.section("test-seconds per folder (sum over tests; set-up = fixtures)")
+        write(f"{'folder':<34} {'tests':>6} {'test-s':>8} {'share':>6} {'set-up':>7}")
+        for name, secs, setup, n in self._rows(_folder):
+            write(f"{name:<34} {n:>6} {secs:>8.1f} {secs / total:>6.1%} "
+                  f"{setup / max(secs, 1e-9):>7.1%}")
+        write(f"{'all':<34} {sum(r[3] for r in self.files.values()):>6.0f} {total:>8.1f}")
+        terminalreporter.section(f"the {FILES_SHOWN} slowest files (test-seconds)")
+        for name, secs, setup, n in self._rows(lambda p: p)[:FILES_SHOWN]:
+            write(f"{name:<58} {n:>4} {secs:>8.1f} set-up {setup / max(secs, 1e-9):>6.1%}")
+        out = os.environ.get("MEGARL_TIMINGS")
+        if out:
+            with open(out, "w") as f:
+                json.dump({p: dict(zip(("setup", "call", "teardown", "tests"), r))
+                           for p, r in sorted(self.files.items())}, f, indent=1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only where reports end up: the xdist controller, or a run without xdist.
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(TimingTable(), "megarl-timing-table")
