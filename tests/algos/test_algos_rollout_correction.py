@@ -223,3 +223,134 @@ def test_shape_mismatch_names_the_tensors():
                                    torch.ones(3))
     with pytest.raises(TypeError, match="rollout_logprob must be a floating-point"):
         compute_rollout_is_weights(x, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
+
+
+def test_an_unhashable_level_is_refused_by_name():
+    """A level that is not a string (a list from a YAML typo) is a ValueError naming the levels,
+    not a TypeError from the lookup."""
+    x = torch.zeros(1, 2, dtype=D)
+    with pytest.raises(ValueError, match=r"level \(algorithm.rollout_correction.rollout_is\) "
+                                         r"must be one of \['sequence', 'token'\], got \['token'\]"):
+        compute_rollout_is_weights(x, x, torch.ones(1, 2), level=["token"])
+
+
+def test_a_threshold_below_one_is_accepted():
+    """Any threshold > 0 is valid (the doc's rule): 0.5 caps every weight at 0.5."""
+    old, rollout, mask = _inputs(seed=6)
+    for level in ROLLOUT_IS_LEVELS:
+        w, m = compute_rollout_is_weights(old, rollout, mask, level=level, threshold=0.5)
+        _check(w, m, *brute(old.tolist(), rollout.tolist(), mask.tolist(), level, 0.5))
+
+
+def test_input_errors_name_both_tensors_in_full():
+    """The messages name the argument at fault and the one it is compared with, as whole words
+    (a renamed or dropped name fails)."""
+    x = torch.zeros(2, 3, dtype=D)
+    with pytest.raises(TypeError) as err:
+        compute_rollout_is_weights(torch.zeros(2, 3, dtype=torch.long), x, torch.ones(2, 3))
+    assert str(err.value) == ("old_logprob must be a floating-point tensor (float32 or float64), "
+                              "got torch.int64")
+    with pytest.raises(ValueError) as err:
+        compute_rollout_is_weights(x, torch.zeros(2, 4, dtype=D), torch.ones(2, 3))
+    assert str(err.value) == ("shape mismatch: rollout_logprob has shape (2, 4) but old_logprob "
+                              "has shape (2, 3); they must match")
+    with pytest.raises(ValueError) as err:
+        compute_rollout_is_weights(x, x, torch.ones(2, 2))
+    assert str(err.value) == ("shape mismatch: response_mask has shape (2, 2) but old_logprob "
+                              "has shape (2, 3); they must match")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_single_response_token(level):
+    """One response token in the batch: metrics as for any batch (std 0, ESS 1), and with
+    batch_normalize its weight divided by itself (1) and the factor reported. Planted bugs:
+    metrics or normalisation only from two tokens on (`n > 1`); the std of one token 1."""
+    old = torch.tensor([[0.0, -1.0], [0.0, 0.0]], dtype=D)
+    rollout = torch.tensor([[0.0, -1.4], [0.0, 0.0]], dtype=D)
+    mask = torch.tensor([[0, 1], [0, 0]])
+    w, m = compute_rollout_is_weights(old, rollout, mask, level=level)
+    _check(w, m, *brute(old.tolist(), rollout.tolist(), mask.tolist(), level, 2.0))
+    assert flat(w) == pytest.approx([0.0, math.exp(0.4), 0.0, 0.0], rel=1e-14)
+    assert m[P + "std"] == 0.0 and m[P + "eff_sample_size"] == pytest.approx(1.0, rel=1e-14)
+    w, m = compute_rollout_is_weights(old, rollout, mask, level=level, batch_normalize=True)
+    assert flat(w) == pytest.approx([0.0, 1.0, 0.0, 0.0], rel=1e-14)
+    assert m[P + "batch_norm_factor"] == pytest.approx(math.exp(0.4), rel=1e-14)
+
+
+def test_two_tokens_have_a_std():
+    """Two tokens of weights 1 and e^0.5 (below c = 2): std = |e^0.5 - 1| / 2 (population std),
+    not 0 (planted: the std only from three tokens on)."""
+    old = torch.tensor([[0.0, 0.5]], dtype=D)
+    w, m = compute_rollout_is_weights(old, torch.zeros(1, 2, dtype=D), torch.ones(1, 2))
+    assert m[P + "std"] == pytest.approx((math.exp(0.5) - 1) / 2, rel=1e-12)
+
+
+def test_no_response_token_with_batch_normalize():
+    """No response token and batch_normalize: zero weights, no metrics at all (no factor: the
+    mean of nothing is not taken)."""
+    x = torch.zeros(2, 3, dtype=D)
+    for level in ROLLOUT_IS_LEVELS:
+        w, m = compute_rollout_is_weights(x, x - 1, torch.zeros(2, 3), level=level,
+                                          batch_normalize=True)
+        assert torch.equal(w, x) and m == {}
+
+
+def test_sequence_level_skips_empty_responses():
+    """Sequence level with an empty response: it has no weight, so the batch-norm factor (the
+    mean of the responses' weights), max / min and the truncated and low fractions are over the
+    three non-empty responses only (an empty row counted would add a weight 0 and a log-sum 0).
+    Log-sums 1.0, 0.3, -0.9 with c = 2: max e^1, min e^-0.9, one of three truncated (e^1 > 2)
+    and one low (e^-0.9 = 0.41 < 1/2)."""
+    old = torch.tensor([[0.5, 0.5], [0.0, 0.0], [0.3, 0.0], [-0.9, 0.0]], dtype=D)
+    rollout = torch.zeros(4, 2, dtype=D)
+    mask = torch.tensor([[1, 1], [0, 0], [1, 0], [1, 1]])
+    for c in (3.0, 2.0):
+        w, m = compute_rollout_is_weights(old, rollout, mask, level="sequence", threshold=c,
+                                          batch_normalize=True)
+        _check(w, m, *brute(old.tolist(), rollout.tolist(), mask.tolist(), "sequence", c, True))
+    ws = [min(math.exp(s), 2.0) for s in (1.0, 0.3, -0.9)]
+    assert m[P + "batch_norm_factor"] == pytest.approx(sum(ws) / 3, rel=1e-12)
+    assert m[P + "min"] == pytest.approx(math.exp(-0.9), rel=1e-12)
+    assert m[P + "max"] == pytest.approx(math.exp(1.0), rel=1e-12)
+    assert m[P + "ratio_fraction_low"] == pytest.approx(1 / 3)
+    assert m[P + "ratio_fraction_high"] == pytest.approx(1 / 3)
+
+
+def test_sequence_level_with_one_token_responses():
+    """Responses of length L = 1 (a single column): the sequence weight is the token's."""
+    old = torch.tensor([[0.2], [-0.3]], dtype=D)
+    w, m = compute_rollout_is_weights(old, torch.zeros(2, 1, dtype=D), torch.ones(2, 1),
+                                      level="sequence")
+    _check(w, m, *brute(old.tolist(), [[0.0], [0.0]], [[1], [1]], "sequence", 2.0))
+
+
+def test_weights_exactly_at_the_bounds_are_not_counted():
+    """threshold = 1 on-policy: every weight is exactly 1 = c = 1/c, neither truncated (w > c)
+    nor low (w < 1/c); both fractions 0 at both levels (planted: >= / <=)."""
+    old, _, mask = _inputs(seed=7)
+    for level in ROLLOUT_IS_LEVELS:
+        _, m = compute_rollout_is_weights(old, old.clone(), mask, level=level, threshold=1.0)
+        assert m[P + "ratio_fraction_high"] == 0.0 and m[P + "ratio_fraction_low"] == 0.0
+
+
+def test_sequence_fractions_compare_in_float64():
+    """Log-sums 1e-9 above log 2 and 1e-9 below log(1/2): w_raw just above c = 2 and just below
+    1/c, one response truncated and one low of two. float32 log(2) is 1.9e-9 above the float64
+    one, so comparing in float32 counts neither (planted: the bounds as float32 tensors)."""
+    old = torch.tensor([[math.log(2.0) + 1e-9], [math.log(0.5) - 1e-9]], dtype=D)
+    _, m = compute_rollout_is_weights(old, torch.zeros(2, 1, dtype=D), torch.ones(2, 1),
+                                      level="sequence", threshold=2.0)
+    assert m[P + "ratio_fraction_high"] == 0.5 and m[P + "ratio_fraction_low"] == 0.5
+
+
+def test_batch_normalize_is_skipped_for_a_vanishing_mean():
+    """Every log-ratio -25 (clamped to -20): the mean weight e^-20 = 2e-9 is below 1e-8, the
+    weights are left as they are and the factor reported is 1 (planted: dividing anyway, by
+    2e-9, or reporting another factor)."""
+    old = torch.full((2, 3), -25.0, dtype=D)
+    for level in ROLLOUT_IS_LEVELS:
+        w, m = compute_rollout_is_weights(old, torch.zeros(2, 3, dtype=D), torch.ones(2, 3),
+                                          level=level, batch_normalize=True)
+        want = math.exp(-20.0)  # -25 per token, -75 per response: both clamp to -20
+        assert flat(w) == pytest.approx([want] * 6, rel=1e-12)
+        assert m[P + "batch_norm_factor"] == 1.0

@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from megarl import algos
-from megarl.trainer.advantage import AdvantageSettings, compute_step_advantages, last_token_mask
+from megarl.trainer.advantage import (
+    AdvantageSettings,
+    compute_step_advantages,
+    last_token_mask,
+    place_rewards,
+)
 from megarl.trainer.algorithm import PureSettings, pacs_advantages, pure_advantages, pure_mode
 from megarl.trainer.batch import RolloutBatch
 
@@ -380,3 +385,43 @@ def test_pure_wiring(prm, vr, kl):
             mode="prm_vr" if prm else "vr", credit_assignment="min", vr_coef=1.7,
             mask_separator=False, normalize=True)
         assert float((no_kl - want_adv).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool])
+def test_rewards_are_float32_whatever_the_verifiable_dtype(dtype):
+    """Verifiable rewards as float64 (numpy), int64 or bool 0 / 1 give float32 scores, rewards
+    and advantages equal to the float32 ones; PURE (whose pipeline takes float rewards only)
+    likewise. Planted bugs: the rewards not cast (float64 scores, or int ones refused by
+    pure_rloo_advantages)."""
+    batch = _batch(kl=True)
+    batch.tensors["verifiable"] = torch.tensor(VR).to(dtype)
+    s = AdvantageSettings(estimator="rloo", use_kl_in_reward=True)
+    compute_step_advantages(batch, s, kl_coef=0.3)
+    t = batch.tensors
+    for key in ("token_level_scores", "token_level_rewards", "advantages"):
+        assert t[key].dtype == torch.float32, key
+    _close(t["token_level_scores"], _ref_scores(batch))
+    batch = _batch()
+    batch.tensors["verifiable"] = torch.tensor(VR).to(dtype)
+    pure_advantages(batch, AdvantageSettings(estimator="pure_rloo"), PureSettings(normalize=False),
+                    kl_coef=0.0)
+    v = [x - 1.0 for x in VR]  # PURE's brute force as in test_pure_vr_only_brute_force, c = 1
+    want = []
+    for i, n in enumerate(LENGTHS):
+        others = [v[j] for j, g in enumerate(GROUPS) if g == GROUPS[i] and j != i]
+        want.append([v[i] - sum(others) / len(others) if t < n - 1 else 0.0 for t in range(L)])
+    assert batch.tensors["advantages"].dtype == torch.float32
+    _close(batch.tensors["advantages"], want)
+
+
+@pytest.mark.parametrize("kind", ["kl", "low_var_kl"])
+def test_place_rewards_returns_the_masked_kl(kind):
+    """place_rewards returns the KL of the reward, per token, masked: k1 / k3 of (old, ref) on
+    response tokens and exactly 0 on padding (where old = ref = 0); None without the KL in the
+    reward. Planted bug: the KL divided by the mask (0 / 0 = NaN on padding)."""
+    batch = _batch(kl=True, seed=6)
+    _, kl = place_rewards(batch, AdvantageSettings(use_kl_in_reward=True, kl_penalty=kind), 0.2)
+    assert kl.dtype == torch.float32
+    _close(kl, _ref_kl(batch, kind))
+    assert bool((kl[batch.response_mask == 0] == 0).all())
+    assert place_rewards(_batch(kl=True), AdvantageSettings(), 0.2)[1] is None

@@ -270,3 +270,47 @@ def test_build_algorithm_imports_the_user_file(tmp_path, registered):
     with pytest.raises(UserInputError, match=r"^algorithm.custom_algorithms.path: '.*missing.py' "
                                              r"is not a file"):
         A.build_algorithm(cfg)
+
+
+@pytest.mark.parametrize("args", [("grpo", "algorithm.adv_estimator=rloo"),
+                                  ("pure_vr", "algorithm.pure.normalize=false"), ("pacs",)])
+def test_each_hook_passes_the_step_s_kl_coef(args):
+    """With the KL in the reward, every entry's hook hands the step's kl_coef (0.3) to the
+    reward placement: token_level_rewards = scores - 0.3 x (old - ref) on each response token
+    (k1), metric reward_kl_penalty_coeff 0.3. Planted bug: a hook passing no coefficient
+    (None: the penalty cannot be computed)."""
+    batch = _batch()
+    mask = batch.response_mask
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(mask.shape, generator=g) * mask
+    ref = (old + 0.5 * torch.randn(mask.shape, generator=g)) * mask
+    batch.tensors.update(old_logprob=old, ref_logprob=ref)
+    cfg = _cfg(*args, "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl")
+    metrics = A.build_algorithm(cfg).advantages(batch, 0.3)
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.3
+    lengths, vr = [3, 1, 2, 3, 2], [1.0, 0.0, 0.0, 1.0, 1.0]
+    o, r = old.double().tolist(), ref.double().tolist()
+    want = [[(vr[i] if t == n - 1 else 0.0) - (0.3 * (o[i][t] - r[i][t]) if t < n else 0.0)
+             for t in range(3)] for i, n in enumerate(lengths)]
+    torch.testing.assert_close(batch.tensors["token_level_rewards"].double(),
+                               torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
+def test_registry_and_build_error_messages_in_full(registered):
+    """The two registry errors, matched whole: a taken name says to pick another one; an
+    estimator without an algorithm names both ways to provide one and the key of the file."""
+    registered.append("unit_taken")
+    A.register_algorithm("unit_taken")(type("First", (A.Algorithm,), {}))
+    with pytest.raises(ValueError) as err:
+        A.register_algorithm("unit_taken")(type("Second", (A.Algorithm,), {}))
+    assert str(err.value) == (f"algorithm 'unit_taken' is already registered ({__name__}.First); "
+                              "pick another name")
+    cfg = _cfg("grpo")
+    cfg.algorithm.adv_estimator = "unit_nothing"
+    with pytest.raises(UserInputError) as err:
+        A.build_algorithm(cfg)
+    assert str(err.value) == (
+        "algorithm.adv_estimator: 'unit_nothing' has no algorithm that computes it; register an "
+        "advantage estimator (megarl.algos.register_advantage_estimator), or an algorithm of "
+        "that name (megarl.trainer.algorithm.register_algorithm) in "
+        "algorithm.custom_algorithms.path")

@@ -382,3 +382,49 @@ def test_norm_share_and_kwargs():
     assert NORM.kwargs() == {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 10,
                              "loss_scale_factor": 7.0}
     assert math.isclose(Norm(3, 12, 1, 1.0).token_share(torch.zeros(2, 2)), 0.0)
+
+
+def test_a_policy_term_gets_a_float32_mask():
+    """PolicyTerm's contract: the mask it receives is float32, whatever the micro-batch's
+    response_mask (bool, int64) is. Planted bug: the mask handed over uncast."""
+    seen = []
+
+    class Term:
+        regularized = True
+
+        def __call__(self, logprob, old_logprob, mask, mb, norm):
+            seen.append(mask)
+            return (logprob * mask).sum(), {}
+
+    for dtype in (torch.bool, torch.int64):
+        mb = _micro_batch()
+        mb.tensors["response_mask"] = _mask().to(dtype)
+        out = _outputs(mb)
+        actor_loss_fn(_settings(policy=Term()), NORM)(out, mb)
+        assert seen[-1].dtype == torch.float32 and seen[-1].tolist() == _mask().tolist()
+
+
+def test_token_counts_of_a_bf16_mask_are_exact():
+    """A bf16 response_mask over 257 tokens (a bf16 sum rounds 257 to 256) weighs the token-mean
+    metrics by 257 tokens: pg_clipfrac and vf_clipfrac are 1 (every token clipped) times the
+    share 257 / 600 x 2. Planted bug: the mask not cast to float32 (counted in bf16: 256)."""
+    B, Lw = 2, 150
+    lengths = [150, 107]
+    mask = torch.tensor([[1.0] * n + [0.0] * (Lw - n) for n in lengths])
+    ids = torch.zeros(B, 2 + Lw, dtype=torch.long)
+    t = {"response_mask": mask.to(torch.bfloat16), "old_logprob": torch.full((B, Lw), -1.0),
+         "advantages": torch.ones(B, Lw), "values": torch.zeros(B, Lw),
+         "returns": torch.full((B, Lw), 2.0)}
+    mb = SequenceBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_length=Lw,
+                       tensors=t)
+    norm = Norm(dp_size=2, batch_num_tokens=600, global_batch_size=4, loss_scale_factor=1.0)
+    share = 257 / 600 * 2
+    # log-ratio 0.5 > log(1.28) with A = 1: every token clipped; values 1 beyond V +- 0.3 with
+    # R = 2: every token's clipped loss (1.7^2) exceeds the unclipped one (1^2)
+    out = SimpleNamespace(logprob=torch.full((B, Lw), -0.5), entropy=None, hidden=None,
+                          values=torch.ones(B, Lw))
+    _, m = actor_loss_fn(_settings(), norm)(out, mb)
+    assert m["actor/pg_clipfrac"] == pytest.approx(share, rel=1e-6)
+    _, m = critic_loss_fn(0.3, "token-mean", norm)(out, mb)
+    assert m["critic/vf_clipfrac"] == pytest.approx(share, rel=1e-6)
+    assert m["critic/vpred_mean"] == pytest.approx(share, rel=1e-6)
