@@ -85,7 +85,8 @@ def test_every_kind_of_skip_fails_under_no_skip(tmp_path):
     ``skip(allow_module_level=True)``, a module-level ``skipif``): each fails, named, under
     MEGARL_NO_SKIP=1, while the plain test passes. Planted: the collection hook not registered
     -> the three collection skips pass as skips -> this test fails."""
-    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    for name in ("conftest.py", "timing_table.py"):  # the conftest and the plugin it loads
+        (tmp_path / name).write_text((TESTS / name).read_text())
     for name, text in SKIPPING_FILES.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
