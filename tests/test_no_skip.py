@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # runs pytest in subprocesses
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 

@@ -10,11 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = ["env", "pytest", "kernels", "model", "megatron_vs_hf", "grpo_torch", "grpo_megatron",
          "generate", "kernel_bench"]
 
 
+@pytest.mark.e2e
 def test_gpu_check_dry_run(tmp_path):
     wheels, out = tmp_path / "wheels", tmp_path / "out"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"

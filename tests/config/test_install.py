@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # builds and installs the package
+
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "configs", "megarl",
            "megarl_kernels", "launch", "conversion"]

@@ -131,6 +131,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.e2e
 def test_build_ignores_the_callers_thread_count(tmp_path):
     """The learning tests train from the same assets however pytest is started: the build runs
     with BuildConfig.threads torch threads (default 2, as make demo), not with the caller's
