@@ -35,24 +35,12 @@ def _vllm_must_run() -> bool:
     return " avx2" in flags or " avx512f" in flags
 
 
-def _uses_module_fixture(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    return info is not None and any(
-        d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
-
-
 def pytest_collection_modifyitems(config, items):
-    """- A test that needs the trained demo assets (the ``demo_assets`` fixture: minutes to
-      build on a fresh clone) is end-to-end: marked ``e2e``, left out of `make test-fast`.
-    - The tests of a module that share a module-scoped fixture (a torchrun world that runs
-      every check once, a started engine) go to one xdist worker (``xdist_group`` named after
-      the module; `make test` runs ``--dist loadgroup``): spread over two workers, each would
-      build the fixture again."""
+    """A test that needs the trained demo assets (the ``demo_assets`` fixture: minutes to build
+    on a fresh clone) is end-to-end: marked ``e2e``, left out of `make test-fast`."""
     for item in items:
         if "demo_assets" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
-        if _uses_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def pytest_runtest_setup(item):
