@@ -62,6 +62,10 @@ def _resolve_quietly(config: str, overrides: list[str], demo):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if torchrun_world() is not None:  # a rank dies with its torchrun agent, however it dies
+        from megarl.utils.lifetime import die_with_parent
+
+        die_with_parent()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from megarl.config import ConfigError

@@ -25,6 +25,8 @@ import socket
 import sys
 from multiprocessing.connection import Connection
 
+from megarl.utils.lifetime import die_with_parent
+
 EXIT_CRASH = 3
 
 
@@ -89,9 +91,11 @@ def zygote(ctrl_fd: int) -> None:
             os._exit(0)  # parent went away
         cmd, arg = msg.decode().split(" ", 1)
         if cmd == "spawn":
+            zygote_pid = os.getpid()
             pid = os.fork()
             if pid == 0:
                 try:
+                    die_with_parent(zygote_pid)  # a fork does not inherit the death signal
                     ctrl.close()
                     os.setsid()  # own session: own CPU share under Linux autogroup, as Ray's workers
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -111,6 +115,8 @@ def zygote(ctrl_fd: int) -> None:
 
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
+    parent = os.environ.get("MEGARL_PARENT_PID")  # local_pool.PARENT_PID_ENV
+    die_with_parent(int(parent) if parent else None)
     if argv[0] == "--zygote":
         zygote(int(argv[1]))
     else:

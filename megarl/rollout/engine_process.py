@@ -8,6 +8,7 @@ plain-Python form completions travel in.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import time
 import traceback
@@ -18,6 +19,7 @@ import torch
 
 from megarl.rollout.build import EngineSpec, engine_from_spec
 from megarl.rollout.protocol import Completion
+from megarl.utils.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ def enter_engine_env(spec: EngineSpec) -> str:
 
 def engine_main(spec: EngineSpec, conn: Any) -> None:
     """The engine process: build the engine, then serve requests in order until "close"."""
+    die_with_parent(mp.parent_process().pid)
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
     engine = None
     try:
