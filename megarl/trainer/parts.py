@@ -23,6 +23,7 @@ from megarl.logging import MetricLogger
 from megarl.rollout.build import build_engine, check_engine_installed, engine_spec
 from megarl.rollout.protocol import RolloutEngine
 from megarl.trainer.generation import Scorer
+from megarl.trainer.run_lock import RunDirLock
 from megarl.utils import dist as mdist
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,16 @@ class RunParts:
     total_steps: int
     model_paths: dict[str, str]
     pool: Any = None  # the reward pool (rank 0 only)
+    lock: RunDirLock | None = None  # the run directory's lock (rank 0 only)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        self.engine.close()
+        try:
+            if self.pool is not None:
+                self.pool.close()
+            self.engine.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def make_logger(self, total_steps: int, resume_step: int | None) -> MetricLogger:
         t = self.cfg.trainer
@@ -168,7 +174,21 @@ def _default_schedule_length(cfg: Any, total_steps: int) -> None:
 
 
 def build_run(cfg: Any) -> RunParts:
+    """Everything a run needs, built in order; rank 0 first takes the run directory's lock
+    (one writer per directory: a second run on it is refused here, within its start-up)."""
     check_engine_installed(cfg)  # before the minutes spent on data, assets and models
+    lock = RunDirLock(cfg.trainer.default_local_dir).acquire() if mdist.rank() == 0 else None
+    try:
+        parts = _build_parts(cfg)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    parts.lock = lock
+    return parts
+
+
+def _build_parts(cfg: Any) -> RunParts:
     rank = mdist.rank()
     device = mdist.resolve_device(cfg.trainer.device)
     paths = _resolve_all(cfg)
