@@ -13,26 +13,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from process_helpers import alive, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (a killed process whose new parent has not reaped it yet)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_gone(pids, timeout_s: float) -> set[int]:
-    """The pids still alive after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return set()
-        time.sleep(0.1)
-    return {p for p in pids if _alive(p)}
 
 
 def _rows(path: Path) -> int:
@@ -73,16 +56,16 @@ def test_kill_9_of_the_torchrun_agent_leaves_nothing_of_the_run(tmp_path, demo_a
         time.sleep(1.0)  # the asynchronous engine has started its next batch
         tree = psutil.Process(agent.pid).children(recursive=True)
         pids = {p.pid for p in tree}
-        cmdlines = [" ".join(p.cmdline()) for p in tree if _alive(p.pid)]
+        cmdlines = [" ".join(p.cmdline()) for p in tree if alive(p.pid)]
         assert sum("launch/train.py" in c for c in cmdlines) == 2, cmdlines
         assert any(needs in c for c in cmdlines), (needs, cmdlines)
         agent.kill()
         agent.wait(timeout=10)
-        left = _wait_gone(pids, 5.0)
-        alive = {p: " ".join(psutil.Process(p).cmdline()) for p in left if _alive(p)}
+        left = wait_gone(pids, 5.0)
+        alive = {p: " ".join(psutil.Process(p).cmdline()) for p in left if alive(p)}
         assert not alive, f"alive 5 s after kill -9 of the agent: {json.dumps(alive, indent=1)}"
     finally:
         agent.kill()
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, 9)

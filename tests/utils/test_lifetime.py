@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from process_helpers import alive, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,35 +30,16 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (a killed process whose new parent has not reaped it yet)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_gone(pids, timeout_s: float) -> set[int]:
-    """The pids still alive after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = {p for p in pids if _alive(p)}
-        if not left:
-            return left
-        time.sleep(0.1)
-    return {p for p in pids if _alive(p)}
-
-
 def _orphan_after_parent_kill(call: str) -> tuple[int, set[int]]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     middle = subprocess.Popen([sys.executable, "-c", MIDDLE, GRANDCHILD.format(call=call)],
                               stdout=subprocess.PIPE, text=True, env=env)
     child = int(middle.stdout.readline())
     time.sleep(1.0)  # the grandchild has imported and called die_with_parent
-    assert _alive(child)
+    assert alive(child)
     middle.kill()
     middle.wait(timeout=10)
-    return child, _wait_gone({child}, 3.0)
+    return child, wait_gone({child}, 3.0)
 
 
 @pytest.mark.parametrize("call", [
@@ -76,7 +57,7 @@ def test_without_the_call_the_child_outlives_its_parent():
     try:
         assert left == {child}
     finally:
-        if _alive(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)
 
 
