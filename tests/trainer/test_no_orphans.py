@@ -62,8 +62,9 @@ def test_kill_9_of_the_torchrun_agent_leaves_nothing_of_the_run(tmp_path, demo_a
         agent.kill()
         agent.wait(timeout=10)
         left = wait_gone(pids, 5.0)
-        alive = {p: " ".join(psutil.Process(p).cmdline()) for p in left if alive(p)}
-        assert not alive, f"alive 5 s after kill -9 of the agent: {json.dumps(alive, indent=1)}"
+        survivors = {p: " ".join(psutil.Process(p).cmdline()) for p in left if alive(p)}
+        assert not survivors, (
+            f"alive 5 s after kill -9 of the agent: {json.dumps(survivors, indent=1)}")
     finally:
         agent.kill()
         for pid in pids:
