@@ -75,6 +75,25 @@ def _write(path: Path, holder: Holder) -> None:
     os.replace(tmp, path)
 
 
+def _create(path: Path, holder: Holder) -> None:
+    """Create the lock whole or raise FileExistsError: the holder is written to a file of its
+    own, then hard-linked to the lock's name (atomic, also on NFS), so no reader ever sees the
+    lock half-written and takes it for a dead writer's."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.new")
+    tmp.write_text(json.dumps(asdict(holder)))
+    try:
+        os.link(tmp, path)
+    except OSError as err:
+        if isinstance(err, FileExistsError):
+            raise
+        # a file system without hard links: exclusive creation, then the content
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(holder)))
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def holder_gone(holder: Holder | None, lease_s: float = LEASE_S) -> str | None:
     """Why ``holder``'s lock may be taken over (None: it is live)."""
     if holder is None:
@@ -107,9 +126,7 @@ class RunDirLock:
         """Take the lock, or raise UserInputError naming the live holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(asdict(self.me)))
+            _create(self.path, self.me)
         except FileExistsError:
             holder = _read(self.path)
             why = holder_gone(holder, self.lease_s)
