@@ -25,7 +25,7 @@ import socket
 import sys
 from multiprocessing.connection import Connection
 
-from megarl.utils.lifetime import die_with_parent
+from megarl.utils.lifetime import PARENT_PID_ENV, die_with_parent
 
 EXIT_CRASH = 3
 
@@ -115,7 +115,7 @@ def zygote(ctrl_fd: int) -> None:
 
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
-    parent = os.environ.get("MEGARL_PARENT_PID")  # local_pool.PARENT_PID_ENV
+    parent = os.environ.get(PARENT_PID_ENV)
     die_with_parent(int(parent) if parent else None)
     if argv[0] == "--zygote":
         zygote(int(argv[1]))

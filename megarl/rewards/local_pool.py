@@ -34,19 +34,17 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from megarl.rewards.pool import RewardPool, RewardRequest, RewardResult
+from megarl.utils import lifetime
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
 logger = logging.getLogger(__name__)
-
-
-PARENT_PID_ENV = "MEGARL_PARENT_PID"
 
 
 def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env[PARENT_PID_ENV] = str(os.getpid())  # the zygote / worker dies with this process
+    env[lifetime.PARENT_PID_ENV] = str(os.getpid())  # the zygote / worker dies with this process
     return env
 
 

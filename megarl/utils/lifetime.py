@@ -24,6 +24,8 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# A child started with a fresh interpreter finds its parent's pid here (set by the parent).
+PARENT_PID_ENV = "MEGARL_PARENT_PID"
 
 
 def _set_parent_death_signal(sig: int) -> bool:
