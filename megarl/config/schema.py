@@ -223,6 +223,9 @@ class AsyncTrainingConfig:
     use_rollout_log_probs: bool = True
     # CPUs of the engine processes (local rank r's engine: engine_cpus[r % len]); [] = inherit
     engine_cpus: list[int] = field(default_factory=list)
+    # seconds the trainer waits on its engine process hearing nothing from it (a generation,
+    # the engine's start-up) before the run fails naming the request; generous by default
+    engine_timeout_s: float = 1800.0
 
 
 @dataclass

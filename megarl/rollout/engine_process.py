@@ -1,8 +1,8 @@
 """The engine process of `megarl.rollout.process.ProcessRolloutEngine`: its environment (one
-GPU, a world of its own, pinned cores), the loop that serves the trainer's requests, and the
-plain-Python form completions travel in.
+GPU, a world of its own, pinned cores) and the loop that serves the trainer's requests.
 
-    engine_main(spec, conn)       the child's entry point: build the engine, serve until "close"
+    engine_main(spec, requests, results)   the child's entry point: build the engine, serve
+                                           until "close"
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -18,7 +20,8 @@ from typing import Any
 import torch
 
 from megarl.rollout.build import EngineSpec, engine_from_spec
-from megarl.rollout.protocol import Completion
+from megarl.rollout.packed import pack_completions, to_wire, unpack_prompts
+from megarl.rollout.weight_ring import WeightRing
 from megarl.utils.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -27,25 +30,6 @@ log = logging.getLogger(__name__)
 _WORLD_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 _VISIBLE = "CUDA_VISIBLE_DEVICES"
-
-
-
-def completion_state(c: Completion) -> dict[str, Any]:
-    """A completion as plain Python (sent through the pipe and saved with prefetched work)."""
-    routed = c.routed_experts
-    return {"prompt_index": c.prompt_index, "token_ids": list(c.token_ids),
-            "logprobs": None if c.logprobs is None else c.logprobs.tolist(),
-            "finish_reason": c.finish_reason, "policy_version": c.policy_version,
-            "routed_experts": None if routed is None else routed.tolist()}
-
-
-def completion_from_state(d: dict[str, Any]) -> Completion:
-    lp, routed = d["logprobs"], d.get("routed_experts")
-    return Completion(prompt_index=d["prompt_index"], token_ids=list(d["token_ids"]),
-                      logprobs=None if lp is None else torch.tensor(lp, dtype=torch.float32),
-                      finish_reason=d["finish_reason"], policy_version=d["policy_version"],
-                      routed_experts=None if routed is None else torch.tensor(
-                          routed, dtype=torch.int16))
 
 
 def pin_process(cpus: Sequence[int], threads: int) -> list[int]:
@@ -103,44 +87,63 @@ def enter_engine_env(spec: EngineSpec) -> str:
     return device
 
 
-def engine_main(spec: EngineSpec, conn: Any) -> None:
-    """The engine process: build the engine, then serve requests in order until "close"."""
+def engine_main(spec: EngineSpec, requests: Any, results: Any) -> None:
+    """The engine process: build the engine, say "ready", then serve requests in order until
+    "close". ``requests`` / ``results``: the receiving and sending ends of two one-way pipes.
+
+    Requests are read by a thread of their own into a queue, so a large request never waits
+    for the engine to finish a generation (and the trainer, whose receiving thread drains
+    ``results``, never waits for a request to be read)."""
     die_with_parent(mp.parent_process().pid)
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_requests, args=(requests, inbox), daemon=True,
+                     name="megarl-engine-requests").start()
     engine = None
     try:
         device = enter_engine_env(spec)
         pin_process(spec.cpus, spec.threads)
         engine = engine_from_spec(spec, device)
-        ring: list[dict[str, torch.Tensor]] | None = None
+        results.send(("ready", os.getpid()))
+        ring: WeightRing | None = None
         loaded: int | None = None  # serial of the publish in the engine's model
         while True:
-            msg = conn.recv()
+            msg = inbox.get()
             kind = msg[0]
-            if kind == "close":
+            if kind in ("close", "eof"):
                 if hasattr(engine, "close"):
                     engine.close()
                 break
             if kind == "ring":
-                ring = msg[1]
+                ring = WeightRing.attach(msg[1], msg[2])
+                results.send(("attached",))
                 continue
             _, rid, version, slot, serial, prompts, sampling, keys = msg
             start = time.perf_counter()
             if serial != loaded:  # the pickup point: weights change only here
-                engine.update_weights(ring[slot].items())
+                engine.update_weights(ring.slot(slot).items())
                 loaded = serial
-            conn.send(("loaded", rid))
+            results.send(("loaded", rid))
             generate = time.perf_counter()
-            comps = engine.generate(prompts, sampling, prompt_keys=keys)
+            comps = engine.generate(unpack_prompts(prompts), sampling, prompt_keys=keys)
             for c in comps:
                 c.policy_version = version
-            conn.send(("done", rid, [completion_state(c) for c in comps],
-                       (start, generate, time.perf_counter())))
+            results.send(("done", rid, to_wire(pack_completions(comps)),
+                          (start, generate, time.perf_counter())))
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         return
     except BaseException:
         try:
-            conn.send(("error", traceback.format_exc()))
+            results.send(("error", traceback.format_exc()))
         except Exception:
             pass
         raise
+
+
+def _read_requests(conn: Any, inbox: queue.Queue) -> None:
+    """Move every request from the pipe to ``inbox``; ("eof",) when the trainer is gone."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(("eof",))

@@ -8,8 +8,10 @@ forward/backward passes. The child hosts either megarl's `TorchRolloutEngine` or
 is a world of one whatever the trainer's world, so each training rank has its own engine;
 `megarl.rollout.engine_process` is the child's side).
 
-Weights travel through a ring of ``slots`` shared-memory copies of the model (host memory,
-allocated at the first publish, HF names as in the resharding stream):
+Weights travel through a ring of ``slots`` copies of the model in one shared-memory file
+(`megarl.rollout.weight_ring`, created at the first publish, HF names as in the resharding
+stream), one ring per node: the node's first rank writes it, every engine process of the
+node maps it.
 
     trainer: update_weights(actor.export_weights())   publish version v into slot j
              submit(prompts, sampling, keys)           the request names the newest version
@@ -18,14 +20,31 @@ allocated at the first publish, HF names as in the resharding stream):
              generate, return completions stamped with that version.
 
 A slot is overwritten only once every request that names the version it holds has acked its
-load, so a publish never races a load and the version a request uses is fixed when it is
-submitted, whatever the timing: the outputs are a function of (weights of that version,
-prompts, sampling seed) only. With ``slots = staleness + 1`` the trainer never waits on that
-rule (a version is loaded before the step that publishes ``staleness + 1`` versions later).
+load (on every rank of the node: a publish is collective), so a publish never races a load and
+the version a request uses is fixed when it is submitted, whatever the timing: the outputs are
+a function of (weights of that version, prompts, sampling seed) only. With
+``slots = staleness + 1`` the trainer never waits on that rule (a version is loaded before the
+step that publishes ``staleness + 1`` versions later).
+
+Host memory per node: ``slots x W`` for the ring (W: the bytes of the published weights)
+plus each engine's own copy of the model (on the GPU for vLLM).
+
+Transport: two one-way pipes, each drained by a thread on its receiving side, so neither side
+ever blocks sending while the other is blocked sending too (requests and results of any
+size); prompts and completions travel as flat arrays (`megarl.rollout.packed`). The engine
+process says "ready" once it has built its engine (on a GPU the proxy waits for it before
+returning, so the trainer does not load its models while the engine sizes its memory), dies
+with the trainer (`megarl.utils.lifetime`), and a wait on it that hears nothing for
+``timeout_s`` fails naming what it waited for.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import socket
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,9 +54,15 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.rollout.build import EngineSpec
-from megarl.rollout.engine_process import completion_from_state, completion_state, engine_main
+from megarl.rollout.engine_process import engine_main
+from megarl.rollout.packed import pack_completions, pack_prompts, unpack_completions
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.reshard import as_named
+from megarl.rollout.weight_ring import WeightRing
+from megarl.utils import dist as mdist
+
+# Default seconds a wait on the engine process may hear nothing before the run fails.
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 class EngineProcessError(RuntimeError):
@@ -71,23 +96,35 @@ class ProcessRolloutEngine:
     slots: shared weight copies (>= 1; ``staleness + 1`` lets the trainer publish without
     waiting). version_fn: the label of the next published version (default: 0 for the first
     publish, then +1 per publish); the trainer passes its step so a version names the step
-    whose update produced it.
+    whose update produced it. timeout_s: how long a wait on the engine process may hear
+    nothing from it (``async_training.engine_timeout_s``).
     """
 
     def __init__(self, spec: EngineSpec, *, slots: int = 2,
-                 version_fn: Callable[[], int] | None = None) -> None:
+                 version_fn: Callable[[], int] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.spec = spec
         self.version_fn = version_fn
+        self.timeout_s = float(timeout_s)
         self._ctx = mp.get_context("spawn")
-        self._conn, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=engine_main, args=(spec, child), daemon=True,
-                                       name="megarl-rollout-engine")
+        requests_in, self._to_engine = self._ctx.Pipe(duplex=False)
+        self._from_engine, results_out = self._ctx.Pipe(duplex=False)
+        self._proc = self._ctx.Process(target=engine_main, args=(spec, requests_in, results_out),
+                                       daemon=True, name="megarl-rollout-engine")
         self._proc.start()
-        child.close()
+        requests_in.close()
+        results_out.close()
+        self._inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=_drain_into, args=(self._from_engine, self._inbox), daemon=True,
+                         name="megarl-engine-results").start()
+        self._ready = self._attached = False
         self._nslots = slots
-        self._ring: list[dict[str, torch.Tensor]] | None = None
+        self._ring: WeightRing | None = None  # this node's ring, on the rank that wrote it
+        self._published = False
         self._slot_serial: list[int | None] = [None] * slots
         self._next_slot = 0
         self._serial = -1
@@ -98,6 +135,8 @@ class ProcessRolloutEngine:
         self._versions: dict[int, int] = {}  # request id -> version label, until done
         self.spans: deque[EngineSpan] = deque(maxlen=1024)  # the newest requests' timings
         self._closed = False
+        if torch.device(spec.device).type == "cuda":
+            self.wait_ready()
 
     # ------------------------------------------------------------------ protocol
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -111,30 +150,22 @@ class ProcessRolloutEngine:
 
     def update_weights(self, weights: Iterable[Any]) -> None:
         """Publish a new version: copy the (HF name, full tensor) stream (flat or bucketed)
-        into the next ring slot. Every rank must consume its whole stream (collective)."""
+        into the next ring slot. Collective: every rank calls it and consumes its whole
+        stream; the node's first rank writes the node's ring."""
         version = (self.version_fn() if self.version_fn is not None
                    else (0 if self._latest is None else self._latest[0] + 1))
         slot = self._next_slot
         self._wait_slot_free(slot)
-        if self._ring is None:
-            self._ring = [{} for _ in range(self._nslots)]
-            for name, tensor in as_named(weights):
-                for ring in self._ring:
-                    ring[name] = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
-                self._ring[slot][name].copy_(tensor.detach())
-            self._send(("ring", self._ring))
+        if not self._published:
+            self._publish_first(as_named(weights))
         else:
-            target = self._ring[slot]
-            seen = set()
-            for name, tensor in as_named(weights):
-                if name not in target:
-                    raise ValueError(f"update_weights: {name!r} was not in the first published "
-                                     "stream; every publish must carry the same tensors")
-                target[name].copy_(tensor.detach())
-                seen.add(name)
-            if seen != set(target):
-                missing = sorted(set(target) - seen)
-                raise ValueError(f"update_weights: the stream lacked {missing[:4]}")
+            mdist.barrier()  # every engine of the node is done with what the slot held
+            if self._ring is not None:
+                self._ring.write(slot, as_named(weights))
+            else:
+                for _ in as_named(weights):
+                    pass
+            mdist.barrier()  # written before any engine of the node may load it
         self._serial += 1
         self._slot_serial[slot] = self._serial
         self._latest = (version, slot, self._serial)
@@ -157,6 +188,11 @@ class ProcessRolloutEngine:
         """The version the next submitted request will use (None before the first publish)."""
         return None if self._latest is None else self._latest[0]
 
+    def wait_ready(self) -> None:
+        """Wait until the engine process has built its engine (its memory is taken)."""
+        while not self._ready:
+            self._receive(f"its start-up (building the {self.spec.engine} engine)")
+
     def submit(self, prompts: list[list[int]], sampling: SamplingParams,
                prompt_keys: Sequence[int] | None = None) -> int:
         """Queue a generation on the newest published version; returns a request id."""
@@ -169,8 +205,7 @@ class ProcessRolloutEngine:
         self._requests[rid] = _Request(serial)
         self._versions[rid] = version
         keys = None if prompt_keys is None else [int(k) for k in prompt_keys]
-        self._send(("gen", rid, version, slot, serial, [list(map(int, p)) for p in prompts],
-                    sampling, keys))
+        self._send(("gen", rid, version, slot, serial, pack_prompts(prompts), sampling, keys))
         return rid
 
     def prefetch(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -197,7 +232,7 @@ class ProcessRolloutEngine:
         if req is None:
             raise KeyError(f"no pending request {rid}")
         while req.result is None:
-            self._receive()
+            self._receive(f"request {rid} (policy version {self._versions.get(rid)})")
         del self._requests[rid]
         return req.result
 
@@ -206,8 +241,9 @@ class ProcessRolloutEngine:
         return sorted(self._prefetched.items(), key=lambda kv: kv[1])
 
     def export_prefetched(self) -> list[dict[str, Any]]:
-        """Wait for every prefetched request and return them as plain data (checkpoint of the
-        batches in flight); they stay collectable."""
+        """Wait for every prefetched request and return them as tensors and plain data
+        (checkpoint of the batches in flight, `megarl.rollout.packed`); they stay
+        collectable."""
         out = []
         for key, rid in self.pending():
             comps = self.result(rid)
@@ -216,13 +252,16 @@ class ProcessRolloutEngine:
             self._next_id += 1
             self._requests[new] = _Request(-1, loaded=True, result=comps)
             self._prefetched[key] = new
-            out.append({"key": key, "completions": [completion_state(c) for c in comps]})
+            out.append({"key": key, "packed": pack_completions(comps)})
         return out
 
     def import_prefetched(self, state: list[dict[str, Any]]) -> None:
         """Register finished requests saved by `export_prefetched` (exact resume)."""
         for entry in state:
-            comps = [completion_from_state(c) for c in entry["completions"]]
+            if "packed" in entry:
+                comps = unpack_completions(entry["packed"])
+            else:  # saved as one dict of lists per completion (before flat arrays)
+                comps = [_completion_from_lists(c) for c in entry["completions"]]
             rid = self._next_id
             self._next_id += 1
             self._requests[rid] = _Request(-1, loaded=True, result=comps)
@@ -234,55 +273,131 @@ class ProcessRolloutEngine:
         self._closed = True
         try:
             if self._proc.is_alive():
-                self._conn.send(("close",))
+                self._to_engine.send(("close",))
                 self._proc.join(timeout=30)
         except (BrokenPipeError, OSError):
             pass
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout=10)
-        self._conn.close()
+        self._to_engine.close()
+        self._from_engine.close()
+        if self._ring is not None:
+            self._ring.unlink()
 
     # ------------------------------------------------------------------ internals
+    def _publish_first(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Create the node's ring (its first rank, from this stream) and map it in every
+        engine process of the node; the file's name goes once all have mapped it."""
+        node = (socket.gethostname(), _group_rank())
+        ranks = mdist.all_gather_objects(node)
+        leader = ranks.index(node) == mdist.rank()
+        info = None
+        if leader:
+            self._ring = WeightRing.create(named, self._nslots)
+            info = (str(self._ring.path), self._ring.layout)
+        else:
+            for _ in named:
+                pass
+        infos = mdist.all_gather_objects((node, info))
+        path, layout = next(i for n, i in infos if n == node and i is not None)
+        self._send(("ring", path, layout))
+        while not self._attached:
+            self._receive(f"it to map the weight ring {path}")
+        mdist.barrier()
+        if self._ring is not None:
+            self._ring.unlink()
+        self._published = True
+
     def _send(self, msg: tuple) -> None:
         try:
-            self._conn.send(msg)
+            self._to_engine.send(msg)
         except (BrokenPipeError, OSError) as err:
             raise EngineProcessError(f"the rollout engine process is gone "
                                      f"(exit code {self._proc.exitcode})") from err
 
-    def _receive(self) -> None:
-        while not self._conn.poll(1.0):
+    def _next_message(self, waiting_for: str) -> tuple:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._inbox.get(timeout=min(1.0, self.timeout_s))
+            except queue.Empty:
+                pass
             if not self._proc.is_alive():
+                try:  # its last words (an error report) may still be on their way
+                    return self._inbox.get(timeout=1.0)
+                except queue.Empty:
+                    pass
                 raise EngineProcessError(f"the rollout engine process died (exit code "
-                                         f"{self._proc.exitcode})")
-        try:
-            msg = self._conn.recv()
-        except EOFError as err:
-            raise EngineProcessError("the rollout engine process closed its pipe") from err
+                                         f"{self._proc.exitcode}) while the trainer waited for "
+                                         f"{waiting_for}")
+            if time.monotonic() > deadline:
+                raise EngineProcessError(
+                    f"the rollout engine process (pid {self._proc.pid}) sent nothing for "
+                    f"{self.timeout_s:g} s while the trainer waited for {waiting_for}: it is "
+                    "alive but stuck (a hung generation or device); if a generation of this "
+                    "size takes that long, raise async_training.engine_timeout_s")
+
+    def _receive(self, waiting_for: str) -> None:
+        msg = self._next_message(waiting_for)
         kind = msg[0]
         if kind == "error":
             raise EngineProcessError(f"the rollout engine process failed:\n{msg[1]}")
+        if kind == "eof":
+            self._proc.join(timeout=5)
+            raise EngineProcessError(f"the rollout engine process closed its pipe (exit code "
+                                     f"{self._proc.exitcode}) while the trainer waited for "
+                                     f"{waiting_for}")
+        if kind == "ready":
+            self._ready = True
+            return
+        if kind == "attached":
+            self._attached = True
+            return
         req = self._requests[msg[1]]
         if kind == "loaded":
             req.loaded = True
         elif kind == "done":
             req.loaded = True
-            req.result = [completion_from_state(c) for c in msg[2]]
+            req.result = unpack_completions(msg[2])
             self.spans.append(EngineSpan(msg[1], self._versions.pop(msg[1], -1), *msg[3]))
 
     def _wait_slot_free(self, slot: int) -> None:
         held = self._slot_serial[slot]
         if held is None:
             return
-        while any(r.serial == held and not r.loaded for r in self._requests.values()):
-            self._receive()
+        for rid, r in list(self._requests.items()):
+            while r.serial == held and not r.loaded:
+                self._receive(f"request {rid} to load version {self._versions.get(rid)} "
+                              f"before slot {slot} is rewritten")
 
     def __del__(self) -> None:  # best effort; the trainer calls close()
         try:
             self.close()
         except Exception:
             pass
+
+
+def _drain_into(conn: Any, inbox: queue.Queue) -> None:
+    """Move every message from the pipe to ``inbox``; ("eof",) when the other side is gone."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(("eof",))
+
+
+def _group_rank() -> str:
+    return os.environ.get("GROUP_RANK", "0")
+
+
+def _completion_from_lists(d: dict[str, Any]) -> Completion:
+    lp, routed = d["logprobs"], d.get("routed_experts")
+    return Completion(prompt_index=d["prompt_index"], token_ids=list(d["token_ids"]),
+                      logprobs=None if lp is None else torch.tensor(lp, dtype=torch.float32),
+                      finish_reason=d["finish_reason"], policy_version=d["policy_version"],
+                      routed_experts=None if routed is None else torch.tensor(
+                          routed, dtype=torch.int16))
 
 
 # ---------------------------------------------------------------------- plain-data helpers

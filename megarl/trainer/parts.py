@@ -72,7 +72,11 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
     local = int(os.environ.get("LOCAL_RANK", "0"))
     mine = [cpus[local % len(cpus)]] if cpus else []
     spec = engine_spec(cfg, model_path, device, own_process=True, cpus=mine)
-    return ProcessRolloutEngine(spec, slots=staleness + 1)
+    timeout = cfg.async_training.engine_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise UserInputError(f"async_training.engine_timeout_s={timeout!r}: expected seconds "
+                             "> 0 (how long the trainer waits on a silent engine process)")
+    return ProcessRolloutEngine(spec, slots=staleness + 1, timeout_s=float(timeout))
 
 
 @dataclass
