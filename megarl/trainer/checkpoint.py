@@ -8,10 +8,14 @@ Layout under ``root`` (``<trainer.default_local_dir>/checkpoints``)::
         trainer_state.json    step, dataloader position, KL controller, ...
         COMPLETE              written last, before the rename
     .tmp_global_step_9/       a checkpoint being written (ignored by resume; removed by the next save)
+    .old_global_step_3/       a checkpoint being deleted (pruned or replaced; likewise)
 
 A save writes everything into the temp directory, fsyncs it, marks it COMPLETE and renames it
 into place (rename is atomic on POSIX), so a kill at any moment leaves the previous checkpoint
-usable and ``latest()`` never returns a partial one.
+usable and ``latest()`` never returns a partial one. A checkpoint is deleted the same way round:
+renamed out of the ``global_step_N`` names first, then removed, so a kill in the middle of the
+removal never leaves a half-deleted ``global_step_N`` behind. Every save starts by removing the
+temporary folders that a killed run left (one writer per run directory: megarl.trainer.run_lock).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from megarl.utils import dist as mdist
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_LEFTOVER = re.compile(r"^\.(tmp|old)_global_step_\d+$")
 COMPLETE = "COMPLETE"
 
 
@@ -105,8 +110,7 @@ class CheckpointManager:
         final = self.step_dir(step)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            self.remove_leftovers()
             tmp.mkdir()
             (tmp / "rng").mkdir()
         mdist.barrier()
@@ -121,23 +125,45 @@ class CheckpointManager:
                 f.write(f"{step}\n")
                 f.flush()
                 os.fsync(f.fileno())
+            old = None
             if final.exists():  # re-saving a step (e.g. after a resume): replace it
-                shutil.rmtree(final)
+                old = self._set_aside(final)
             os.rename(tmp, final)
             fd = os.open(self.root, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             self._prune()
         mdist.barrier()
         return final
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the temporary folders (``.tmp_*`` being written, ``.old_*`` being deleted)
+        that a killed save left; returns their names. Call it where no save is under way."""
+        if not self.root.is_dir():
+            return []
+        gone = sorted(c.name for c in self.root.iterdir() if _LEFTOVER.match(c.name))
+        for name in gone:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        return gone
+
+    def _set_aside(self, ckpt: Path) -> Path:
+        """Rename ``ckpt`` out of the step names (atomic), so that deleting it, however far the
+        deletion gets, never leaves a partial global_step_N."""
+        aside = ckpt.with_name(f".old_{ckpt.name}")
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(ckpt, aside)
+        return aside
 
     def _prune(self) -> None:
         if self.keep_last is None:
             return
         for old in self.complete_steps()[: -self.keep_last]:
-            shutil.rmtree(self.step_dir(old), ignore_errors=True)
+            shutil.rmtree(self._set_aside(self.step_dir(old)), ignore_errors=True)
 
     @staticmethod
     def load_trainer_state(ckpt: Path) -> dict[str, Any]:
