@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -61,11 +62,48 @@ def _resolve_quietly(config: str, overrides: list[str], demo):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run; a stop signal (SIGTERM, SIGINT, SIGHUP) unwinds the run (megarl.utils.stop_signals:
+    the reward pool and engine process closed, the run directory's lock released, a checkpoint
+    being written abandoned), says where it stopped, then ends this process by that signal."""
     args = parse_args(argv)
     if torchrun_world() is not None:  # a rank dies with its torchrun agent, however it dies
         from megarl.utils.lifetime import die_with_parent
 
         die_with_parent()
+    from megarl.utils.stop_signals import StopRequested, StopSignals
+
+    stop = StopSignals().install()
+    run_dir: list[str] = []  # set once the config is known
+    try:
+        return _main(args, run_dir)
+    except BaseException as err:
+        # StopRequested, or what it became on its way up (torch's checkpoint writer, for one,
+        # gathers the ranks' exceptions into its own)
+        signum = err.signum if isinstance(err, StopRequested) else stop.received
+        if signum is None:
+            raise
+        _report_stop(signum, run_dir)
+        stop.die_by(signum)
+        raise
+    finally:
+        stop.uninstall()
+
+
+def _report_stop(signum: int, run_dir: list[str]) -> None:
+    """One line on stderr: which signal stopped this rank and the newest complete checkpoint."""
+    where = ""
+    if run_dir:
+        from megarl.trainer.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(Path(run_dir[0]) / "checkpoints").latest()
+        where = (f"; newest complete checkpoint: {latest} (continue with trainer.resume=auto)"
+                 if latest else "; no complete checkpoint yet")
+    rank = os.environ.get("RANK")
+    print(f"{'rank ' + rank + ': ' if rank else ''}stopped by {signal.Signals(signum).name}{where}",
+          file=sys.stderr, flush=True)
+
+
+def _main(args: argparse.Namespace, run_dir: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from megarl.config import ConfigError
@@ -102,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error:\n{err}", file=sys.stderr)
             return 2
     cfg = resolved.config
+    run_dir.append(str(cfg.trainer.default_local_dir))
     if os.environ.get("RANK", "0") == "0":
         print(resolved.report(), flush=True)
     from megarl.trainer import run
