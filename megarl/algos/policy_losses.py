@@ -157,7 +157,7 @@ def cispo(
     return loss, _metrics(loss, clipfrac, 0.0, ppo_kl)
 
 
-@register_policy_loss("reinforce")
+@register_policy_loss("reinforce", ratio=False)
 def reinforce(
     *, logprob, old_logprob, advantages, response_mask, agg_mode, rollout_is_weights, norm, **_,
 ):

@@ -14,6 +14,11 @@ Users add their own with the decorators::
         ...
         return loss, {"pg_loss": ..., "pg_clipfrac": ..., "pg_clipfrac_lower": ..., "ppo_kl": ...}
 
+A loss without an importance ratio (its gradient does not read ``old_logprob``: REINFORCE's
+`-A logp`) is registered with ``ratio=False`` (`RATIO_FREE_LOSSES`): with asynchronous rollout
+its samples of an older policy version are corrected by the truncated importance weights alone
+(`megarl.trainer.correction`), which such a run must then enable.
+
 Every registered function is called with all of the keyword arguments above (inputs already
 validated: shapes match, masks are bool); `norm` is the dict of global-normalisation arguments
 for `agg_loss` (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
@@ -37,6 +42,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 ADVANTAGE_PIPELINES: dict[str, Callable[..., Any]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
+RATIO_FREE_LOSSES: set[str] = set()  # policy losses registered with ratio=False
 ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {}  # estimator or pipeline name -> its needs
 
 NEEDS = {
@@ -101,9 +107,26 @@ def register_advantage_pipeline(name: str, *, needs: Iterable[str] = ()) -> Call
     return _estimator(ADVANTAGE_PIPELINES, "advantage pipeline", name, needs)
 
 
-def register_policy_loss(name: str) -> Callable[[F], F]:
-    """Decorator: register `fn` in POLICY_LOSSES under `name`."""
-    return _register(POLICY_LOSSES, "policy loss", name)
+def register_policy_loss(name: str, *, ratio: bool = True) -> Callable[[F], F]:
+    """Decorator: register `fn` in POLICY_LOSSES under `name`; ``ratio=False`` for a loss
+    that takes no ratio against ``old_logprob`` (module doc)."""
+    register = _register(POLICY_LOSSES, "policy loss", name)
+
+    def decorator(fn: F) -> F:
+        register(fn)
+        if ratio:
+            RATIO_FREE_LOSSES.discard(name)
+        else:
+            RATIO_FREE_LOSSES.add(name)
+        return fn
+
+    return decorator
+
+
+def policy_loss_has_ratio(name: str) -> bool:
+    """Whether the policy loss ``name`` takes an importance ratio against ``old_logprob``
+    (every loss but those registered with ``ratio=False``)."""
+    return name not in RATIO_FREE_LOSSES
 
 
 def estimator_names() -> list[str]:
