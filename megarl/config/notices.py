@@ -1,9 +1,13 @@
-"""Startup notices: keys of a loaded config that are accepted but have no effect on this run.
+"""Startup notices: keys of a loaded config that are accepted but have no effect on this run,
+and settings that run but leave something uncorrected.
 
 ``startup_notices(cfg)`` returns one line per such key, ``KEY=VALUE: accepted without effect:
-WHY[; FIX]``. A key appears only when its value is not the schema default (or when another
-setting makes it inert, e.g. a micro-batch size under ``use_dynamic_bsz: true``); the trainer
-prints the lines at start. Keys that do have their effect are never listed here.
+WHY[; FIX]`` (inert keys) or ``KEY=VALUE: WHY; FIX`` (a setting that does not do what a user
+may expect of it: asynchronous rollout with nothing correcting for the behaviour policy).
+A key appears only when its value is not the schema default (or when another setting makes it
+inert, e.g. a micro-batch size under ``use_dynamic_bsz: true``), or in the combination that
+has the effect named; the trainer prints the lines at start. Keys that do have their effect
+are never listed as inert.
 """
 
 from __future__ import annotations
@@ -18,6 +22,49 @@ _DEFAULT_EPOCHS = 30
 
 def _line(key: str, value: Any, why: str) -> str:
     return f"{key}={value!r}: accepted without effect: {why}"
+
+
+def _caveat(key: str, value: Any, why: str) -> str:
+    return f"{key}={value!r}: {why}"
+
+
+def _loss_has_ratio(cfg: Config) -> bool:
+    """Whether the run's policy loss takes a ratio against old_logprob (PACS's own loss reads
+    old_logprob too, and takes no importance weights)."""
+    from megarl import algos
+
+    return cfg.pacs.enable or algos.policy_loss_has_ratio(
+        cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
+
+
+def _async_correction_notices(cfg: Config) -> list[str]:
+    """Asynchronous rollout's off-policy correction (`megarl.trainer.async_rollout`): the
+    weights of ``rollout_is`` measured only (the ratio against the behaviour policy corrects),
+    or nothing correcting for the behaviour policy (the ratio against the trainer's own
+    recomputation and no weights). A loss without a ratio and no weights is refused by the
+    trainer (`megarl.trainer.correction.check_lagged_correction`)."""
+    rc, at = cfg.algorithm.rollout_correction, cfg.async_training
+    if at.staleness_threshold <= 0:
+        return []
+    if rc.rollout_is is not None and at.use_rollout_log_probs and _loss_has_ratio(cfg):
+        return [_line(
+            "algorithm.rollout_correction.rollout_is", rc.rollout_is,
+            "async_training.use_rollout_log_probs=true takes the PPO ratio against the engine's "
+            "logprobs, which already corrects for the behaviour policy (verl's bypass mode), so "
+            "the weights are logged (rollout_corr/rollout_is_*) but not applied (they are with a "
+            "loss that takes no ratio, policy_loss.loss_mode=reinforce); set "
+            "async_training.use_rollout_log_probs=false to apply them")]
+    if rc.rollout_is is None and not at.use_rollout_log_probs:
+        return [_caveat(
+            "async_training.use_rollout_log_probs", False,
+            f"with async_training.staleness_threshold={at.staleness_threshold} the loss's ratio "
+            "is taken against the trainer's own recomputation (its weights before the update), "
+            "and with algorithm.rollout_correction.rollout_is=null nothing corrects for the "
+            "older policy version that sampled each batch (the behaviour policy): its samples "
+            "train as if on-policy; set algorithm.rollout_correction.rollout_is=token (the "
+            "truncated weights pi/mu, decoupled PPO) or async_training.use_rollout_log_probs=true "
+            "(the ratio against the behaviour policy)")]
+    return []
 
 
 def _micro_notices(cfg: Config) -> list[str]:
@@ -59,7 +106,8 @@ def _micro_notices(cfg: Config) -> list[str]:
 
 
 def startup_notices(cfg: Config) -> list[str]:
-    """One line per key of ``cfg`` (a loaded, filled Config) accepted without effect."""
+    """One line per key of ``cfg`` (a loaded, filled Config) accepted without effect, or set
+    in a combination that leaves something uncorrected (module doc)."""
     out = _micro_notices(cfg)
     arr, t = cfg.actor_rollout_ref, cfg.trainer
     ckpt = arr.actor.checkpoint
@@ -99,14 +147,7 @@ def startup_notices(cfg: Config) -> list[str]:
                     f"algorithm.pure.{name}{alias}", value,
                     f"it shapes PURE's advantage pipeline, algorithm.adv_estimator=pure_rloo, "
                     f"and this run uses {cfg.algorithm.adv_estimator}"))
-    rc, at = cfg.algorithm.rollout_correction, cfg.async_training
-    if rc.rollout_is is not None and at.staleness_threshold > 0 and at.use_rollout_log_probs:
-        out.append(_line(
-            "algorithm.rollout_correction.rollout_is", rc.rollout_is,
-            "async_training.use_rollout_log_probs=true takes the PPO ratio against the engine's "
-            "logprobs, which already corrects for the behaviour policy (verl's bypass mode), so "
-            "the weights are logged (rollout_corr/rollout_is_*) but not applied; set "
-            "async_training.use_rollout_log_probs=false to apply them"))
+    out += _async_correction_notices(cfg)
     ob = cfg.reward_model.overlong_buffer
     if ob.log and not ob.enable:
         out.append(_line("reward_model.overlong_buffer.log", True,

@@ -95,6 +95,15 @@ class ActorLossSettings:
                 and not self.use_kl_loss and getattr(out, "hidden", None) is not None)
 
     @property
+    def has_ratio(self) -> bool:
+        """Whether the policy objective takes an importance ratio against ``old_logprob`` (the
+        registered losses but those with ``ratio=False``, e.g. reinforce; an algorithm's own
+        objective unless it says ``has_ratio = False``)."""
+        if self.policy is not None:
+            return bool(getattr(self.policy, "has_ratio", True))
+        return algos.policy_loss_has_ratio(self.loss_mode)
+
+    @property
     def regularized(self) -> bool:
         """Whether the entropy bonus and the KL loss apply (the PPO family's loss: always)."""
         return self.policy is None or self.policy.regularized
