@@ -6,6 +6,8 @@ Inputs live in ``batch.tensors``:
   step_rewards [B, L] PRM score p(correct) - p(incorrect) at step-end tokens, 0 elsewhere
   step_mask   [B, L]  1 at step-end tokens (PRM enabled only)
   old_logprob, ref_logprob [B, L]; values [B, L] (critic); reward_baselines [B] (greedy scores)
+  prox_logprob [B, L] the trainer's recomputation where asynchronous rollout put the engine's
+              logprobs in old_logprob (``megarl.trainer.async_rollout``)
 Outputs written back: token_level_scores, token_level_rewards (``place_rewards``), advantages,
 returns [B, L] (``estimator_advantages``). Algorithms with an advantage stage of their own
 (``megarl.trainer.algorithm``) start from ``place_rewards`` too.
@@ -44,12 +46,29 @@ def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def reward_kl_policy(batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy logprobs [B, L] the KL in the reward measures against the reference: the
+    trainer's recomputation with its weights before the update (``prox_logprob`` where
+    asynchronous rollout moved it there, else ``old_logprob``), never the engine's sampling
+    logprobs, whose KL to an identical reference is the engine/trainer gap and, with a version
+    lag, the older policy's. For batches of asynchronous rollout (``policy_version``) the metric
+    ``actor/reward_kl_source_trainer`` says which it was: 1.0 the trainer's, 0.0 the engine's
+    (``old_logprob`` is the engine's when no recomputation ran)."""
+    t = batch.tensors
+    policy = t["prox_logprob"] if "prox_logprob" in t else t["old_logprob"]
+    if "policy_version" not in t:
+        return policy, {}
+    engine = policy is t.get("rollout_logprob")
+    return policy, {"actor/reward_kl_source_trainer": 0.0 if engine else 1.0}
+
+
 def place_rewards(batch: RolloutBatch, s: AdvantageSettings,
                   kl_coef: float) -> tuple[dict[str, float], torch.Tensor | None]:
     """Fill token_level_scores (the verifiable reward at the last token, times
     ``verifiable_reward_coef`` with a PRM, plus the PRM's credit-assigned step rewards, kept as
-    ``prm_token_rewards``) and token_level_rewards (the scores minus ``kl_coef`` x the KL to the
-    reference per token, with ``use_kl_in_reward``). Returns (metrics, the masked KL [B, L] or
+    ``prm_token_rewards``) and token_level_rewards (the scores minus ``kl_coef`` x the KL of
+    the trainer's policy (`reward_kl_policy`) to the reference per token, with
+    ``use_kl_in_reward``). Returns (metrics, the masked KL [B, L] or
     None when none is in the reward); ``_kl_for_controller`` in the metrics is the step's KL for
     the adaptive controller."""
     t = batch.tensors
@@ -71,9 +90,11 @@ def place_rewards(batch: RolloutBatch, s: AdvantageSettings,
 
     kl = None
     if "ref_logprob" in t and s.use_kl_in_reward:
-        kl = algos.kl_penalty(t["old_logprob"], t["ref_logprob"], s.kl_penalty) * mask
-        rewards, cur_kl = algos.apply_kl_in_reward(scores, t["old_logprob"], t["ref_logprob"],
+        policy, source = reward_kl_policy(batch)
+        kl = algos.kl_penalty(policy, t["ref_logprob"], s.kl_penalty) * mask
+        rewards, cur_kl = algos.apply_kl_in_reward(scores, policy, t["ref_logprob"],
                                                    mask, kl_coef, kind=s.kl_penalty)
+        metrics.update(source)
         metrics["actor/reward_kl_penalty"] = cur_kl
         metrics["actor/reward_kl_penalty_coeff"] = kl_coef
         metrics["_kl_for_controller"] = cur_kl

@@ -49,6 +49,7 @@ class RLTrainer:
         # the user's estimators and losses (algorithm.custom_algorithms.path) are imported
         # first: a name that has no algorithm fails before any model is loaded
         self.algorithm = build_algorithm(cfg)
+        self.check_settings()
         self.parts: RunParts = build_run(cfg)
         p = self.parts
         self.rank = mdist.rank()
@@ -71,6 +72,11 @@ class RLTrainer:
         self.logger = None
         self.ratio_against_rollout_logprobs = False  # asynchronous rollout may set it
         self._resumed_row: dict[str, float] | None = None
+        self.resume_notes: list[str] = []  # what a resume changed, printed after it
+
+    def check_settings(self) -> None:
+        """Refuse settings this loop cannot run, before any model is built (UserInputError);
+        the synchronous loop has none beyond the config's checks."""
 
     # ------------------------------------------------------------------ sampling settings
     def _sampling(self, seed: int, validation: bool = False, n: int | None = None,
@@ -173,8 +179,10 @@ class RLTrainer:
         on_policy = one_update and not lagged
         # Off-policy samples whose ratio is taken against the engine's own logprobs need no
         # recomputed old_logprob when a single update follows (the mismatch is then measured
-        # only on check steps)
-        behaviour_only = lagged and one_update and self.ratio_against_rollout_logprobs
+        # only on check steps); a loss without a ratio is corrected by importance weights on
+        # the recomputation instead (correction.py)
+        behaviour_only = (lagged and one_update and self.ratio_against_rollout_logprobs
+                          and algo.loss.has_ratio)
         # The engine/trainer logprob gap is always measured on the first step (a wrong weight
         # sync or sampler shows at once), and on every step with rollout.check_logprobs.
         check = "rollout_logprob" in t and (arr.rollout.check_logprobs or self.step == 1)
@@ -201,7 +209,7 @@ class RLTrainer:
         if lagged:
             self.behaviour_logprobs(batch, metrics)
         if rc.rollout_is is not None:
-            metrics.update(add_rollout_is_weights(batch, rc))
+            metrics.update(add_rollout_is_weights(batch, rc, algo.loss.has_ratio))
         if p.ref is not None:
             with timer("ref"):
                 t["ref_logprob"], _ = p.ref.logprobs(seq, temperature=temperature)
@@ -372,6 +380,8 @@ class RLTrainer:
             logger.print(f"notice: {line}")
         if resumed is not None:
             logger.print(f"resumed from step {resumed}")
+            for line in self.resume_notes:
+                logger.print(line)
             if self._resumed_row is not None and not logger.has_step(resumed):
                 logger.log(resumed, self._resumed_row)  # the run died after saving, before logging
         summary: dict[str, Any] = {}
