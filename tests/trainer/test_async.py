@@ -61,10 +61,12 @@ def _hf_logprobs(model, weights: dict, input_ids: torch.Tensor, attention: torch
     return torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
 
 
-def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int):
+def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int, log: dict | None = None):
     """Train ``steps`` asynchronous steps in this process; return per step the batch (ids,
     masks, versions), the old logprobs each loss call used (None: on-policy, ratio 1), and
-    the actor's weights after each step (version = step; version 0 = the initial weights)."""
+    the actor's weights after each step (version = step without critic warmup; version 0 =
+    the initial weights). ``log``, when given, gets "metrics" (step -> the step's metrics) and
+    "is_weights" (per loss call: step, input ids, its rollout_is_weights or None)."""
     import megarl.trainer.trainer as trainer_mod
     from megarl.config.loader import resolve_config
     from megarl.trainer.async_rollout import AsyncRLTrainer
@@ -87,6 +89,10 @@ def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int):
         def loss_fn(out, mb):
             old = None if settings.on_policy else mb.tensors["old_logprob"].clone()
             calls.append((trainer.step, mb.input_ids.clone(), mb.attention_mask.clone(), old))
+            if log is not None:
+                w = mb.tensors.get("rollout_is_weights")
+                log.setdefault("is_weights", []).append(
+                    (trainer.step, mb.input_ids.clone(), None if w is None else w.clone()))
             return inner(out, mb)
         return loss_fn
 
@@ -105,7 +111,9 @@ def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int):
     try:
         for _ in range(steps):
             trainer.step += 1
-            trainer.train_step()
+            metrics = trainer.train_step()
+            if log is not None:
+                log.setdefault("metrics", {})[trainer.step] = metrics
             weights[trainer.step] = {n: t.clone() for n, t in p.actor.export_weights()}
     finally:
         trainer_mod.actor_loss_fn = real_loss_fn
