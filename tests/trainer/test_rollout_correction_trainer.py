@@ -246,6 +246,19 @@ def test_bypass_measures_but_does_not_weight():
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(torch.e, rel=1e-6)
 
 
+def test_bypass_weights_a_loss_without_ratio():
+    """The same batch as in bypass mode, for a loss that takes no ratio (reinforce): nothing
+    else corrects, so the weights exp(prox - rollout), truncated at 2, are stored for the loss.
+    Before the fix: add_rollout_is_weights took no such argument and stored none."""
+    rollout = torch.tensor([[-1.2, -1.0, 0.0], [-1.5, 0.0, 0.0]])
+    prox = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    batch = _batch(old_logprob=rollout, prox_logprob=prox, rollout_logprob=rollout)
+    add_rollout_is_weights(batch, SETTINGS, loss_has_ratio=False)
+    expected = [[math.exp(0.2), math.exp(-1.0), 0.0], [2.0, 0.0, 0.0]]
+    w = batch.tensors["rollout_is_weights"]
+    assert w.tolist() == [pytest.approx(r, rel=1e-6) for r in expected]
+
+
 def test_missing_engine_logprobs_name_the_key():
     with pytest.raises(UserInputError) as err:
         require_rollout_logprobs(_batch(old_logprob=torch.zeros(2, 3)), "sequence")
