@@ -219,7 +219,9 @@ class AsyncTrainingConfig:
     # trains); verl's fractional sample-level thresholds are not implemented
     staleness_threshold: int = 0
     # PPO ratio against the engine's sampling logprobs (the behaviour policy); false: against
-    # the trainer's recomputation with its current weights (decoupled PPO's proximal policy)
+    # the trainer's recomputation with its weights before the update, and only
+    # algorithm.rollout_correction.rollout_is then corrects for the behaviour policy (decoupled
+    # PPO); with it null nothing does (a startup notice says so)
     use_rollout_log_probs: bool = True
     # CPUs of the engine processes (local rank r's engine: engine_cpus[r % len]); [] = inherit
     engine_cpus: list[int] = field(default_factory=list)

@@ -95,8 +95,8 @@ class ProcessRolloutEngine:
 
     slots: shared weight copies (>= 1; ``staleness + 1`` lets the trainer publish without
     waiting). version_fn: the label of the next published version (default: 0 for the first
-    publish, then +1 per publish); the trainer passes its step so a version names the step
-    whose update produced it. timeout_s: how long a wait on the engine process may hear
+    publish, then +1 per publish); the trainer passes its count of actor updates, so a
+    version's lag is counted in updates. timeout_s: how long a wait on the engine process may hear
     nothing from it (``async_training.engine_timeout_s``).
     """
 
@@ -313,6 +313,15 @@ class ProcessRolloutEngine:
         try:
             self._to_engine.send(msg)
         except (BrokenPipeError, OSError) as err:
+            self._proc.join(timeout=5)
+            while True:  # its last words: the error that ended it
+                try:
+                    last = self._inbox.get(timeout=1.0)
+                except queue.Empty:
+                    break
+                if last[0] == "error":
+                    raise EngineProcessError(
+                        f"the rollout engine process failed:\n{last[1]}") from err
             raise EngineProcessError(f"the rollout engine process is gone "
                                      f"(exit code {self._proc.exitcode})") from err
 
