@@ -179,8 +179,8 @@ def test_kill_9_of_an_engine_process_ends_the_run_with_its_name(tmp_path, straig
     rc, out, took = _fault_kill_after_checkpoint_3(run, kill)
     print(f"engine kill: the run ended {took:.1f} s after it")
     assert rc != 0
-    # "EngineProcessError: the rollout engine process died (exit code -9)" (or, in the transport
-    # being rewritten, "... closed its pipe (exit code -9) while the trainer waited for ...")
+    # "EngineProcessError: the rollout engine process died (exit code -9) ..." or "... closed its
+    # pipe (exit code -9) while the trainer waited for ..." (whichever the trainer notices first)
     line = next((ln for ln in out.splitlines() if "EngineProcessError: " in ln), out[-3000:])
     assert "the rollout engine process" in line and "exit code -9" in line, line
     assert _only_complete(run) == [3]
@@ -196,15 +196,22 @@ def _shm_of(pids) -> list[str]:
                   and any(n.startswith(m) for m in marks))
 
 
+def _ring_files(pid: int) -> set[str]:
+    """The weight-ring files process ``pid`` maps (device:inode), from /proc/<pid>/maps."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {" ".join(line.split()[3:5]) for line in maps if "/megarl-ring-" in line}
+
+
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
 def test_kill_9_of_a_rank_leaves_no_engine_and_no_shared_memory(tmp_path, demo_assets):
     """kill -9 of rank 1 during step 2: the run ends within 60 s; 10 s later no process of the
     run is alive (the engine processes included) and /dev/shm holds no segment a process of
     the run created. Passed on the code as it was. Planted (the engine process without
     die_with_parent): still passes, the engine also ends on its pipe's EOF; it fails only
-    where both give way. Today's transport shares tensors by file descriptor and names no
-    segment, so the /dev/shm check guards the named ``megarl-ring-<pid>-...`` files of the
-    transport being rewritten (and torch's ``torch_<pid>_...`` file-system sharing)."""
+    where both give way. The weight ring is one file per node, mapped by both engine processes
+    and rank 0 (its writer), not by rank 1; its name is gone from /dev/shm once mapped.
+    Planted (the ring's name not unlinked after mapping): the /dev/shm check fails with the
+    ``megarl-ring-<rank 0 pid>-...`` file."""
     run = tmp_path / "run"
     agent, log = _start(run, "trainer.total_training_steps=200", "trainer.save_freq=-1")
     try:
@@ -213,6 +220,9 @@ def test_kill_9_of_a_rank_leaves_no_engine_and_no_shared_memory(tmp_path, demo_a
                   agent)
         ranks = _ranks(agent)
         engines = [_engine(r).pid for r in ranks.values()]
+        rings = [_ring_files(p) for p in engines]
+        assert len(rings[0]) == 1 and rings[0] == rings[1], rings  # one ring for the node
+        assert _ring_files(ranks[0].pid) == rings[0] and not _ring_files(ranks[1].pid)
         pids = _run_pids(agent)
         ranks[1].kill()
         _ended(agent, pids, "kill -9 of rank 1", 60)
