@@ -236,3 +236,22 @@ def test_async_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets):
     init = load_file(next(_policy_dir().glob("*.safetensors")))
     assert any(not torch.equal(init[k], wa[k]) for k in init if k in wa)
     assert_resumed(proc, resumed, before, 3, 6)
+
+
+def test_staleness_2_with_validation_every_step(tmp_path, demo_assets):
+    """Staleness 2 for 6 steps with validation after every step: the validation requests go to
+    the engine process while two batches are queued ahead, and the run finishes (timeout 300
+    s) with every step validated, lags 0, 1, 2, 2, 2, 2 and the lag never over the bound."""
+    import pyarrow.parquet as pq
+
+    val = tmp_path / "val.parquet"
+    from megarl.data import resolve_path
+
+    source = resolve_path("embedded://arith/val.parquet")
+    pq.write_table(pq.read_table(source).slice(0, 24), val)
+    train(tmp_path / "run", "grpo", "trainer.total_training_steps=6", "trainer.test_freq=1",
+          f"data.val_files={val}", "async_training.staleness_threshold=2", timeout=300)
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(any(k.startswith("val/test_score/") for k in r) for r in rows)
+    assert [r["async/policy_version_lag/max"] for r in rows] == [0, 1, 2, 2, 2, 2]
