@@ -1,0 +1,461 @@
+"""The agent loop: multi-turn rollouts with tool calls, over any `RolloutEngine`, exact ids.
+
+    trajectories = run_agent_loop(engine, prompts, sampling, tokenizer, tools, settings)
+
+Each turn, every live trajectory's prompt + response so far goes to ONE ``engine.generate``
+call (the engine batches them). The engine's ids are appended as they are (response_mask 1,
+the engine's logprobs); only the new turn's ids are decoded, to find its tool calls. The calls
+run (asyncio; at most ``max_parallel_calls`` per turn of a trajectory, each under
+``tool_timeout_s``), and their responses are appended as the chat template renders them
+(response_mask 0, logprob 0): what closes the assistant turn after the model's end-of-turn
+token (Qwen: the ``\\n`` after ``<|im_end|>``), the tool turn(s), and the next assistant
+header. Nothing the model generated is ever re-tokenized.
+
+A trajectory ends at: a turn without a tool call (``stop``), the response budget
+(``length``: ``max_response_length`` tokens in all; a tool response that would leave no room
+for one more model token is not appended), ``max_assistant_turns`` or ``max_user_turns``
+(a user turn is one round of tool responses, as verl counts).
+
+The continuation text is the template's own: the rendering of [system, user, assistant X,
+tool...] (generation prompt on) minus that of [system, user, assistant X], tokenized alone;
+where a template renders the prefix differently once a message follows it (Qwen3's empty
+think block), verl's way: [system, tool...] minus [system]. The tokenization sanity check
+(``tokenization_sanity_check_mode``) compares prompt + response ids with the tokenization of
+the whole conversation rendered by the template and reports where they differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from megarl.errors import UserInputError
+from megarl.rollout.agent.tool_parser import ParseError, get_tool_parser
+from megarl.rollout.agent.tools import BaseTool, ToolResponse, tool_schemas
+from megarl.rollout.protocol import RolloutEngine, SamplingParams, resolve_prompt_keys
+
+logger = logging.getLogger(__name__)
+
+SANITY_MODES = ("strict", "ignore_strippable", "disable")
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+@dataclass
+class AgentLoopSettings:
+    """verl's ``actor_rollout_ref.rollout.multi_turn`` keys (same names, same defaults), plus
+    megarl's per-call timeout and bound on calls running at once over the batch."""
+
+    enable: bool = False
+    max_assistant_turns: int | None = None  # None: no limit
+    max_user_turns: int | None = None  # None: no limit
+    tool_config_path: str | None = None
+    format: str = "hermes"
+    max_parallel_calls: int = 1  # calls run per assistant turn (more are answered with an error)
+    max_tool_response_length: int = 256  # CHARACTERS of one tool response (verl)
+    tool_response_truncate_side: str = "middle"  # left: keep the start; right: the end
+    tokenization_sanity_check_mode: str = "strict"
+    tool_timeout_s: float = 30.0
+    max_concurrent_calls: int = 64
+
+    def __post_init__(self):
+        for key in ("max_assistant_turns", "max_user_turns"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise UserInputError(f"multi_turn.{key}={v}: give a positive count or null")
+        if self.max_parallel_calls < 1 or self.max_concurrent_calls < 1:
+            raise UserInputError("multi_turn.max_parallel_calls must be >= 1")
+        if self.max_tool_response_length < 1:
+            raise UserInputError("multi_turn.max_tool_response_length must be >= 1")
+        if self.tool_response_truncate_side not in TRUNCATE_SIDES:
+            raise UserInputError(f"multi_turn.tool_response_truncate_side="
+                                 f"{self.tool_response_truncate_side!r}: one of {TRUNCATE_SIDES}")
+        if self.tokenization_sanity_check_mode not in SANITY_MODES:
+            raise UserInputError(f"multi_turn.tokenization_sanity_check_mode="
+                                 f"{self.tokenization_sanity_check_mode!r}: one of {SANITY_MODES}")
+
+    @classmethod
+    def from_config(cls, multi_turn: Any, **extra: Any) -> AgentLoopSettings:
+        """From the config's ``actor_rollout_ref.rollout.multi_turn`` section (any object with
+        those attributes; keys it lacks keep their defaults)."""
+        names = [f for f in cls.__dataclass_fields__ if hasattr(multi_turn, f)]
+        return cls(**{n: getattr(multi_turn, n) for n in names}, **extra)
+
+
+@dataclass
+class ToolCallRecord:
+    """One answered call: ``error`` when the call was malformed, unknown, failed, timed out or
+    was over ``max_parallel_calls`` (``response`` then holds the message sent)."""
+
+    turn: int
+    name: str | None
+    arguments: dict[str, Any] | None
+    response: str
+    error: bool
+    reward: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn rollout. response_ids: the model's ids and the appended template / tool
+    ids in order; response_mask: 1 on the model's ids; logprobs: the engine's on the model's
+    ids, 0.0 elsewhere. finish_reason: stop | length | max_assistant_turns | max_user_turns.
+    messages: the conversation after the prompt (assistant text as decoded, tool responses as
+    sent). sanity_mismatch: the tokenization check's report, None when it matched (or did
+    not run: sanity_checked)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    user_turns: int = 0
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    tool_errors: list[str] = field(default_factory=list)
+    tool_rewards: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""
+    num_generated: int = 0
+    num_appended: int = 0
+    messages: list[dict[str, str]] = field(default_factory=list)
+    sanity_checked: bool = False
+    sanity_mismatch: str | None = None
+    # internal: the end of the assistant turn the loop did not append (for the sanity check)
+    _open_tail: str = ""
+    _instances: dict[str, str] = field(default_factory=dict)
+
+
+# --- the chat template, incrementally --------------------------------------------------------
+
+_SENTINEL = "\u2063MEGARL_ASSISTANT\u2063"
+_PREFIX = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+
+
+class ChatContinuation:
+    """The text a chat template puts after an assistant turn's content, and the rendering of
+    tool responses plus the next assistant header, computed from the template itself."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        closed = self.render([*_PREFIX, {"role": "assistant", "content": _SENTINEL}], False)
+        if _SENTINEL not in closed:
+            raise UserInputError("the chat template does not render an assistant message's "
+                                 "content; multi-turn rollouts need one that does")
+        self._closed = closed
+        self.tail = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def tool_turn_text(self, contents: list[str]) -> str:
+        """The template's rendering of tool messages ``contents`` and the assistant header
+        after them (not the tail of the assistant turn before)."""
+        msgs = [{"role": "tool", "content": c} for c in contents]
+        with_tools = self.render(
+            [*_PREFIX, {"role": "assistant", "content": _SENTINEL}, *msgs], True)
+        if with_tools.startswith(self._closed):
+            return with_tools[len(self._closed):]
+        system = self.render(_PREFIX[:1], False)
+        alone = self.render([*_PREFIX[:1], *msgs], True)
+        if not alone.startswith(system):
+            raise UserInputError("the chat template renders tool messages differently "
+                                 "depending on what precedes them; cannot append them "
+                                 "incrementally")
+        return alone[len(system):]
+
+    def open_tail(self, model_ids: list[int], stopped: bool) -> str:
+        """What of the tail the model did not generate: the tail after the model's stop token
+        when the turn ended with it (Qwen: "\\n" after <|im_end|>), else the whole tail."""
+        if stopped and model_ids:
+            last = self.tokenizer.decode(model_ids[-1:], skip_special_tokens=False)
+            if last and self.tail.startswith(last):
+                return self.tail[len(last):]
+        return self.tail
+
+    def assistant_content(self, model_ids: list[int], stopped: bool) -> str:
+        """The assistant message's content as the template would hold it (the decoded ids
+        without the part of the tail the model generated)."""
+        text = self.tokenizer.decode(model_ids, skip_special_tokens=False)
+        generated_tail = self.tail[: len(self.tail) - len(self.open_tail(model_ids, stopped))]
+        if generated_tail and text.endswith(generated_tail):
+            text = text[: -len(generated_tail)]
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def truncate_tool_response(text: str, limit: int, side: str) -> str:
+    """verl's truncation of a tool response longer than ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
+
+
+def _turn_seed(seed: int | None, turn: int) -> int | None:
+    """A seed per turn (a turn's noise must not repeat the previous turn's positions)."""
+    if seed is None or turn == 0:
+        return seed
+    return zlib.crc32(repr((seed, "agent_turn", turn)).encode()) & 0x7FFFFFFF
+
+
+# --- tools -----------------------------------------------------------------------------------
+
+
+class _ToolRunner:
+    def __init__(self, tools: dict[str, BaseTool], settings: AgentLoopSettings,
+                 tools_kwargs: Sequence[dict | None] | None):
+        self.tools, self.settings, self.tools_kwargs = tools, settings, tools_kwargs
+        self.sem = asyncio.Semaphore(settings.max_concurrent_calls)
+
+    def _kwargs(self, traj: Trajectory, name: str, key: str) -> dict:
+        if self.tools_kwargs is None:
+            return {}
+        row = self.tools_kwargs[traj.prompt_index] or {}
+        return dict((row.get(name) or {}).get(key) or {})
+
+    async def _instance(self, traj: Trajectory, tool: BaseTool) -> str:
+        if tool.name not in traj._instances:
+            create = self._kwargs(traj, tool.name, "create_kwargs")
+            instance_id, _ = await asyncio.wait_for(
+                tool.create(create_kwargs=create, **create), self.settings.tool_timeout_s)
+            traj._instances[tool.name] = instance_id
+        return traj._instances[tool.name]
+
+    async def _call(self, traj: Trajectory, turn: int, entry) -> ToolCallRecord:
+        s = self.settings
+        if isinstance(entry, ParseError):
+            return ToolCallRecord(turn, None, None, entry.message, True)
+        tool = self.tools.get(entry.name)
+        if tool is None:
+            return ToolCallRecord(turn, entry.name, entry.arguments,
+                                  f"Error: there is no tool named {entry.name[:100]!r}; the "
+                                  f"tools are: {', '.join(sorted(self.tools)) or 'none'}", True)
+        async with self.sem:
+            try:
+                instance_id = await self._instance(traj, tool)
+                out, reward, metrics = await asyncio.wait_for(
+                    tool.execute(instance_id, entry.arguments,
+                                 **self._kwargs(traj, tool.name, "execute_kwargs")),
+                    s.tool_timeout_s)
+            except asyncio.TimeoutError:
+                return ToolCallRecord(turn, entry.name, entry.arguments, f"Error: tool "
+                                      f"{entry.name} did not answer within {s.tool_timeout_s:g} s",
+                                      True)
+            except Exception as e:  # noqa: BLE001 - a tool's failure is the model's message
+                return ToolCallRecord(turn, entry.name, entry.arguments,
+                                      f"Error: tool {entry.name} failed: {type(e).__name__}: "
+                                      f"{str(e)[:300]}", True)
+        text = out.text if isinstance(out, ToolResponse) else out
+        text = "" if text is None else str(text)
+        try:
+            reward = float(reward or 0.0)
+        except (TypeError, ValueError):
+            reward = 0.0
+        return ToolCallRecord(turn, entry.name, entry.arguments, text, False, reward,
+                              dict(metrics or {}))
+
+    async def run_turn(self, work: list[tuple[Trajectory, int, list]]) -> list[list[ToolCallRecord]]:
+        """The records of each trajectory's calls, in the order they were written."""
+        limit = self.settings.max_parallel_calls
+
+        async def one(traj, turn, entries):
+            run = entries[:limit]
+            records = list(await asyncio.gather(*(self._call(traj, turn, e) for e in run)))
+            for e in entries[limit:]:
+                name = None if isinstance(e, ParseError) else e.name
+                records.append(ToolCallRecord(turn, name, getattr(e, "arguments", None),
+                                              f"Error: at most {limit} tool call(s) run per "
+                                              "turn; this one was not run", True))
+            return records
+
+        return list(await asyncio.gather(*(one(t, k, e) for t, k, e in work)))
+
+    async def finish(self, trajs: list[Trajectory]) -> None:
+        """calc_reward, then release, of every tool instance the trajectories created."""
+        async def one(traj):
+            for name, instance_id in traj._instances.items():
+                tool = self.tools[name]
+                try:
+                    traj.tool_rewards[name] = float(await asyncio.wait_for(
+                        tool.calc_reward(instance_id), self.settings.tool_timeout_s) or 0.0)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("tool %s: calc_reward failed: %s: %s", name, type(e).__name__, e)
+                try:
+                    await asyncio.wait_for(tool.release(instance_id), self.settings.tool_timeout_s)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("tool %s: release failed: %s: %s", name, type(e).__name__, e)
+            traj._instances.clear()
+
+        await asyncio.gather(*(one(t) for t in trajs))
+
+
+# --- the loop --------------------------------------------------------------------------------
+
+
+def run_agent_loop(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    tokenizer: Any,
+    tools: dict[str, BaseTool] | Sequence[BaseTool],
+    settings: AgentLoopSettings,
+    *,
+    max_response_length: int | None = None,
+    prompt_keys: Sequence[int] | None = None,
+    prompt_messages: Sequence[list[dict]] | None = None,
+    tools_kwargs: Sequence[dict | None] | None = None,
+) -> list[Trajectory]:
+    """``sampling.n`` trajectories per prompt, prompt-major (as `RolloutEngine.generate`).
+
+    prompts: prompt ids (the chat template applied, with the tools' schemas: `tool_schemas`).
+    max_response_length: response tokens in all, model and appended (default
+    sampling.max_new_tokens). prompt_keys: as `RolloutEngine.generate`; the engine sees key
+    ``key * n + sample`` for each trajectory, and every turn after the first a seed derived
+    from (sampling.seed, turn). prompt_messages: each prompt's chat messages, for the
+    tokenization sanity check (it does not run without them). tools_kwargs: per prompt,
+    {tool name: {"create_kwargs": {...}, "execute_kwargs": {...}}} (verl's row field).
+    """
+    if isinstance(tools, dict):
+        tools = dict(tools)
+    else:
+        tools = {t.name: t for t in tools}
+    n = max(1, sampling.n)
+    budget = int(max_response_length if max_response_length is not None
+                 else sampling.max_new_tokens)
+    if budget < 1:
+        raise ValueError(f"max_response_length must be >= 1, got {budget}")
+    keys = resolve_prompt_keys(prompt_keys, len(prompts))
+    parser = get_tool_parser(settings.format)
+    chat = ChatContinuation(tokenizer)
+    trajs = [Trajectory(p, s, list(prompts[p])) for p in range(len(prompts)) for s in range(n)]
+    traj_keys = [keys[t.prompt_index] * n + t.sample_index for t in trajs]
+    runner_loop = asyncio.new_event_loop()
+    try:
+        runner = _ToolRunner(tools, settings, tools_kwargs)
+        live = list(range(len(trajs)))
+        turn = 0
+        while live:
+            left = {j: budget - len(trajs[j].response_ids) for j in live}
+            sp = replace(sampling, n=1, max_new_tokens=max(left.values()),
+                         seed=_turn_seed(sampling.seed, turn))
+            completions = engine.generate(
+                [trajs[j].prompt_ids + trajs[j].response_ids for j in live], sp,
+                prompt_keys=[traj_keys[j] for j in live])
+            if len(completions) != len(live):
+                raise RuntimeError(f"the engine returned {len(completions)} completions for "
+                                   f"{len(live)} prompts")
+            work, still = [], []
+            for c in completions:
+                j = live[c.prompt_index]
+                t = trajs[j]
+                ids = list(c.token_ids[: left[j]])
+                lps = ([0.0] * len(ids) if c.logprobs is None
+                       else [float(x) for x in c.logprobs[: left[j]]])
+                stopped = c.finish_reason == "stop" and len(c.token_ids) <= left[j]
+                t.response_ids += ids
+                t.response_mask += [1] * len(ids)
+                t.logprobs += lps
+                t.num_generated += len(ids)
+                t.turns += 1
+                t.messages.append({"role": "assistant",
+                                   "content": chat.assistant_content(ids, stopped)})
+                t._open_tail = chat.open_tail(ids, stopped)
+                if not stopped:
+                    t.finish_reason = "length"
+                    continue
+                parsed = parser.parse(tokenizer.decode(ids, skip_special_tokens=False))
+                if not parsed.has_calls:
+                    t.finish_reason = "stop"
+                elif settings.max_assistant_turns and t.turns >= settings.max_assistant_turns:
+                    t.finish_reason = "max_assistant_turns"
+                else:
+                    work.append((t, turn, parsed.entries))
+                    still.append(j)
+            results = runner_loop.run_until_complete(runner.run_turn(work)) if work else []
+            live = []
+            for j, (t, _, _), records in zip(still, work, results):
+                contents = []
+                for r in records:
+                    r.response = truncate_tool_response(
+                        r.response, settings.max_tool_response_length,
+                        settings.tool_response_truncate_side)
+                    contents.append(r.response)
+                    if r.error:
+                        t.tool_errors.append(r.response)
+                t.tool_calls += records
+                t.user_turns += 1
+                ids = chat.encode(t._open_tail + chat.tool_turn_text(contents))
+                if len(t.response_ids) + len(ids) >= budget:
+                    t.finish_reason = "length"
+                    continue
+                t.response_ids += ids
+                t.response_mask += [0] * len(ids)
+                t.logprobs += [0.0] * len(ids)
+                t.num_appended += len(ids)
+                t.messages += [{"role": "tool", "content": c} for c in contents]
+                t._open_tail = ""
+                if settings.max_user_turns and t.user_turns >= settings.max_user_turns:
+                    t.finish_reason = "max_user_turns"
+                    continue
+                live.append(j)
+            turn += 1
+        runner_loop.run_until_complete(runner.finish(trajs))
+    finally:
+        runner_loop.close()
+    if prompt_messages is not None and settings.tokenization_sanity_check_mode != "disable":
+        schemas = tool_schemas(tools) or None
+        bad = 0
+        for t in trajs:
+            t.sanity_mismatch = sanity_check(chat, t, prompt_messages[t.prompt_index], schemas,
+                                             settings.tokenization_sanity_check_mode)
+            t.sanity_checked = True
+            bad += t.sanity_mismatch is not None
+        if bad:
+            first = next(t for t in trajs if t.sanity_mismatch)
+            logger.warning("multi-turn tokenization sanity check: %d of %d trajectories differ "
+                           "from the re-tokenized conversation (first: %s)", bad, len(trajs),
+                           first.sanity_mismatch)
+    return trajs
+
+
+def sanity_check(chat: ChatContinuation, traj: Trajectory, prompt_messages: list[dict],
+                 tools: list[dict] | None, mode: str = "strict") -> str | None:
+    """None when prompt + response ids equal the tokenization of the whole conversation as
+    the template renders it (up to the end of the assistant turn the trajectory stopped in);
+    else a description of the first difference. ``ignore_strippable``: differences whose
+    text on both sides is whitespace only are ignored."""
+    messages = [*prompt_messages, *traj.messages]
+    ends_with_tool = bool(traj.messages) and traj.messages[-1]["role"] == "tool"
+    text = chat.render(messages, ends_with_tool, tools)
+    if traj._open_tail and text.endswith(traj._open_tail):
+        text = text[: -len(traj._open_tail)]
+    expected = chat.encode(text)
+    got = traj.prompt_ids + traj.response_ids
+    if expected == got:
+        return None
+    matcher = difflib.SequenceMatcher(a=expected, b=got, autojunk=False)
+    decode = chat.tokenizer.decode
+    for op, a0, a1, b0, b1 in matcher.get_opcodes():
+        if op == "equal":
+            continue
+        want, have = decode(expected[a0:a1]), decode(got[b0:b1])
+        if mode == "ignore_strippable" and not want.strip() and not have.strip():
+            continue
+        where = "prompt" if b0 < len(traj.prompt_ids) else f"response token {b0 - len(traj.prompt_ids)}"
+        return (f"at {where}: the template's tokenization has {expected[a0:a1][:20]} "
+                f"({want[:80]!r}), the rollout {got[b0:b1][:20]} ({have[:80]!r})")
+    return None
