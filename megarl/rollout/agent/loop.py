@@ -220,6 +220,7 @@ class _ToolRunner:
                  tools_kwargs: Sequence[dict | None] | None):
         self.tools, self.settings, self.tools_kwargs = tools, settings, tools_kwargs
         self.sem = asyncio.Semaphore(settings.max_concurrent_calls)
+        self.locks: dict[int, asyncio.Lock] = {}  # per trajectory: one create per tool
 
     def _kwargs(self, traj: Trajectory, name: str, key: str) -> dict:
         if self.tools_kwargs is None:
@@ -228,11 +229,12 @@ class _ToolRunner:
         return dict((row.get(name) or {}).get(key) or {})
 
     async def _instance(self, traj: Trajectory, tool: BaseTool) -> str:
-        if tool.name not in traj._instances:
-            create = self._kwargs(traj, tool.name, "create_kwargs")
-            instance_id, _ = await asyncio.wait_for(
-                tool.create(create_kwargs=create, **create), self.settings.tool_timeout_s)
-            traj._instances[tool.name] = instance_id
+        async with self.locks.setdefault(id(traj), asyncio.Lock()):
+            if tool.name not in traj._instances:
+                create = self._kwargs(traj, tool.name, "create_kwargs")
+                instance_id, _ = await asyncio.wait_for(
+                    tool.create(create_kwargs=create, **create), self.settings.tool_timeout_s)
+                traj._instances[tool.name] = instance_id
         return traj._instances[tool.name]
 
     async def _call(self, traj: Trajectory, turn: int, entry) -> ToolCallRecord:
