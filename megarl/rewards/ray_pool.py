@@ -9,12 +9,26 @@ queued, so the parent knows when the head call started (when the one before it f
 memory_mb: an idle Ray worker already maps ~1.3 GB of address space (mostly reserved, not
 resident), so inside an actor RLIMIT_AS is set to that idle size plus memory_mb.
 
+Lifetime: a local cluster the pool starts dies with the process that started it (the training
+rank), however it dies. Ray starts its gcs_server, raylet, monitor, log monitor and dashboard
+with ``PR_SET_PDEATHSIG`` (its "kernel fate-sharing"), and the actors die with their raylet
+within seconds; but the raylet's two agents (dashboard agent, runtime-env agent), after they see
+the raylet die, first try to report it to the dead GCS and linger 60 s. So on Linux the pool
+also starts a tiny reaper (`_reaper_main`): it gets ``SIGTERM`` when the rank dies and kills
+the processes the raylet had started (checked by start time, so never a reused pid). Both
+signals follow the thread that built the pool (see `megarl.utils.lifetime`): build it from the
+main thread, as the trainer does. A cluster the pool joined (an address, ``RAY_ADDRESS``) is
+only connected to: no process is started, none reaped, and ``close()`` only disconnects.
+
 Ray is optional: this module imports it only when a pool is built.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -30,6 +44,82 @@ def _vm_size_bytes() -> int:
             if line.startswith("VmSize:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot), None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _children(pid: int) -> list[tuple[int, int]]:
+    """(pid, start time) of the processes whose parent is ``pid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append((int(d), int(fields[19])))
+    return out
+
+
+def _reaper_main() -> None:
+    """Reaper process: argv = parent pid, then pid:start_time of each process to kill when the
+    parent dies (SIGTERM, from the kernel at its death or from `close`)."""
+    from megarl.utils.lifetime import _set_parent_death_signal
+
+    parent = int(sys.argv[1])
+    targets = [tuple(int(x) for x in a.split(":")) for a in sys.argv[2:]]
+
+    def reap(*_):
+        for pid, start in targets:
+            if _start_time(pid) == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _set_parent_death_signal(signal.SIGTERM):
+        if os.getppid() != parent:  # died before the call
+            reap()
+        while True:
+            signal.pause()
+    while os.getppid() == parent:  # no kernel signal (a seccomp filter): poll
+        time.sleep(0.5)
+    reap()
+
+
+def _start_reaper(ray) -> subprocess.Popen | None:
+    """The reaper of the raylet's children (its agents, prestarted workers), if this process
+    started the local cluster (Linux only: elsewhere Ray's own process-group reaper runs)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        node = ray._private.worker._global_node
+        raylets = node.all_processes.get("raylet") or []
+        if not raylets:  # joined a running cluster: nothing of ours to reap
+            return None
+        targets = _children(raylets[0].process.pid)
+    except Exception:  # noqa: BLE001 - Ray internals moved: Ray's own fate-sharing remains
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (f"import sys; sys.path.insert(0, {root!r}); "
+            "from megarl.rewards.ray_pool import _reaper_main; _reaper_main()")
+    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid()),
+                             *(f"{p}:{t}" for p, t in targets)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=True)
 
 
 class _RewardActor:
@@ -95,6 +185,7 @@ class RayRewardPool(RewardPool):
         self.max_start_failures = max_start_failures
         self._start_failures = 0
         self._owns_ray = False
+        self._reaper: subprocess.Popen | None = None
         if not ray.is_initialized():
             kw: dict[str, Any] = {"address": address} if address else {
                 "object_store_memory": 256 * 2**20,
@@ -103,6 +194,7 @@ class RayRewardPool(RewardPool):
             kw.update(init_kwargs or {})
             ray.init(**kw)
             self._owns_ray = True
+            self._reaper = _start_reaper(ray)
         self._actor_cls = ray.remote(num_cpus=actor_num_cpus, max_restarts=0, max_task_retries=0)(_RewardActor)
         self._lock = threading.Lock()
         self._closed = False
@@ -132,7 +224,14 @@ class RayRewardPool(RewardPool):
             self._kill(s)
         self._slots = []
         if self._owns_ray and self._ray.is_initialized():
-            self._ray.shutdown()
+            self._ray.shutdown()  # a joined cluster: only disconnects
+        if self._reaper is not None:  # kill what the shutdown left (agents exit late)
+            self._reaper.terminate()
+            try:
+                self._reaper.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._reaper.kill()
+            self._reaper = None
 
     # -- scheduling -------------------------------------------------------------------------
 
