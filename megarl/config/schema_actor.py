@@ -172,6 +172,22 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """``rollout.multi_turn``: the agent loop's settings (`megarl.rollout.agent`), verl's names
+    and defaults. ``enable`` is not a key yet: the trainer does not run the agent loop, so
+    verl's ``multi_turn.enable=true`` is refused (megarl/config/verl_compat.py)."""
+
+    max_assistant_turns: int | None = None  # None = no limit
+    max_user_turns: int | None = None  # None = no limit (a user turn: one round of tool responses)
+    tool_config_path: str | None = None  # verl's tool YAML (tools: [{class_name, config, tool_schema}])
+    format: Literal["hermes"] = "hermes"  # tool-call format
+    max_parallel_calls: int = 1  # calls run per assistant turn
+    max_tool_response_length: int = 256  # CHARACTERS of one tool response
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "disable"] = "strict"
+
+
+@dataclass
 class RolloutConfig:
     """``actor_rollout_ref.rollout``: the generation engine and its sampling."""
 
@@ -199,6 +215,7 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512  # weight-sync bucket size, MiB
     seed: int | None = None  # sampling seed; None = trainer.seed
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

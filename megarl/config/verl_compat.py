@@ -86,7 +86,9 @@ _TEXT = "megarl trains text-only language models"
 _OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer states stay on the "
             "device (memory differs, results do not)")
 _LORA = "LoRA is not implemented: megarl trains all parameters; drop the LoRA keys"
-_MULTI_TURN = "multi-turn / tool rollouts are not implemented; rollouts are single-turn"
+_MULTI_TURN = ("the agent loop for multi-turn / tool rollouts exists (megarl.rollout.agent, "
+               "configured by the other multi_turn.* keys) but the trainer does not use it yet: "
+               "training rollouts are single-turn")
 _ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
 _ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
@@ -310,6 +312,10 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{_ROLLOUT}.checkpoint_engine.*", "inert", "weights reach the engine through megarl's "
          "resharding stream"),
     Rule(f"{_ROLLOUT}.multi_turn.enable", "rejected", _MULTI_TURN),
+    Rule(f"{_ROLLOUT}.multi_turn.function_tool_path", "rejected", "tools from a Python file "
+         "of functions are not implemented; list them in multi_turn.tool_config_path"),
+    Rule(f"{_ROLLOUT}.multi_turn.use_inference_chat_template", "rejected", "the agent loop "
+         "renders every turn with the training chat template"),
     Rule(f"{_ROLLOUT}.multi_turn.*", "inert", _ONLY_WHEN.format(what="multi_turn.enable")),
     Rule(f"{_ROLLOUT}.agent.*", "inert", "verl's agent loop serves multi-turn rollouts, which "
          "are rejected"),

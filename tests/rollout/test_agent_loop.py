@@ -401,3 +401,18 @@ def test_python_tool_runs_programs_without_network_or_files(tmp_path):
         assert "PermissionError" in out.text and not target.exists()
     out, _, _ = asyncio.run(tool.execute("i", {"code": 1}))
     assert out.text.startswith("Error")
+
+
+def test_config_section_feeds_the_settings_and_enable_is_refused():
+    from megarl.config import ConfigError
+    from megarl.config.loader import resolve_config
+
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = resolve_config("grpo", [f"{mt}.max_assistant_turns=3",
+                                  f"{mt}.tool_response_truncate_side=left"]).config
+    s = AgentLoopSettings.from_config(cfg.actor_rollout_ref.rollout.multi_turn)
+    assert (s.max_assistant_turns, s.tool_response_truncate_side, s.format) == (3, "left", "hermes")
+    with pytest.raises(ConfigError, match="agent loop .* exists .* the trainer does not use it yet"):
+        resolve_config("grpo", [f"{mt}.enable=true"])
+    with pytest.raises(UserInputError, match="tool_response_truncate_side"):
+        AgentLoopSettings(tool_response_truncate_side="both")
