@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import math
 import os
 import random
 import shutil
@@ -271,7 +272,7 @@ class PythonTool(BaseTool):
     """Runs a Python program in a separate process and returns what it printed.
 
     Bounds (config keys, defaults): ``timeout_s`` 10 (wall clock, then the process group is
-    killed), ``cpu_s`` = timeout_s (RLIMIT_CPU), ``memory_mb`` 512 (RLIMIT_AS), ``max_output_bytes``
+    killed), ``cpu_s`` = timeout_s + 1 (RLIMIT_CPU), ``memory_mb`` 512 (RLIMIT_AS), ``max_output_bytes``
     16384 (stdout + stderr returned; the file it goes to is capped by RLIMIT_FSIZE at
     ``max_file_mb`` 8), ``max_code_chars`` 20000. The process starts in a fresh temporary
     directory (removed after), its own session, with an empty environment, no core files, and
@@ -296,7 +297,8 @@ class PythonTool(BaseTool):
             "code", "a complete Python program; print the results you need"))
         c = self.config
         self.timeout_s = float(c.get("timeout_s", 10.0))
-        self.cpu_s = int(c.get("cpu_s", max(1, round(self.timeout_s))))
+        # CPU seconds above the wall clock, so that the wall clock is what stops a busy loop
+        self.cpu_s = int(c.get("cpu_s", math.ceil(self.timeout_s) + 1))
         self.memory_mb = int(c.get("memory_mb", 512))
         self.max_output_bytes = int(c.get("max_output_bytes", 16384))
         self.max_file_mb = int(c.get("max_file_mb", 8))
