@@ -15,6 +15,7 @@ from embedded_cases import SNAPSHOTS, cases, resolve
 # schema keys added after the snapshots: dotted key -> the value every pinned run resolves to
 ADDED: dict[str, object] = {
     "async_training.engine_cpus": [],
+    "async_training.engine_timeout_s": 1800.0,
     "async_training.staleness_threshold": 0,
     "async_training.use_rollout_log_probs": True,
     "data.gen_batch_size": None,

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from warm_runs import run_script  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Small, fast settings on top of any recipe: 4 prompts x 4 responses, no validation.
@@ -48,8 +51,11 @@ def train(run_dir: Path, config: str, *overrides: str, nproc: int = 1, timeout: 
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", "launch/train.py", "--config", config, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    if nproc == 1 and not python_args:  # forked from a warm interpreter (tests/warm_runs.py)
+        proc = run_script(cmd[1:], REPO, env(), timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
