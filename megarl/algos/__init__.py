@@ -7,7 +7,7 @@ Each function's docstring gives its formula and source (the paper, or verl's cor
 tests/algos checks each against a float64 brute-force loop.
 """
 
-from megarl.algos.advantages import compute_advantages
+from megarl.algos.advantages import compute_advantages, optimal_token_baseline
 from megarl.algos.agg import AGG_MODES, agg_loss
 from megarl.algos.kl import (
     KL_ESTIMATORS,
@@ -27,6 +27,7 @@ from megarl.algos.registry import (
     ADVANTAGE_PIPELINES,
     ESTIMATOR_NEEDS,
     NEEDS,
+    POLICY_LOSS_OPTIONS,
     POLICY_LOSSES,
     RATIO_FREE_LOSSES,
     estimator_names,
@@ -36,7 +37,13 @@ from megarl.algos.registry import (
     register_advantage_pipeline,
     register_policy_loss,
 )
-from megarl.algos.rollout_correction import ROLLOUT_IS_LEVELS, compute_rollout_is_weights
+from megarl.algos.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_OPTIONS,
+    compute_rollout_is_weights,
+    compute_rollout_rejection_mask,
+    parse_rollout_rs,
+)
 from megarl.algos.value import value_loss
 
 __all__ = [
@@ -47,8 +54,10 @@ __all__ = [
     "KL_ESTIMATORS",
     "NEEDS",
     "POLICY_LOSSES",
+    "POLICY_LOSS_OPTIONS",
     "RATIO_FREE_LOSSES",
     "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_OPTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
@@ -56,6 +65,7 @@ __all__ = [
     "build_kl_controller",
     "compute_advantages",
     "compute_rollout_is_weights",
+    "compute_rollout_rejection_mask",
     "entropy_from_logits",
     "estimator_names",
     "estimator_needs",
@@ -64,7 +74,9 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "optimal_token_baseline",
     "pacs_loss",
+    "parse_rollout_rs",
     "policy_loss",
     "policy_loss_has_ratio",
     "pure_credit_assignment",

@@ -188,6 +188,101 @@ def grpo_passk(*, token_rewards, response_mask, group_index, norm_adv_by_std, ep
     return adv, adv.clone()
 
 
+@register_advantage_estimator("gpg", needs=("groups",))
+def gpg(*, token_rewards, response_mask, group_index, **_):
+    """GPG (Group Policy Gradient, verl's `compute_gpg_outcome_advantage`):
+    `A_i = alpha * (S_i - mean_g)` with a singleton group using mean 0, broadcast to the tokens;
+    returns = advantages.
+
+    verl's quirk, kept: its `alpha` argument is overwritten with a **batch-level** factor
+    `alpha = B / max(#{i : S_i != 0}, 1)`, B the number of responses in the whole batch (not
+    the group), so a batch where few responses score non-zero scales every advantage up.
+    `f_norm` is 1 (verl's default; the trainer passes none) and the group std verl computes is
+    unused. Scores count inside the response mask (verl's row sum: rewards sit there).
+    """
+    groups = _need_groups("gpg", group_index, token_rewards.shape[0])
+    score = _score(token_rewards, response_mask)
+    nonzero = (score != 0).sum().clamp_min(1).to(score.dtype)
+    alpha = score.shape[0] / nonzero
+    mean, _ = group_mean_std(score, groups)
+    adv = _tile(alpha * (score - mean), response_mask)
+    return adv, adv.clone()
+
+
+def optimal_token_baseline(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_index: torch.Tensor,
+    old_logprob: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = False,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline (verl's `compute_optimal_token_baseline_advantage`): a baseline
+    per group and per position, weighted by a cumulative path-variance proxy.
+
+    `G_t = sum_{t' >= t} r m` (return to go); `w_t = 1 - 2 pi_t + sum_v pi_v^2` with
+    `pi_t = exp(old_logprob_t)` and `sum_pi_squared` [B, L] the actor's `sum_v pi_v^2` at each
+    position (verl's `actor.calculate_sum_pi_squared`), times `rho_t^2` when
+    `rollout_is_weights` are given; `W_t = cumsum_t(w m)`. Per group and position
+    `B_t = sum_j G_jt W_jt m_jt / (sum_j W_jt m_jt + eps)`; `A = (G - B) m`. A singleton group
+    has no baseline (A = G). ``handle_zero_tail``: in a group whose longest response is
+    uniquely longest, its baseline is 0 from the second-longest length on. returns = G.
+
+    Not a registered estimator: the trainer's logprob pass does not compute `sum_pi_squared`
+    (megarl_kernels would need a `sum softmax^2` output), so `algorithm.adv_estimator` cannot
+    name it yet. Computed in float64 or the inputs' float dtype, without gradient.
+    """
+    check_2d("token_rewards", check_float("token_rewards", token_rewards))
+    check_same_shape("token_rewards", token_rewards,
+                     old_logprob=check_float("old_logprob", old_logprob),
+                     sum_pi_squared=check_float("sum_pi_squared", sum_pi_squared),
+                     rollout_is_weights=rollout_is_weights)
+    mask = check_mask("response_mask", response_mask, "token_rewards", token_rewards)
+    groups = make_groups(check_group_index(group_index, token_rewards.shape[0]))
+    out_dtype = token_rewards.dtype
+    dtype = work_dtype(out_dtype)
+    zero = torch.zeros((), dtype=dtype, device=token_rewards.device)
+    with torch.no_grad():
+        m = mask.to(dtype)
+        r = torch.where(mask, token_rewards.to(dtype), zero)
+        returns = r.flip(-1).cumsum(-1).flip(-1) * m
+        w = 1.0 - 2.0 * torch.exp(old_logprob.to(dtype)) + sum_pi_squared.to(dtype)
+        if rollout_is_weights is not None:
+            w = w * rollout_is_weights.to(dtype).square()
+        cum_w = torch.where(mask, w, zero).cumsum(-1) * m
+        inv = groups.inverse
+        num = torch.zeros((groups.num_groups, r.shape[1]), dtype=dtype, device=r.device)
+        den = torch.zeros_like(num)
+        num = num.index_add(0, inv, returns * cum_w)
+        den = den.index_add(0, inv, cum_w)
+        base = (num / (den + eps))[inv]
+        base = torch.where((groups.size > 1).unsqueeze(-1), base, zero)
+        if handle_zero_tail:
+            base = _zero_tail(base, mask, groups)
+        adv = (returns - base) * m
+    return adv.to(out_dtype), returns.to(out_dtype)
+
+
+def _zero_tail(base: torch.Tensor, mask: torch.Tensor, groups) -> torch.Tensor:
+    """Zero the baseline of each multi-row group's uniquely longest response from the
+    second-longest length on (verl's ``handle_zero_tail``)."""
+    lengths = mask.sum(-1)
+    cols = torch.arange(base.shape[1], device=base.device)
+    for g in range(groups.num_groups):
+        rows = torch.nonzero(groups.inverse == g).squeeze(-1)
+        if rows.numel() < 2:
+            continue
+        ls = lengths[rows]
+        top2 = torch.topk(ls, 2).values
+        longest = rows[ls == top2[0]]
+        if longest.numel() == 1 and top2[0] > top2[1]:
+            base[longest[0]] = torch.where(cols >= top2[1], 0.0, base[longest[0]])
+    return base
+
+
 def compute_advantages(
     estimator: str,
     *,

@@ -15,7 +15,12 @@ import torch
 from megarl.algos._checks import check_2d, check_float, check_mask, check_same_shape
 from megarl.algos.agg import agg_loss, check_norm
 from megarl.algos.masked import masked_mean
-from megarl.algos.registry import POLICY_LOSSES, lookup, register_policy_loss
+from megarl.algos.registry import (
+    POLICY_LOSS_OPTIONS,
+    POLICY_LOSSES,
+    lookup,
+    register_policy_loss,
+)
 
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| is clamped to 20 before exp (vanilla, cispo)
 GSPO_LOG_RATIO_MAX = 10.0  # GSPO clamps its sequence log-ratio from above only
@@ -171,6 +176,55 @@ def reinforce(
     return loss, _metrics(loss, 0.0, 0.0, ppo_kl)
 
 
+SAPO_TAU_POS = 1.0  # verl's actor.tau_pos
+SAPO_TAU_NEG = 1.05  # verl's actor.tau_neg
+
+
+@register_policy_loss("sapo", options={"tau_pos": SAPO_TAU_POS, "tau_neg": SAPO_TAU_NEG})
+def sapo(
+    *, logprob, old_logprob, advantages, response_mask, rollout_is_weights, norm, tau_pos,
+    tau_neg, **_,
+):
+    """SAPO (soft adaptive policy optimisation, verl's `compute_policy_loss_sapo`): a smooth
+    sigmoid gate on the ratio instead of a hard clip.
+
+    `rho = exp(clamp(d, -20, 20))`; `tau = tau_pos` where `A > 0`, else `tau_neg` (A = 0
+    included); gate `f = sigmoid(tau (rho - 1)) * 4 / tau`; token loss `-f A` (times the
+    rollout IS weights when given). Aggregation is always `seq-mean-token-mean` (verl forces
+    it, whatever `agg_mode` says). pg_clipfrac = pg_clipfrac_lower = 0 (nothing is clipped);
+    ppo_kl = masked_mean(-d) of the clamped d. At rho = 1 the gate is 2/tau and its slope 1,
+    so the gradient equals the unclipped PPO gradient on-policy.
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    mask = response_mask
+    log_ratio = torch.clamp(logprob - old_logprob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    pos, neg = (torch.tensor(v, dtype=logprob.dtype, device=logprob.device)
+                for v in (tau_pos, tau_neg))
+    tau = torch.where(advantages > 0, pos, neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss_mat = _weighted(-gate * advantages, rollout_is_weights)
+    loss = agg_loss(loss_mat, mask, "seq-mean-token-mean", **norm)
+    with torch.no_grad():
+        ppo_kl = masked_mean(-log_ratio, mask)
+    return loss, _metrics(loss, 0.0, 0.0, ppo_kl)
+
+
+@register_policy_loss("gpg", ratio=False)
+def gpg(*, logprob, old_logprob, advantages, response_mask, agg_mode, rollout_is_weights, norm,
+        **_):
+    """GPG (verl's `compute_policy_loss_gpg`): `loss_t = -logp * A` (times the rollout IS
+    weights when given), aggregated with `agg_mode`. No ratio (registered with ratio=False).
+    verl returns no metrics; megarl reports both clip fractions as 0 and ppo_kl from
+    `old_logprob` (as for reinforce)."""
+    loss_mat = _weighted(-logprob * advantages, rollout_is_weights)
+    loss = agg_loss(loss_mat, response_mask, agg_mode, **norm)
+    with torch.no_grad():
+        ppo_kl = masked_mean(-(logprob - old_logprob), response_mask)
+    return loss, _metrics(loss, 0.0, 0.0, ppo_kl)
+
+
 def policy_loss(
     mode: str,
     *,
@@ -183,6 +237,7 @@ def policy_loss(
     clip_ratio_c: float = 3.0,
     agg_mode: str = "token-mean",
     rollout_is_weights: torch.Tensor | None = None,
+    options: dict[str, float] | None = None,
     **norm,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Run the registered policy loss `mode` (see POLICY_LOSSES) and return (loss, metrics).
@@ -194,8 +249,10 @@ def policy_loss(
         response_mask: [B, L] 0/1 or bool.
         clip_ratio_low / clip_ratio_high: PPO clip range `[1 - low, 1 + high]` (clip-higher).
         clip_ratio_c: dual-clip bound (> 1), vanilla only.
-        agg_mode: one of agg.AGG_MODES (gspo forces seq-mean-token-mean).
+        agg_mode: one of agg.AGG_MODES (gspo and sapo force seq-mean-token-mean).
         rollout_is_weights: optional [B, L] per-token weights multiplying the loss.
+        options: settings of particular losses (`POLICY_LOSS_OPTIONS`: sapo's tau_pos,
+            tau_neg); each loss gets those it declared (defaults where not given), others none.
         **norm: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor (see agg_loss).
 
     Returns:
@@ -225,7 +282,9 @@ def policy_loss(
             f"clip ratios must be >= 0, got clip_ratio_low={clip_ratio_low}, "
             f"clip_ratio_high={clip_ratio_high}"
         )
+    own = {k: float((options or {}).get(k, v)) for k, v in POLICY_LOSS_OPTIONS.get(mode, {}).items()}
     return fn(
+        **own,
         logprob=clean(logprob),
         old_logprob=old,
         advantages=adv,

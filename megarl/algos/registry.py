@@ -19,6 +19,10 @@ A loss without an importance ratio (its gradient does not read ``old_logprob``: 
 its samples of an older policy version are corrected by the truncated importance weights alone
 (`megarl.trainer.correction`), which such a run must then enable.
 
+A loss with settings of its own declares them with their defaults,
+``register_policy_loss("my_loss", options={"tau": 1.0})``: it is then also called with
+``tau=...`` (`POLICY_LOSS_OPTIONS`), and no other loss is.
+
 Every registered function is called with all of the keyword arguments above (inputs already
 validated: shapes match, masks are bool); `norm` is the dict of global-normalisation arguments
 for `agg_loss` (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor).
@@ -43,6 +47,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
 ADVANTAGE_PIPELINES: dict[str, Callable[..., Any]] = {}
 POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 RATIO_FREE_LOSSES: set[str] = set()  # policy losses registered with ratio=False
+# policy loss name -> its own options and their defaults (register_policy_loss(options=...))
+POLICY_LOSS_OPTIONS: dict[str, dict[str, float]] = {}
 ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {}  # estimator or pipeline name -> its needs
 
 NEEDS = {
@@ -107,13 +113,18 @@ def register_advantage_pipeline(name: str, *, needs: Iterable[str] = ()) -> Call
     return _estimator(ADVANTAGE_PIPELINES, "advantage pipeline", name, needs)
 
 
-def register_policy_loss(name: str, *, ratio: bool = True) -> Callable[[F], F]:
+def register_policy_loss(name: str, *, ratio: bool = True,
+                         options: dict[str, float] | None = None) -> Callable[[F], F]:
     """Decorator: register `fn` in POLICY_LOSSES under `name`; ``ratio=False`` for a loss
-    that takes no ratio against ``old_logprob`` (module doc)."""
+    that takes no ratio against ``old_logprob`` (module doc). ``options``: keyword arguments of
+    this loss alone with their defaults (SAPO's ``tau_pos``/``tau_neg``); `policy_loss` passes
+    them, taken from its ``options`` argument where given, to this loss only."""
     register = _register(POLICY_LOSSES, "policy loss", name)
+    declared = dict(options or {})
 
     def decorator(fn: F) -> F:
         register(fn)
+        POLICY_LOSS_OPTIONS[name] = declared
         if ratio:
             RATIO_FREE_LOSSES.discard(name)
         else:

@@ -44,6 +44,7 @@ without response tokens gives zero weights and no metrics.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -159,3 +160,144 @@ def _metrics(raw: torch.Tensor, weights: torch.Tensor, log_w: torch.Tensor, mask
     out["rollout_corr/rollout_is_std"] = max(var, 0.0) ** 0.5 if n > 1 else 0.0
     out["rollout_corr/rollout_is_eff_sample_size"] = 1.0 / mean((bounded / mu).square())
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejection sampling (verl's ``algorithm.rollout_correction.rollout_rs``,
+# `rollout_corr_helper.compute_rollout_rejection_mask`)
+
+ROLLOUT_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",
+                      "seq_sum_k3", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+                      "seq_max_k3")
+
+
+def parse_rollout_rs(rollout_rs: str, threshold: str | float | None) -> dict[str, tuple[float | None, float]]:
+    """``rollout_rs`` (comma-separated options of `ROLLOUT_RS_OPTIONS`, duplicates dropped, in
+    order) and ``rollout_rs_threshold`` (one entry for all options, or one per option, comma
+    separated) -> {option: (lower, upper)} as verl parses them: a ``*_k1`` option takes
+    ``"lower_upper"`` or a single upper bound with lower = 1/upper; k2/k3 take a single upper
+    bound (lower None). Every bound must be > 0. ValueError otherwise."""
+    if not isinstance(rollout_rs, str) or not rollout_rs.strip():
+        raise ValueError(f"rollout_rs must be a non-empty string of options "
+                         f"{list(ROLLOUT_RS_OPTIONS)}, got {rollout_rs!r}")
+    options: list[str] = []
+    for opt in (o.strip() for o in rollout_rs.split(",")):
+        if not opt:
+            continue
+        if opt not in ROLLOUT_RS_OPTIONS:
+            raise ValueError(f"unknown rollout_rs option {opt!r}; valid: {list(ROLLOUT_RS_OPTIONS)}")
+        if opt not in options:
+            options.append(opt)
+    if not options:
+        raise ValueError(f"rollout_rs names no option, got {rollout_rs!r}")
+    if threshold is None:
+        raise ValueError("rollout_rs_threshold must be given with rollout_rs (verl has no default)")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+        raise ValueError(f"rollout_rs_threshold must be a number or a string, got {threshold!r}")
+    specs = [str(threshold)] if not isinstance(threshold, str) else [
+        p.strip() for p in threshold.split(",") if p.strip()]
+    if len(specs) == 1:
+        specs = specs * len(options)
+    if len(specs) != len(options):
+        raise ValueError(f"rollout_rs_threshold has {len(specs)} entries for {len(options)} "
+                         f"rollout_rs options {options}: give one for all, or one per option")
+    out: dict[str, tuple[float | None, float]] = {}
+    for opt, spec in zip(options, specs):
+        try:
+            if opt.endswith("k1"):
+                lo_s, hi_s = spec.split("_", 1) if "_" in spec else (None, spec)
+                hi = float(hi_s)
+                lo = float(lo_s) if lo_s is not None else 1.0 / hi
+            else:
+                if "_" in spec:
+                    raise ValueError(f"rollout_rs_threshold for {opt!r} is a single upper bound "
+                                     f"(no '_'), got {spec!r}")
+                lo, hi = None, float(spec)
+        except (ValueError, ZeroDivisionError) as e:
+            raise ValueError(f"bad rollout_rs_threshold {spec!r} for {opt!r}: {e}") from None
+        if not hi > 0 or (lo is not None and not lo > 0):
+            raise ValueError(f"rollout_rs_threshold bounds for {opt!r} must be > 0, got {spec!r}")
+        out[opt] = (lo, hi)
+    return out
+
+
+def compute_rollout_rejection_mask(
+    old_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_rs: str,
+    threshold: str | float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rejection sampling on the rollout/trainer gap: which response tokens keep their loss.
+
+    With `x_t = clamp(old_logprob_t - rollout_logprob_t, -20, 20)` (log pi_old/mu) per response
+    token, the per-token statistics are `k1 = -x`, `k2 = x^2 / 2`, `k3 = exp(x) - 1 - x`; an
+    option `token_kN` judges each token by its kN, `seq_sum_kN` / `seq_mean_kN` / `seq_max_kN`
+    each response by the sum / mean / max of its tokens' kN (the verdict applies to all its
+    tokens). k2/k3 options keep `stat <= upper`. k1 options keep
+    `log(lower) <= stat <= log(upper)`: as verl, the bounds are compared with `-x`, i.e. they
+    bound `mu / pi_old` (the inverse ratio), which is the same as bounding `pi_old / mu` only
+    for symmetric bounds (lower = 1/upper, the single-number form). Several options (comma
+    separated) must all keep a token. Empty responses are never judged.
+
+    Returns (keep [B, L] in old_logprob's dtype, 1 where the token stays in the loss, 0 on
+    rejected tokens and on padding; metrics ``rollout_corr/rollout_rs_*`` (python floats):
+    per option ``{opt}_mean`` (token mean of the statistic, a response's value on each of its
+    tokens at sequence level), ``{opt}_max`` / ``_min`` (over tokens, or over non-empty
+    responses at sequence level), ``{opt}_masked_fraction`` (tokens rejected by it) and
+    ``{opt}_seq_masked_fraction`` (non-empty responses with a token rejected by it), and over
+    all options ``masked_fraction`` and ``seq_masked_fraction`` (the rejected share of tokens,
+    and of all responses, empty ones counted as kept, as verl)). A batch without response tokens keeps nothing and has no metrics.
+    """
+    specs = parse_rollout_rs(rollout_rs, threshold)
+    check_2d("old_logprob", check_float("old_logprob", old_logprob))
+    check_same_shape("old_logprob", old_logprob,
+                     rollout_logprob=check_float("rollout_logprob", rollout_logprob))
+    mask = check_mask("response_mask", response_mask, "old_logprob", old_logprob)
+    zero = torch.zeros((), dtype=torch.float64, device=old_logprob.device)
+    m = mask.to(torch.float64)
+    x = torch.where(mask, old_logprob.detach().double() - rollout_logprob.detach().double(), zero)
+    x = x.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    token_stats = {"k1": -x, "k2": 0.5 * x.square(), "k3": torch.exp(x) - 1.0 - x}
+    lengths = m.sum(-1)
+    rows = lengths > 0
+    n = m.sum()
+    keep = mask.clone()
+    metrics: dict[str, float] = {}
+    prefix = "rollout_corr/rollout_rs_"
+    for opt, (lo, hi) in specs.items():
+        stat = torch.where(mask, token_stats[opt[-2:]], zero)
+        if opt.startswith("seq_sum"):
+            per_row = stat.sum(-1)
+        elif opt.startswith("seq_mean"):
+            per_row = stat.sum(-1) / (lengths + 1e-8)
+        elif opt.startswith("seq_max"):
+            per_row = torch.where(mask, stat, float("-inf")).amax(-1)
+            per_row = torch.where(rows, per_row, zero)
+        else:
+            per_row = None
+        value = stat if per_row is None else per_row.unsqueeze(-1).expand_as(stat)
+        if lo is None:
+            ok = value <= hi
+        else:
+            ok = (value >= math.log(lo)) & (value <= math.log(hi))
+        ok = ok | ~mask
+        keep = keep & ok
+        if n > 0:
+            on = value[mask]
+            metrics[f"{prefix}{opt}_mean"] = float(on.mean())
+            if per_row is None:
+                metrics[f"{prefix}{opt}_max"] = float(on.max())
+                metrics[f"{prefix}{opt}_min"] = float(on.min())
+            else:
+                metrics[f"{prefix}{opt}_max"] = float(per_row[rows].max())
+                metrics[f"{prefix}{opt}_min"] = float(per_row[rows].min())
+            metrics[f"{prefix}{opt}_masked_fraction"] = float((~ok & mask).double().sum() / n)
+            metrics[f"{prefix}{opt}_seq_masked_fraction"] = float(
+                (~ok & mask).any(-1)[rows].double().mean())
+    if n > 0:
+        metrics[f"{prefix}masked_fraction"] = float((mask & ~keep).double().sum() / n)
+        # as verl: over all responses, empty ones included (the per-option one skips them)
+        metrics[f"{prefix}seq_masked_fraction"] = float((mask & ~keep).any(-1).double().mean())
+    return keep.to(old_logprob.dtype), metrics
