@@ -38,11 +38,15 @@ class AdvantageSettings:
 
 
 def last_token_mask(response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, L] one-hot at each response's last valid token (all zero for empty responses)."""
-    lengths = response_mask.sum(-1).long()
+    """[B, L] one-hot at each response's last token inside the mask (all zero for empty
+    responses): the last token the model generated, also where a multi-turn mask has holes
+    (tool responses) or ends on appended tokens."""
+    valid = response_mask > 0
+    cols = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    last = torch.where(valid, cols, -1).amax(-1)  # the position of the last 1, -1 if none
     out = torch.zeros_like(response_mask, dtype=torch.float32)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = 1.0
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = 1.0
     return out
 
 

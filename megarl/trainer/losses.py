@@ -76,6 +76,8 @@ class ActorLossSettings:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
+    tau_pos: float = 1.0  # SAPO (loss options: megarl.algos.POLICY_LOSS_OPTIONS)
+    tau_neg: float = 1.05
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -120,7 +122,8 @@ def ppo_policy_term(s: ActorLossSettings, logprob: torch.Tensor, old_logprob: to
         advantages=t["advantages"], response_mask=mask,
         clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
         clip_ratio_c=s.clip_ratio_c, agg_mode=s.agg_mode,
-        rollout_is_weights=t.get("rollout_is_weights"), **norm.kwargs())
+        rollout_is_weights=t.get("rollout_is_weights"),
+        options={"tau_pos": s.tau_pos, "tau_neg": s.tau_neg}, **norm.kwargs())
     tokens = float(mask.sum())
     metrics = {"actor/pg_loss": Metric.sum(float(m["pg_loss"]))}
     for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
@@ -133,10 +136,14 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
     PPO family's registered loss on ``advantages``), minus the entropy bonus, plus the KL loss
     against ``ref_logprob``. micro_batch.tensors holds old_logprob (unless on-policy), what the
     objective reads and, with rollout correction, rollout_is_weights (multiply each token's
-    policy loss; the fused kernel takes no weights, so the unfused path runs then)."""
+    policy loss; the fused kernel takes no weights, so the unfused path runs then); with
+    rejection sampling the micro-batch's response_mask already lacks the rejected tokens, and
+    ``rollout_rs_keep`` marks it (the unfused path runs: the fused kernel reads every
+    attended response position)."""
 
     def loss_fn(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        if s.use_fused(out) and "rollout_is_weights" not in mb.tensors:
+        if (s.use_fused(out) and "rollout_is_weights" not in mb.tensors
+                and "rollout_rs_keep" not in mb.tensors):
             return fused_ppo(out, mb)
         t = mb.tensors
         mask = t["response_mask"].to(torch.float32)
@@ -166,11 +173,17 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
     def fused_ppo(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
         t = mb.tensors
         rows, cols = out.flat_index
+        hidden, labels = out.hidden, out.labels
+        # the packed positions are every response token the model read; a multi-turn mask
+        # leaves out the appended ones (tool responses, template glue): only the model's count
+        keep = t["response_mask"][rows, cols] > 0
+        if not bool(keep.all()):
+            rows, cols, hidden, labels = rows[keep], cols[keep], hidden[keep], labels[keep]
         tokens = float(t["response_mask"].sum())
         old = None if s.on_policy else t["old_logprob"][rows, cols]
         scale = megarl_kernels.loss_scale_from_agg(s.agg_mode, rows, **norm.kwargs())
         loss, m = megarl_kernels.fused_ppo_loss(
-            out.hidden, out.weight, out.labels, old, t["advantages"][rows, cols],
+            hidden, out.weight, labels, old, t["advantages"][rows, cols],
             loss_scale=scale, clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
             clip_ratio_c=s.clip_ratio_c, temperature=out.temperature,
             entropy_coeff=s.entropy_coeff, tp_group=out.tp_group)

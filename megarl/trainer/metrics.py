@@ -22,8 +22,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def data_metrics(batch: RolloutBatch, max_response_length: int,
                  max_prompt_length: int) -> dict[str, float]:
     t = batch.tensors
-    mask = batch.response_mask
-    valid = mask.sum(-1) > 0  # aborted (empty) responses are excluded, as verl
+    mask = batch.response_mask  # the model's tokens (what advantages / returns live on)
+    # response lengths count every response token, appended multi-turn ones included (verl's
+    # attention-mask lengths; the budget data.max_response_length counts them too)
+    padding = batch.response_padding_mask
+    valid = padding.sum(-1) > 0  # aborted (empty) responses are excluded, as verl
     sel = mask.bool()
     m: dict[str, float] = {}
     m.update(_stats("critic/score", t["token_level_scores"].sum(-1)[valid]))
@@ -40,7 +43,7 @@ def data_metrics(batch: RolloutBatch, max_response_length: int,
         m["critic/vf_explained_var"] = float(1.0 - var_d / (var_r + 1e-5))
     if "step_mask" in t:
         m.update(_stats("num_of_steps", t["step_mask"].sum(-1)[valid]))
-    lengths = mask.sum(-1)
+    lengths = padding.sum(-1)
     m.update(_stats("response_length", lengths))
     m["response_length/clip_ratio"] = float((lengths >= max_response_length).float().mean())
     m["response/aborted_ratio"] = float((~valid).float().mean())
