@@ -56,6 +56,8 @@ class RLDataset:
         chat_template: a Jinja template used instead of the tokenizer's own
         apply_chat_template: False feeds the message text without any template
         on_bad_row: "error" raises on a malformed row; "skip" drops it (``num_bad_rows``, logged)
+        tools: OpenAI function schemas rendered into every prompt by the chat template
+            (multi-turn rollouts with tools; None: none)
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class RLDataset:
         apply_chat_template: bool = True,
         on_bad_row: str = "error",
         filter_overlong_prompts: bool = False,
+        tools: list[dict] | None = None,
     ):
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
@@ -84,6 +87,7 @@ class RLDataset:
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
+        self.tools = tools
         self.num_filtered = 0
         self.num_bad_rows = 0
         self.num_truncated = 0
@@ -132,7 +136,8 @@ class RLDataset:
 
     def _add_file(self, path, rows, where, offset, chat_template, apply_chat_template) -> None:
         texts = [
-            render_prompt(self.tokenizer, r["prompt"], apply_chat_template, chat_template)
+            render_prompt(self.tokenizer, r["prompt"], apply_chat_template, chat_template,
+                          self.tools)
             for r in rows
         ]
         if not texts:

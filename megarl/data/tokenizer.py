@@ -58,12 +58,14 @@ def render_prompt(
     messages: list[dict[str, str]],
     apply_chat_template: bool = True,
     chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """Prompt text for a list of chat messages.
 
     apply_chat_template=True: the tokenizer's chat template (or ``chat_template`` when given)
     with ``add_generation_prompt=True``. False: the message contents joined by newlines, no
-    template (for base models prompted with plain text).
+    template (for base models prompted with plain text). ``tools``: the OpenAI function
+    schemas the template renders into the prompt (multi-turn rollouts with tools).
     """
     if not apply_chat_template:
         return "\n".join(m["content"] for m in messages)
@@ -73,6 +75,7 @@ def render_prompt(
             "the tokenizer has no chat template: set data.chat_template to a Jinja template, or "
             "data.apply_chat_template=false to feed the message text as is"
         )
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, chat_template=template, add_generation_prompt=True, tokenize=False
+        messages, chat_template=template, add_generation_prompt=True, tokenize=False, **extra
     )

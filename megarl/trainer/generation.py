@@ -6,6 +6,13 @@ share is over all engines, not only data-parallel ranks; an engine is one rank, 
 all-gathered so every rank holds the same ordered list, rank 0 scores them through the reward
 manager's bounded pool, and the scores and reward metrics (`megarl.metrics.Metric` values, their
 reduction over generation rounds declared here) are broadcast.
+
+With ``rollout.multi_turn.enable`` (an `AgentRollout` passed to `generate`) each rank runs the
+agent loop (`megarl.rollout.agent.run_agent_loop`) on its share instead of one
+``engine.generate`` call: each sample is then a whole trajectory (the model's turns, tool
+responses and template glue), with its per-token ``response_mask`` (1 = the model's token),
+the engine's logprobs (0 on appended tokens) and what the reward and the metrics read about it
+in ``extra_info`` (`trajectory_info`) and ``RolloutSample.multi_turn``.
 """
 
 from __future__ import annotations
@@ -44,12 +51,23 @@ def local_share(num_items: int, tp_size: int = 1) -> tuple[list[int], int]:
     return list(range(engine_index, num_items, world // tp_size)), member
 
 
+@dataclass
+class AgentRollout:
+    """What `generate` needs to run the agent loop: the tools (by name), the loop's settings
+    (`AgentLoopSettings`) and the tokenizer (the chat template's continuations)."""
+
+    tools: dict[str, Any]
+    settings: Any
+    tokenizer: Any
+
+
 def generate(
     engine: RolloutEngine,
     items: list[Any],
     sampling: SamplingParams,
     group_offset: int,
     tp_size: int = 1,
+    agent: AgentRollout | None = None,
 ) -> list[RolloutSample]:
     """Generate ``sampling.n`` responses for each item on this rank's share; gather all.
 
@@ -61,6 +79,11 @@ def generate(
     or world size it lands on.
     """
     mine, member = local_share(len(items), tp_size)
+    if agent is not None:
+        local = _agent_share(engine, items, mine, sampling, group_offset, agent)
+        gathered = [x for part in mdist.all_gather_objects(local) for x in part]
+        gathered.sort(key=lambda x: (x[0], x[1]))
+        return [s for _, _, s in gathered]
     completions = engine.generate([items[k].prompt_ids for k in mine], sampling,
                                   prompt_keys=[group_offset + k for k in mine]) if mine else []
     local: list[tuple[int, int, RolloutSample]] = []
@@ -84,6 +107,105 @@ def generate(
     gathered = [x for part in mdist.all_gather_objects(local) for x in part]
     gathered.sort(key=lambda x: (x[0], x[1]))
     return [s for _, _, s in gathered]
+
+
+def _agent_share(engine: RolloutEngine, items: list[Any], mine: list[int],
+                 sampling: SamplingParams, group_offset: int,
+                 agent: AgentRollout) -> list[tuple[int, int, RolloutSample]]:
+    """This rank's trajectories (``sampling.n`` per item of ``mine``) as samples, keyed
+    (item position, sample index) like `generate`'s."""
+    from megarl.rollout.agent import run_agent_loop
+
+    if not mine:
+        return []
+    chosen = [items[k] for k in mine]
+    raw = [getattr(it, "raw_prompt", None) for it in chosen]
+    trajs = run_agent_loop(
+        engine, [it.prompt_ids for it in chosen], sampling, agent.tokenizer, agent.tools,
+        agent.settings, max_response_length=sampling.max_new_tokens,
+        prompt_keys=[group_offset + k for k in mine],
+        prompt_messages=raw if all(r is not None for r in raw) else None,
+        tools_kwargs=[(it.extra_info or {}).get("tools_kwargs") for it in chosen])
+    out = []
+    for t in trajs:
+        k = mine[t.prompt_index]
+        item = items[k]
+        out.append((k, t.sample_index, RolloutSample(
+            prompt_ids=list(item.prompt_ids),
+            response_ids=list(t.response_ids),
+            rollout_logprobs=[float(x) for x in t.logprobs],
+            finish_reason=t.finish_reason,
+            group=group_offset + k,
+            data_source=item.data_source,
+            ground_truth=item.ground_truth,
+            extra_info={**dict(item.extra_info or {}), **trajectory_info(t)},
+            response_mask=list(t.response_mask),
+            multi_turn=trajectory_stats(t),
+        )))
+    return out
+
+
+def trajectory_info(t: Any) -> dict[str, Any]:
+    """What the reward function reads about a trajectory in ``extra_info`` (plain values):
+    ``turns`` (assistant turns), ``tool_calls`` (each: turn, name, arguments, response, error,
+    reward), ``tool_rewards`` ({tool: calc_reward}), and verl's names ``num_turns`` (verl's
+    count: the prompt's user turn + assistant turns + tool rounds) and
+    ``rollout_reward_scores`` (verl's name of the tool rewards)."""
+    return {
+        "turns": t.turns,
+        "tool_calls": [{"turn": c.turn, "name": c.name, "arguments": c.arguments,
+                        "response": c.response, "error": c.error, "reward": c.reward}
+                       for c in t.tool_calls],
+        "tool_rewards": dict(t.tool_rewards),
+        "num_turns": 1 + t.turns + t.user_turns,
+        "rollout_reward_scores": dict(t.tool_rewards),
+    }
+
+
+def trajectory_stats(t: Any) -> dict[str, float]:
+    """A trajectory's numbers for the step's ``multi_turn/...`` metrics."""
+    return {"turns": t.turns, "num_turns": 1 + t.turns + t.user_turns,
+            "tool_calls": len(t.tool_calls), "tool_errors": len(t.tool_errors),
+            "tool_time_s": t.tool_time_s, "truncated": float(t.finish_reason == "length"),
+            "generated_tokens": t.num_generated, "appended_tokens": t.num_appended,
+            "sanity_mismatch": float(t.sanity_checked and t.sanity_mismatch is not None)}
+
+
+def multi_turn_metrics(samples: list[RolloutSample]) -> dict[str, float]:
+    """The step's multi-turn metrics over its trajectories (empty for single-turn samples):
+    ``num_turns/{mean,max,min}`` (verl's name and count), ``multi_turn/assistant_turns/
+    {mean,max}``, ``multi_turn/tool_calls/{mean,max}``, ``multi_turn/tool_errors/mean`` (per
+    trajectory) and ``multi_turn/tool_error_ratio`` (of all calls), ``multi_turn/tool_time_s/
+    {mean,max}`` (per trajectory; ``multi_turn/tool_time_s/sum`` over the step),
+    ``multi_turn/truncated_ratio`` (trajectories cut by the response budget),
+    ``multi_turn/generated_tokens/mean`` and ``multi_turn/appended_tokens/mean`` (model tokens
+    vs tool / template tokens per trajectory), ``multi_turn/sanity_mismatch_ratio``."""
+    stats = [s.multi_turn for s in samples if s.multi_turn is not None]
+    if not stats:
+        return {}
+    n = len(stats)
+
+    def col(key):
+        return [float(x[key]) for x in stats]
+
+    def mean(v):
+        return sum(v) / n
+
+    m = {"num_turns/mean": mean(col("num_turns")), "num_turns/max": max(col("num_turns")),
+         "num_turns/min": min(col("num_turns"))}
+    for key in ("turns", "tool_calls", "tool_time_s"):
+        name = "assistant_turns" if key == "turns" else key
+        m[f"multi_turn/{name}/mean"] = mean(col(key))
+        m[f"multi_turn/{name}/max"] = max(col(key))
+    calls = sum(col("tool_calls"))
+    m["multi_turn/tool_time_s/sum"] = sum(col("tool_time_s"))
+    m["multi_turn/tool_errors/mean"] = mean(col("tool_errors"))
+    m["multi_turn/tool_error_ratio"] = sum(col("tool_errors")) / calls if calls else 0.0
+    m["multi_turn/truncated_ratio"] = mean(col("truncated"))
+    m["multi_turn/generated_tokens/mean"] = mean(col("generated_tokens"))
+    m["multi_turn/appended_tokens/mean"] = mean(col("appended_tokens"))
+    m["multi_turn/sanity_mismatch_ratio"] = mean(col("sanity_mismatch"))
+    return m
 
 
 @dataclass

@@ -22,7 +22,7 @@ from megarl.errors import UserInputError
 from megarl.logging import MetricLogger
 from megarl.rollout.build import build_engine, check_engine_installed, engine_spec
 from megarl.rollout.protocol import RolloutEngine
-from megarl.trainer.generation import Scorer
+from megarl.trainer.generation import AgentRollout, Scorer
 from megarl.trainer.run_lock import RunDirLock
 from megarl.utils import dist as mdist
 
@@ -100,6 +100,7 @@ class RunParts:
     total_steps: int
     model_paths: dict[str, str]
     pool: Any = None  # the reward pool (rank 0 only)
+    agent: AgentRollout | None = None  # rollout.multi_turn.enable: the agent loop's tools
     lock: RunDirLock | None = None  # the run directory's lock (rank 0 only)
 
     def close(self) -> None:
@@ -198,11 +199,16 @@ def _build_parts(cfg: Any) -> RunParts:
     paths = _resolve_all(cfg)
     tokenizer = load_tokenizer(paths["tokenizer"])
     d = cfg.data
+    agent = build_agent(cfg, tokenizer)  # a bad tool config fails before data and models
     ds_kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
                      prompt_key=d.prompt_key, truncation=d.truncation,
                      filter_overlong_prompts=d.filter_overlong_prompts,
                      chat_template=d.chat_template, apply_chat_template=d.apply_chat_template,
                      on_bad_row=d.on_bad_row)
+    if agent is not None:  # the prompts show the tools' schemas, as verl renders them
+        from megarl.rollout.agent import tool_schemas
+
+        ds_kwargs["tools"] = tool_schemas(agent.tools) or None
     train_ds = RLDataset(paths["train_files"], **ds_kwargs)
     if train_ds.num_filtered and rank == 0:
         log.warning("data.train_files: %d prompts longer than max_prompt_length=%d were "
@@ -268,7 +274,21 @@ def _build_parts(cfg: Any) -> RunParts:
         val_items=val_items, actor=actor, ref=ref, critic=critic, prm=prm, engine=engine,
         scorer=scorer, val_scorer=val_scorer, total_steps=total_steps,
         model_paths={k: v for k, v in paths.items() if isinstance(v, str)}, pool=pool,
+        agent=agent,
     )
+
+
+def build_agent(cfg: Any, tokenizer: Any) -> AgentRollout | None:
+    """``rollout.multi_turn.enable``: the tools of ``multi_turn.tool_config_path`` and the agent
+    loop's settings; None when multi-turn rollouts are off."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return None
+    from megarl.rollout.agent import AgentLoopSettings, load_tools
+
+    tools = load_tools(resolve_path(mt.tool_config_path))
+    return AgentRollout(tools=tools, settings=AgentLoopSettings.from_config(mt),
+                        tokenizer=tokenizer)
 
 
 def pin_threads() -> None:

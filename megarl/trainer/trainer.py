@@ -115,7 +115,8 @@ class RLTrainer:
             seed = R.sampling_seed(cfg.trainer.seed, self.step, rnd, R.ROLLOUT_STREAM)
             with timer("gen"):
                 samples = R.generate(p.engine, items, self._sampling(seed),
-                                     group_offset=rnd * per_round, tp_size=self.rollout_tp)
+                                     group_offset=rnd * per_round, tp_size=self.rollout_tp,
+                                     agent=p.agent)
             with timer("reward"):
                 scores, round_metrics = p.scorer(samples)
             rounds.append(round_metrics)
@@ -139,6 +140,7 @@ class RLTrainer:
                     f"the others scored the same. {fix}use prompts the policy sometimes solves "
                     "and sometimes fails, or set algorithm.filter_groups.enable=false")
         metrics = R.merge_round_metrics(rounds)
+        metrics.update(R.multi_turn_metrics(kept))  # trajectories of the agent loop only
         if fg.enable:
             metrics["train/num_gen_batches"] = rnd
             metrics["train/kept_groups"] = n_groups
@@ -269,10 +271,12 @@ class RLTrainer:
         metrics.update(timer.metrics())
         step_time = time.perf_counter() - t0
         metrics["timing_s/step"] = step_time
-        n_response, n_prompt = int(batch.response_mask.sum()), int(batch.prompt_mask.sum())
+        # tokens the forwards processed: a multi-turn response's appended tokens included
+        n_response = int(batch.response_padding_mask.sum())
+        n_prompt = int(batch.prompt_mask.sum())
         metrics.update(per_token_timing(timer.times, n_prompt, n_response))
         if self.actor_hf_config is not None and "update_actor" in timer.times:
-            lens = (batch.response_mask.sum(-1) + batch.prompt_mask.sum(-1)).tolist()
+            lens = (batch.response_padding_mask.sum(-1) + batch.prompt_mask.sum(-1)).tolist()
             util = mfu(self.actor_hf_config, lens, a.ppo_epochs, timer.times["update_actor"],
                        mdist.world_size(), self.peak_flops)
             if util is not None:
@@ -297,7 +301,8 @@ class RLTrainer:
         p = self.parts
 
         def generate(items: list[Any], params: SamplingParams) -> list:
-            return R.generate(p.engine, items, params, 0, tp_size=self.rollout_tp)
+            return R.generate(p.engine, items, params, 0, tp_size=self.rollout_tp,
+                              agent=p.agent)
 
         return StepContext(generate=generate, score=lambda samples: p.scorer(samples)[0],
                            sampling=self._sampling, timer=timer)
@@ -326,7 +331,7 @@ class RLTrainer:
                         self.logger.print(line)
         out = validate(p.engine, p.val_items, p.val_scorer, params,
                        batch_size=self.cfg.data.val_batch_size, tp_size=self.rollout_tp,
-                       on_scored=on_scored)
+                       on_scored=on_scored, agent=p.agent)
         out["timing_s/testing"] = time.perf_counter() - t0
         return out
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megarl.rollout.protocol import RolloutEngine, SamplingParams
-from megarl.trainer.generation import Scorer, generate
+from megarl.trainer.generation import AgentRollout, Scorer, generate
 
 
 def validate(
@@ -33,18 +33,21 @@ def validate(
     batch_size: int | None = None,
     tp_size: int = 1,
     on_scored: Callable[[list[Any], list[float]], None] | None = None,
+    agent: AgentRollout | None = None,
 ) -> dict[str, float]:
     """Generate ``params.n`` responses per item (``batch_size`` prompts at a time) and score them.
 
     Returns the metrics above; ``n`` in their names is ``params.n``. ``on_scored(samples,
-    scores)`` receives every response and its reward at the end (to dump them)."""
+    scores)`` receives every response and its reward at the end (to dump them). ``agent``:
+    multi-turn rollouts with tools (the agent loop), as in training."""
     by_prompt: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     bs = batch_size or len(items)
     all_samples: list[Any] = []
     all_scores: list[float] = []
     for start in range(0, len(items), bs):
         chunk = items[start:start + bs]
-        samples = generate(engine, chunk, params, group_offset=start, tp_size=tp_size)
+        samples = generate(engine, chunk, params, group_offset=start, tp_size=tp_size,
+                           agent=agent)
         scores, _ = scorer(samples)
         for s, v in zip(samples, scores.tolist()):
             by_prompt[s.data_source][s.group].append(float(v))

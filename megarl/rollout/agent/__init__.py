@@ -7,7 +7,8 @@
   tool config loader (`load_tools`), `CalculatorTool` and the sandboxed `PythonTool`.
 - `tool_parser`: tool-call formats by name (``hermes``).
 
-Not yet used by the trainer (see docs/design.md, "Multi-turn rollouts with tools").
+Used by the trainer with rollout.multi_turn.enable (megarl/trainer/generation.py; see
+docs/design.md, "Multi-turn rollouts with tools").
 """
 
 from megarl.rollout.agent.loop import AgentLoopSettings, Trajectory, run_agent_loop

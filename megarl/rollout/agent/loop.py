@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import logging
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -123,6 +124,7 @@ class Trajectory:
     finish_reason: str = ""
     num_generated: int = 0
     num_appended: int = 0
+    tool_time_s: float = 0.0  # wall time of its tool calls (each turn's calls run at once)
     messages: list[dict[str, str]] = field(default_factory=list)
     sanity_checked: bool = False
     sanity_mismatch: str | None = None
@@ -276,7 +278,9 @@ class _ToolRunner:
 
         async def one(traj, turn, entries):
             run = entries[:limit]
+            t0 = time.perf_counter()
             records = list(await asyncio.gather(*(self._call(traj, turn, e) for e in run)))
+            traj.tool_time_s += time.perf_counter() - t0
             for e in entries[limit:]:
                 name = None if isinstance(e, ParseError) else e.name
                 records.append(ToolCallRecord(turn, name, getattr(e, "arguments", None),
