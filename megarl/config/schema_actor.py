@@ -107,7 +107,8 @@ class CheckpointConfig:
 
 @dataclass
 class PolicyLossConfig:
-    # a name of megarl.algos.POLICY_LOSSES (vanilla, gspo, geo_mean, cispo, reinforce) or one
+    # a name of megarl.algos.POLICY_LOSSES (vanilla, gspo, geo_mean, cispo, reinforce, sapo,
+    # gpg) or one
     # registered by algorithm.custom_algorithms.path
     loss_mode: str = "vanilla"
 
@@ -148,6 +149,8 @@ class ActorConfig:
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (> 1)
     loss_agg_mode: LossAggMode = "token-mean"
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (loss_mode=sapo; > 0)
+    tau_neg: float = 1.05  # SAPO's gate temperature where A <= 0 (loss_mode=sapo; > 0)
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
     use_kl_loss: bool = False  # KL(actor || ref) as a loss term (GRPO style)
     kl_loss_coef: float = 0.001
@@ -174,9 +177,11 @@ class SamplingConfig:
 @dataclass
 class MultiTurnConfig:
     """``rollout.multi_turn``: the agent loop's settings (`megarl.rollout.agent`), verl's names
-    and defaults. ``enable`` is not a key yet: the trainer does not run the agent loop, so
-    verl's ``multi_turn.enable=true`` is refused (megarl/config/verl_compat.py)."""
+    and defaults. ``enable``: training (and validation) rollouts are multi-turn with the tools
+    of ``tool_config_path``; the combinations the trainer does not support with it are refused
+    at check time (megarl/config/validate.py, ``_check_multi_turn``)."""
 
+    enable: bool = False
     max_assistant_turns: int | None = None  # None = no limit
     max_user_turns: int | None = None  # None = no limit (a user turn: one round of tool responses)
     tool_config_path: str | None = None  # verl's tool YAML (tools: [{class_name, config, tool_schema}])

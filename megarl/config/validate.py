@@ -144,7 +144,43 @@ def check(cfg: Config, bad_keys: set[str]) -> list[str]:
     _check_batches(cfg, c)
     _check_layout(cfg, c)
     _check_router_replay(cfg, c)
+    _check_multi_turn(cfg, c)
     return c.problems
+
+
+def _check_multi_turn(cfg: Config, c: _Checker) -> None:
+    """Multi-turn rollouts with tools: what the trainer runs them with, and what it refuses."""
+    arr = cfg.actor_rollout_ref
+    mt, key = arr.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn.enable"
+    if not mt.enable:
+        return
+    if not mt.tool_config_path:
+        c.fail(("actor_rollout_ref.rollout.multi_turn.tool_config_path", key),
+               "required when multi_turn.enable is true: verl's tool YAML (tools: [{class_name, "
+               "config, tool_schema}])")
+    if arr.rollout.name != "torch":
+        c.fail((key, "actor_rollout_ref.rollout.name"),
+               f"multi-turn rollouts run on megarl's torch engine only for now, not "
+               f"rollout.name={arr.rollout.name} (the agent loop calls the engine once per turn; "
+               "vLLM / SGLang are not wired to it yet); use actor_rollout_ref.rollout.name=torch")
+    if cfg.async_training.staleness_threshold > 0:
+        c.fail((key, "async_training.staleness_threshold"),
+               "multi-turn rollouts are not run asynchronously yet (the engine process does not "
+               "run the agent loop); set async_training.staleness_threshold=0")
+    if cfg.reward_model.enable:
+        c.fail((key, "reward_model.enable"),
+               "a process reward model's steps are not split by model turn yet (its step "
+               "separators would fall in tool responses); use a verifiable reward "
+               "(reward_model.enable=false)")
+    if arr.actor.router_replay.mode != "disabled":
+        c.fail((key, "actor_rollout_ref.actor.router_replay.mode"),
+               "routing replay does not record the experts across turns yet; set "
+               "actor_rollout_ref.actor.router_replay.mode=disabled")
+    if not cfg.data.apply_chat_template or cfg.data.chat_template:
+        c.fail((key, "data.apply_chat_template", "data.chat_template"),
+               "the agent loop renders tool turns with the tokenizer's own chat template; the "
+               "prompts must use it too (data.apply_chat_template=true, data.chat_template "
+               "unset)")
 
 
 def _check_router_replay(cfg: Config, c: _Checker) -> None:
@@ -344,6 +380,22 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
                f"{rc.rollout_is!r} weights the policy loss per token, but PACS (pacs.enable) "
                "trains with its BCE loss, which takes no importance weights; set "
                "algorithm.rollout_correction.rollout_is=null or pacs.enable=false")
+    if rc.rollout_rs is not None:
+        from megarl.algos import parse_rollout_rs
+        try:
+            parse_rollout_rs(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as e:
+            c.fail(("algorithm.rollout_correction.rollout_rs",
+                    "algorithm.rollout_correction.rollout_rs_threshold"), str(e))
+    if rc.bypass_mode and cfg.async_training.staleness_threshold > 0 \
+            and not cfg.async_training.use_rollout_log_probs:
+        c.fail(("algorithm.rollout_correction.bypass_mode", "async_training.use_rollout_log_probs"),
+               "bypass_mode takes the ratio against the engine's logprobs, but "
+               "use_rollout_log_probs=false takes it against the trainer's recomputation; set "
+               "one of them the other way")
+    a_ = cfg.actor_rollout_ref.actor
+    c.positive("actor_rollout_ref.actor.tau_pos", a_.tau_pos, " (SAPO's gate temperature)")
+    c.positive("actor_rollout_ref.actor.tau_neg", a_.tau_neg, " (SAPO's gate temperature)")
     if "baselines" in needs and not rollout.do_sample:
         c.fail(("algorithm.adv_estimator", "actor_rollout_ref.rollout.do_sample"),
                f"{est} needs actor_rollout_ref.rollout.do_sample=true (its baseline is a greedy "

@@ -86,9 +86,6 @@ _TEXT = "megarl trains text-only language models"
 _OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer states stay on the "
             "device (memory differs, results do not)")
 _LORA = "LoRA is not implemented: megarl trains all parameters; drop the LoRA keys"
-_MULTI_TURN = ("the agent loop for multi-turn / tool rollouts exists (megarl.rollout.agent, "
-               "configured by the other multi_turn.* keys) but the trainer does not use it yet: "
-               "training rollouts are single-turn")
 _ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
 _ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
@@ -132,8 +129,10 @@ RULES: tuple[Rule, ...] = (
     Rule("data.custom_cls.*", "rejected", "custom dataset classes are not supported; write "
          "verl-format parquet/jsonl rows"),
     Rule("data.filter_overlong_prompts_workers", "inert", "prompts are tokenized once at load"),
-    Rule("data.function_tool_path", "inert", _ONLY_WHEN.format(what="multi-turn rollouts")),
-    Rule("data.tool_config_path", "inert", _ONLY_WHEN.format(what="multi-turn rollouts")),
+    Rule("data.function_tool_path", "inert", "tools from a Python file of functions are not "
+         "implemented"),
+    Rule("data.tool_config_path", "inert", "the tools are read from "
+         f"{_ROLLOUT}.multi_turn.tool_config_path"),
     Rule("data.return_raw_chat", "inert", "megarl's engines always receive the chat messages"),
     Rule("data.return_full_prompt", "inert", "the rollout dump always holds the full prompt text"),
     Rule("data.return_raw_input_ids", "inert", "megarl's batch always carries the prompt ids"),
@@ -311,14 +310,13 @@ RULES: tuple[Rule, ...] = (
          f"{_ROLLOUT}.update_weights_bucket_megabytes"),
     Rule(f"{_ROLLOUT}.checkpoint_engine.*", "inert", "weights reach the engine through megarl's "
          "resharding stream"),
-    Rule(f"{_ROLLOUT}.multi_turn.enable", "rejected", _MULTI_TURN),
     Rule(f"{_ROLLOUT}.multi_turn.function_tool_path", "rejected", "tools from a Python file "
          "of functions are not implemented; list them in multi_turn.tool_config_path"),
     Rule(f"{_ROLLOUT}.multi_turn.use_inference_chat_template", "rejected", "the agent loop "
          "renders every turn with the training chat template"),
-    Rule(f"{_ROLLOUT}.multi_turn.*", "inert", _ONLY_WHEN.format(what="multi_turn.enable")),
-    Rule(f"{_ROLLOUT}.agent.*", "inert", "verl's agent loop serves multi-turn rollouts, which "
-         "are rejected"),
+    Rule(f"{_ROLLOUT}.multi_turn.*", "inert", "not read by megarl's agent loop"),
+    Rule(f"{_ROLLOUT}.agent.*", "inert", "megarl's agent loop (multi_turn.*) runs inside the "
+         "trainer; verl's agent-loop workers have no counterpart"),
     Rule(f"{_ROLLOUT}.mode", "inert", "megarl's engines generate inside the synchronous step"),
     Rule(f"{_ROLLOUT}.calculate_log_probs", "inert", "the engines always return the sampled "
          "tokens' logprobs"),

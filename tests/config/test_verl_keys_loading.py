@@ -45,10 +45,24 @@ def test_inert_key_set_gives_one_notice_with_its_reason():
 
 def test_rejected_key_set_is_an_error_with_reason_and_alternative():
     with pytest.raises(ConfigError) as e:
-        _load(f"{A}.rollout.multi_turn.enable=True", f"{A}.actor.optim.min_lr=1e-7")
+        _load(f"{A}.rollout.multi_turn.use_inference_chat_template=True",
+              f"{A}.actor.optim.min_lr=1e-7")
     text = str(e.value)
-    assert f"{A}.rollout.multi_turn.enable=True" in text and "single-turn" in text
+    assert f"{A}.rollout.multi_turn.use_inference_chat_template=True" in text
+    assert "training chat template" in text
     assert f"{A}.actor.optim.min_lr=1e-07" in text and "min_lr_ratio" in text
+
+
+def test_multi_turn_enable_is_a_megarl_key_now():
+    """verl's multi_turn.enable=true (refused until the trainer ran the agent loop) is read as
+    megarl's key: accepted with a tool config, and its unsupported combinations are refused
+    naming both keys (tests/trainer/test_multi_turn_trainer.py has the rest)."""
+    cfg = _load(f"{A}.rollout.multi_turn.enable=True",
+                f"{A}.rollout.multi_turn.tool_config_path=tools.yaml").config
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable is True
+    with pytest.raises(ConfigError) as e:
+        _load(f"{A}.rollout.multi_turn.enable=True")
+    assert f"{A}.rollout.multi_turn.tool_config_path" in str(e.value)
 
 
 def test_mapped_keys_land_on_megarl_keys():
