@@ -106,12 +106,27 @@ class PureConfig:
 class RolloutCorrectionConfig:
     """``algorithm.rollout_correction`` (verl's names): truncated importance sampling on the
     gap between the engine's sampling logprobs and the trainer's recomputed old logprobs
-    (`megarl.algos.compute_rollout_is_weights`); the weights multiply each token's policy loss."""
+    (`megarl.algos.compute_rollout_is_weights`); the weights multiply each token's policy loss.
+    Rejection sampling (`megarl.algos.compute_rollout_rejection_mask`) and bypass mode as verl
+    (`megarl.trainer.correction`)."""
 
     # null = off; token: w_t = pi_old/mu per token; sequence: the product over the response
     rollout_is: Literal["token", "sequence"] | None = None
     rollout_is_threshold: float = 2.0  # upper truncation of the weights (> 0)
     rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+    # rejection sampling: comma-separated options of megarl.algos.ROLLOUT_RS_OPTIONS (token_k1,
+    # seq_sum_k1, seq_mean_k3, seq_max_k2, ...); tokens / responses whose statistic of the
+    # pi_old/mu log-ratio is out of bounds leave the actor's and the critic's loss. null = off
+    rollout_rs: str | None = None
+    # one bound per option or one for all: "lower_upper" or one upper (lower = 1/upper) for k1
+    # options, one upper for k2/k3 (verl: no default; required with rollout_rs)
+    rollout_rs_threshold: float | str | None = None
+    # true: the ratio is taken against the engine's sampling logprobs (no recomputed
+    # old_logprob unless something else reads it; megarl.trainer.correction)
+    bypass_mode: bool = False
+    # with bypass_mode: ppo_clip keeps actor.policy_loss.loss_mode (verl: always vanilla);
+    # reinforce trains with loss_mode=reinforce (IS weights applied when rollout_is is set)
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
 
 
 @dataclass

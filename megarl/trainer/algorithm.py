@@ -108,8 +108,12 @@ def actor_loss_settings(cfg: Any) -> ActorLossSettings:
     """The PPO family's actor loss settings of a config."""
     arr = cfg.actor_rollout_ref
     a = arr.actor
+    rc = cfg.algorithm.rollout_correction
+    # verl's bypass mode with loss_type=reinforce trains REINFORCE whatever loss_mode says
+    reinforce = rc.bypass_mode and rc.loss_type == "reinforce"
     return ActorLossSettings(
-        loss_mode=a.policy_loss.loss_mode, agg_mode=a.loss_agg_mode,
+        loss_mode="reinforce" if reinforce else a.policy_loss.loss_mode, agg_mode=a.loss_agg_mode,
+        tau_pos=a.tau_pos, tau_neg=a.tau_neg,
         clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
         clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,

@@ -15,12 +15,33 @@ Which logprobs are paired (verl's modes; `megarl.algos.rollout_correction` has t
   (``policy_loss.loss_mode=reinforce``: `megarl.algos.policy_loss_has_ratio`) has nothing
   else correcting it: the same weights are applied.
 
+Bypass mode (``algorithm.rollout_correction.bypass_mode``, verl's meaning: the ratio is taken
+against the engine's sampling logprobs, no recomputed old logprobs): in the synchronous loop
+`bypass_logprobs` gives the step the pairing asynchronous rollout's
+``use_rollout_log_probs=true`` has (``old_logprob`` = the engine's; a recomputation, run only
+when something else reads it: truncated weights, rejection, KL in the reward, the logprob
+check, goes to ``prox_logprob``), and the update is never treated as on-policy (verl's new
+engine; its legacy worker's on-policy shortcut would replace the rollout logprobs by the
+current ones and make the ratio 1). ``loss_type=reinforce`` trains ``loss_mode=reinforce``
+(`megarl.trainer.algorithm.actor_loss_settings`); with ``rollout_is`` its weights are then
+applied, as verl's bypass REINFORCE. verl computes bypass mode's weights and rejection per
+micro-batch from the evolving policy; megarl from the recomputation before the update, which
+is the same policy for a single update per step.
+
+Rejection sampling (``rollout_rs``, `add_rollout_rejection`): tokens or whole responses whose
+statistic of `log pi_prox/mu` (`megarl.algos.compute_rollout_rejection_mask`) is out of bounds
+leave the actor's and the critic's losses (their response mask and token counts, as verl's
+modified ``response_mask``); the advantages are computed on the full mask (verl's estimators
+read the rejected mask too: group scores are the same, token-whitened estimators' statistics
+and a rejected token's own advantage differ, neither reaches the loss).
+
 A loss without a ratio on samples of older policy versions (asynchronous rollout) with
 ``rollout_is=null`` would train them uncorrected: `check_lagged_correction` refuses that run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megarl import algos
@@ -32,14 +53,15 @@ LOSS_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 STALENESS_KEY = "async_training.staleness_threshold"
 
 
-def require_rollout_logprobs(batch: RolloutBatch, level: str) -> None:
-    """Importance weights need the engine's sampling logprobs of every response."""
+def require_rollout_logprobs(batch: RolloutBatch, level: Any, key: str = KEY) -> None:
+    """Importance weights (rejection, bypass mode) need the engine's sampling logprobs of every
+    response."""
     if "rollout_logprob" not in batch.tensors:
         raise UserInputError(
-            f"{KEY}={level!r} needs the rollout engine's logprobs of the sampled tokens, and "
+            f"{key}={level!r} needs the rollout engine's logprobs of the sampled tokens, and "
             "this engine returned none for some responses; use an engine that returns them "
             "(actor_rollout_ref.rollout.name=torch, vllm or sglang) or set "
-            f"{KEY}=null")
+            f"{key}={'false' if isinstance(level, bool) else 'null'}")
 
 
 def check_lagged_correction(cfg: Any, loss_has_ratio: bool) -> None:
@@ -54,6 +76,43 @@ def check_lagged_correction(cfg: Any, loss_has_ratio: bool) -> None:
             f"and {KEY}=null the samples of older policy versions would train uncorrected; set "
             f"{KEY}=token (truncated weights pi/mu on each token), or a loss with a ratio "
             f"({LOSS_KEY}=vanilla), or {STALENESS_KEY}=0")
+
+
+def bypass_logprobs(batch: RolloutBatch) -> None:
+    """Bypass mode in the synchronous loop (module doc): the engine's logprobs become
+    ``old_logprob``, a recomputation (when one ran) ``prox_logprob``."""
+    require_rollout_logprobs(batch, True, "algorithm.rollout_correction.bypass_mode")
+    t = batch.tensors
+    if "old_logprob" in t:
+        t["prox_logprob"] = t["old_logprob"]
+    t["old_logprob"] = t["rollout_logprob"]
+
+
+def add_rollout_rejection(batch: RolloutBatch, rc: Any) -> dict[str, float]:
+    """Rejection sampling (``rc.rollout_rs``) on the recomputation (``prox_logprob`` where the
+    ratio is taken against the engine's logprobs, else ``old_logprob``) against the engine's
+    logprobs: stores ``batch.tensors["rollout_rs_keep"]`` [B, L] (1 = the token stays in the
+    losses) and returns the ``rollout_corr/rollout_rs_*`` metrics."""
+    require_rollout_logprobs(batch, rc.rollout_rs, "algorithm.rollout_correction.rollout_rs")
+    t = batch.tensors
+    proximal = t["prox_logprob"] if "prox_logprob" in t else t["old_logprob"]
+    keep, metrics = algos.compute_rollout_rejection_mask(
+        proximal, t["rollout_logprob"], batch.response_mask, rollout_rs=rc.rollout_rs,
+        threshold=rc.rollout_rs_threshold)
+    t["rollout_rs_keep"] = keep
+    return metrics
+
+
+def without_rejected(batch: RolloutBatch) -> RolloutBatch:
+    """The batch the updates train on: with rejection sampling, its response mask lacks the
+    rejected tokens (the forward's attention mask, ``response_padding_mask``, is unchanged);
+    else ``batch`` itself."""
+    keep = batch.tensors.get("rollout_rs_keep")
+    if keep is None:
+        return batch
+    tensors = {**batch.tensors, "response_padding_mask": batch.response_padding_mask}
+    return dataclasses.replace(batch, response_mask=batch.response_mask * keep.to(
+        batch.response_mask.dtype), tensors=tensors)
 
 
 def add_rollout_is_weights(batch: RolloutBatch, rc: Any,

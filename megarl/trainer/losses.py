@@ -137,13 +137,11 @@ def actor_loss_fn(s: ActorLossSettings, norm: Norm):
     against ``ref_logprob``. micro_batch.tensors holds old_logprob (unless on-policy), what the
     objective reads and, with rollout correction, rollout_is_weights (multiply each token's
     policy loss; the fused kernel takes no weights, so the unfused path runs then); with
-    rejection sampling the micro-batch's response_mask already lacks the rejected tokens, and
-    ``rollout_rs_keep`` marks it (the unfused path runs: the fused kernel reads every
-    attended response position)."""
+    rejection sampling the micro-batch's response_mask already lacks the rejected tokens (both
+    paths read only the tokens of response_mask)."""
 
     def loss_fn(out, mb: SequenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        if (s.use_fused(out) and "rollout_is_weights" not in mb.tensors
-                and "rollout_rs_keep" not in mb.tensors):
+        if s.use_fused(out) and "rollout_is_weights" not in mb.tensors:
             return fused_ppo(out, mb)
         t = mb.tensors
         mask = t["response_mask"].to(torch.float32)

@@ -31,7 +31,13 @@ from megarl.trainer import generation as R
 from megarl.trainer.algorithm import StepContext, build_algorithm
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
-from megarl.trainer.correction import add_rollout_is_weights, require_rollout_logprobs
+from megarl.trainer.correction import (
+    add_rollout_is_weights,
+    add_rollout_rejection,
+    bypass_logprobs,
+    require_rollout_logprobs,
+    without_rejected,
+)
 from megarl.trainer.dump import dump_generations
 from megarl.trainer.flops import mfu, peak_flops
 from megarl.trainer.losses import actor_loss_fn, critic_loss_fn
@@ -177,8 +183,11 @@ class RLTrainer:
         n_groups = len(set(batch.group_index.tolist()))
         # samples of an earlier policy version (asynchronous rollout) are off-policy
         lagged = "policy_version" in t
+        rc = cfg.algorithm.rollout_correction
+        # bypass mode: the ratio against the engine's logprobs, never on-policy (correction.py)
+        bypass = rc.bypass_mode and not lagged  # lagged: async rollout's own pairing does it
         one_update = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups
-        on_policy = one_update and not lagged
+        on_policy = one_update and not lagged and not bypass
         # Off-policy samples whose ratio is taken against the engine's own logprobs need no
         # recomputed old_logprob when a single update follows (the mismatch is then measured
         # only on check steps); a loss without a ratio is corrected by importance weights on
@@ -189,13 +198,13 @@ class RLTrainer:
         # sync or sampler shows at once), and on every step with rollout.check_logprobs.
         check = "rollout_logprob" in t and (arr.rollout.check_logprobs or self.step == 1)
         # importance weights on the engine/trainer gap need both logprobs (correction.py)
-        rc = cfg.algorithm.rollout_correction
         if rc.rollout_is is not None:
             require_rollout_logprobs(batch, rc.rollout_is)
         # On-policy, the update's own forward gives old_logprob (= logprob.detach()), so the
         # separate pass is only run when something else reads it before the update.
-        if ((not on_policy and not behaviour_only) or check or cfg.algorithm.use_kl_in_reward
-                or rc.rollout_is is not None):
+        if ((not on_policy and not behaviour_only and not bypass) or check
+                or cfg.algorithm.use_kl_in_reward or rc.rollout_is is not None
+                or rc.rollout_rs is not None):
             with timer("old_log_prob"):
                 old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
                 t["old_logprob"] = old
@@ -210,8 +219,12 @@ class RLTrainer:
                 metrics.update(p.actor.routing_metrics(seq, t["rollout_logprob"], temperature))
         if lagged:
             self.behaviour_logprobs(batch, metrics)
+        elif bypass:
+            bypass_logprobs(batch)
         if rc.rollout_is is not None:
             metrics.update(add_rollout_is_weights(batch, rc, algo.loss.has_ratio))
+        if rc.rollout_rs is not None:
+            metrics.update(add_rollout_rejection(batch, rc))
         if p.ref is not None:
             with timer("ref"):
                 t["ref_logprob"], _ = p.ref.logprobs(seq, temperature=temperature)
@@ -226,11 +239,13 @@ class RLTrainer:
             self.kl_ctrl.update(cur_kl, batch.batch_size)
         metrics.update(adv_metrics)
 
+        # rejection sampling: the rejected tokens leave the updates' masks (correction.py)
+        train_batch = without_rejected(batch)
         if p.critic is not None:
             with timer("update_critic"):
                 c = cfg.critic
                 steps = run_update(
-                    p.critic, batch, ("values", "returns"),
+                    p.critic, train_batch, ("values", "returns"),
                     lambda norm: critic_loss_fn(c.cliprange_value, c.loss_agg_mode, norm),
                     prompts_per_mini=c.ppo_mini_batch_size, epochs=c.ppo_epochs,
                     shuffle=c.shuffle, seed=R.sampling_seed(cfg.trainer.seed, self.step, 7),
@@ -249,7 +264,7 @@ class RLTrainer:
                     keys += ("rollout_is_weights",)
                 settings = algo.loss_settings(on_policy)
                 steps = run_update(
-                    p.actor, batch, keys, lambda norm: actor_loss_fn(settings, norm),
+                    p.actor, train_batch, keys, lambda norm: actor_loss_fn(settings, norm),
                     prompts_per_mini=a.ppo_mini_batch_size, epochs=a.ppo_epochs,
                     shuffle=a.shuffle, seed=R.sampling_seed(cfg.trainer.seed, self.step, 3),
                     max_tokens_per_micro=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
