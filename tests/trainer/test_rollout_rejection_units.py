@@ -1,0 +1,112 @@
+"""Rollout rejection sampling, bypass mode and SAPO's temperatures in the trainer's wiring
+(megarl.trainer.correction, algorithm.actor_loss_settings, losses.actor_loss_fn), in process.
+
+Planted while writing (each made the named test fail):
+- add_rollout_rejection judging old_logprob even where prox_logprob holds the recomputation:
+  test_rejection_reads_the_recomputation (keep [[1, 1, 0], [0, 0, 0]] vs [[0, 1, 0], [1, 0, 0]]);
+- without_rejected not carrying the padding mask: test_without_rejected_keeps_the_attention
+  (the sequence batch's attention mask lost the rejected token: [0, 1, 0] vs [1, 1, 0]);
+- the loss settings ignoring loss_type: test_bypass_reinforce_trains_reinforce ('vanilla');
+- ppo_policy_term not passing the options: test_sapo_temperatures_reach_the_loss (loss -0.194, the
+  default temperatures', vs 1.528).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl import algos
+from megarl.backends.protocol import SequenceBatch
+from megarl.config.loader import load_config
+from megarl.errors import UserInputError
+from megarl.trainer.algorithm import actor_loss_settings
+from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.correction import add_rollout_rejection, bypass_logprobs, without_rejected
+from megarl.trainer.losses import ActorLossSettings, Norm, actor_loss_fn
+
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+RS = SimpleNamespace(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+
+
+def _batch(**tensors) -> RolloutBatch:
+    return RolloutBatch(
+        prompt_ids=torch.ones(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 2, dtype=torch.long),
+        response_ids=torch.ones(2, 3, dtype=torch.long), response_mask=MASK.clone(),
+        group_index=torch.tensor([0, 0]), data_sources=["a", "a"], ground_truths=[None, None],
+        extra_infos=[{}, {}], finish_reasons=["stop", "stop"], tensors=dict(tensors))
+
+
+def test_bypass_logprobs_pairs_the_ratio_with_the_engine():
+    rollout, old = torch.full((2, 3), -1.0), torch.full((2, 3), -2.0)
+    b = _batch(rollout_logprob=rollout, old_logprob=old)
+    bypass_logprobs(b)
+    assert b.tensors["old_logprob"] is rollout and b.tensors["prox_logprob"] is old
+    b = _batch(rollout_logprob=rollout)  # no recomputation ran
+    bypass_logprobs(b)
+    assert b.tensors["old_logprob"] is rollout and "prox_logprob" not in b.tensors
+    with pytest.raises(UserInputError, match="bypass_mode=false"):
+        bypass_logprobs(_batch(old_logprob=old))
+
+
+def test_rejection_reads_the_recomputation():
+    """With bypass (old = engine's), the statistic is prox vs rollout, as the IS weights."""
+    rollout = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, 0.0, 0.0]])
+    prox = torch.tensor([[-2.0, -1.1, 0.0], [-1.2, 0.0, 0.0]])  # ratio e^-1 out of [0.5, 2]
+    b = _batch(rollout_logprob=rollout, old_logprob=rollout, prox_logprob=prox)
+    metrics = add_rollout_rejection(b, RS)
+    assert b.tensors["rollout_rs_keep"].tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 3)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+    b = _batch(rollout_logprob=rollout, old_logprob=prox)  # decoupled: old is the recomputation
+    add_rollout_rejection(b, RS)
+    assert b.tensors["rollout_rs_keep"].tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_without_rejected_keeps_the_attention():
+    b = _batch(rollout_logprob=torch.zeros(2, 3), old_logprob=torch.zeros(2, 3))
+    assert without_rejected(b) is b
+    b.tensors["rollout_rs_keep"] = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    t = without_rejected(b)
+    assert t.response_mask.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert b.response_mask.tolist() == MASK.tolist()  # the step's batch is untouched
+    assert "response_padding_mask" not in b.tensors
+    seq = t.sequence_batch()
+    assert seq.attention_mask[:, 2:].tolist() == [[1, 1, 0], [1, 0, 0]]
+    assert seq.tensors["response_mask"].tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_bypass_reinforce_trains_reinforce():
+    rc = "algorithm.rollout_correction"
+    cfg = load_config("grpo", [f"{rc}.bypass_mode=true", f"{rc}.loss_type=reinforce"])
+    assert actor_loss_settings(cfg).loss_mode == "reinforce"
+    cfg = load_config("grpo", [f"{rc}.loss_type=reinforce"])  # inert without bypass_mode
+    assert actor_loss_settings(cfg).loss_mode == "vanilla"
+    cfg = load_config("grpo", ["actor_rollout_ref.actor.tau_pos=3",
+                               "actor_rollout_ref.actor.tau_neg=0.5"])
+    s = actor_loss_settings(cfg)
+    assert (s.tau_pos, s.tau_neg) == (3.0, 0.5)
+
+
+def test_sapo_temperatures_reach_the_loss():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    old = -torch.rand(2, 3, generator=g) * mask
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]])
+    mb = SequenceBatch(input_ids=torch.zeros(2, 5, dtype=torch.long),
+                       attention_mask=torch.ones(2, 5, dtype=torch.long), response_length=3,
+                       tensors={"response_mask": mask, "old_logprob": old, "advantages": adv})
+    lp = (old + 0.3 * torch.randn(2, 3, generator=g)) * mask
+    out = SimpleNamespace(logprob=lp.clone().requires_grad_(), entropy=None, hidden=None)
+    norm = Norm(dp_size=1, batch_num_tokens=5, global_batch_size=2, loss_scale_factor=3.0)
+    loss, _ = actor_loss_fn(ActorLossSettings(loss_mode="sapo", tau_pos=3.0, tau_neg=0.5),
+                            norm)(out, mb)
+    want, _ = algos.policy_loss("sapo", logprob=lp, old_logprob=old, advantages=adv,
+                                response_mask=mask, options={"tau_pos": 3.0, "tau_neg": 0.5},
+                                **norm.kwargs())
+    default, _ = algos.policy_loss("sapo", logprob=lp, old_logprob=old, advantages=adv,
+                                   response_mask=mask, **norm.kwargs())
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert abs(want.item() - default.item()) > 1e-3
