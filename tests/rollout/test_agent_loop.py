@@ -403,7 +403,7 @@ def test_python_tool_runs_programs_without_network_or_files(tmp_path):
     assert out.text.startswith("Error")
 
 
-def test_config_section_feeds_the_settings_and_enable_is_refused():
+def test_config_section_feeds_the_settings_and_enable_needs_tools():
     from megarl.config import ConfigError
     from megarl.config.loader import resolve_config
 
@@ -412,7 +412,11 @@ def test_config_section_feeds_the_settings_and_enable_is_refused():
                                   f"{mt}.tool_response_truncate_side=left"]).config
     s = AgentLoopSettings.from_config(cfg.actor_rollout_ref.rollout.multi_turn)
     assert (s.max_assistant_turns, s.tool_response_truncate_side, s.format) == (3, "left", "hermes")
-    with pytest.raises(ConfigError, match="agent loop .* exists .* the trainer does not use it yet"):
+    # the trainer runs the agent loop now (tests/trainer/test_multi_turn_trainer.py); it needs
+    # the tools
+    with pytest.raises(ConfigError, match=f"{mt}.tool_config_path: required when"):
         resolve_config("grpo", [f"{mt}.enable=true"])
+    cfg = resolve_config("grpo", [f"{mt}.enable=true", f"{mt}.tool_config_path=t.yaml"]).config
+    assert AgentLoopSettings.from_config(cfg.actor_rollout_ref.rollout.multi_turn).enable
     with pytest.raises(UserInputError, match="tool_response_truncate_side"):
         AgentLoopSettings(tool_response_truncate_side="both")
