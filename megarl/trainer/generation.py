@@ -80,6 +80,8 @@ def generate(
     """
     mine, member = local_share(len(items), tp_size)
     if agent is not None:
+        if tp_size != 1:  # the config check refuses it (multi-turn runs on the torch engine)
+            raise ValueError("multi-turn rollouts need one rank per engine (tp_size=1)")
         local = _agent_share(engine, items, mine, sampling, group_offset, agent)
         gathered = [x for part in mdist.all_gather_objects(local) for x in part]
         gathered.sort(key=lambda x: (x[0], x[1]))
