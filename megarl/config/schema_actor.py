@@ -185,6 +185,8 @@ class MultiTurnConfig:
     max_assistant_turns: int | None = None  # None = no limit
     max_user_turns: int | None = None  # None = no limit (a user turn: one round of tool responses)
     tool_config_path: str | None = None  # verl's tool YAML (tools: [{class_name, config, tool_schema}])
+    # verl's interaction YAML (interaction: [{name, class_name, config}]): a simulated user
+    interaction_config_path: str | None = None
     format: Literal["hermes"] = "hermes"  # tool-call format
     max_parallel_calls: int = 1  # calls run per assistant turn
     max_tool_response_length: int = 256  # CHARACTERS of one tool response

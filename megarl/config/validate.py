@@ -158,11 +158,17 @@ def _check_multi_turn(cfg: Config, c: _Checker) -> None:
         c.fail(("actor_rollout_ref.rollout.multi_turn.tool_config_path", key),
                "required when multi_turn.enable is true: verl's tool YAML (tools: [{class_name, "
                "config, tool_schema}])")
-    if arr.rollout.name != "torch":
-        c.fail((key, "actor_rollout_ref.rollout.name"),
-               f"multi-turn rollouts run on megarl's torch engine only for now, not "
-               f"rollout.name={arr.rollout.name} (the agent loop calls the engine once per turn; "
-               "vLLM / SGLang are not wired to it yet); use actor_rollout_ref.rollout.name=torch")
+    if mt.interaction_config_path:
+        c.fail(("actor_rollout_ref.rollout.multi_turn.interaction_config_path", key),
+               "interactions (a simulated user answering the model's turns) run in the agent "
+               "loop, but the trainer does not pass each row's extra_info.interaction_kwargs to "
+               "it yet; leave interaction_config_path unset")
+    if arr.rollout.tensor_model_parallel_size > 1:
+        c.fail((key, "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+               "multi-turn rollouts need one rank per engine for now (the ranks of a "
+               "tensor-parallel engine would each run the agent loop and its tools; they are not "
+               "driven from one rank yet); set "
+               "actor_rollout_ref.rollout.tensor_model_parallel_size=1")
     if cfg.async_training.staleness_threshold > 0:
         c.fail((key, "async_training.staleness_threshold"),
                "multi-turn rollouts are not run asynchronously yet (the engine process does not "

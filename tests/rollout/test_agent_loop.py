@@ -210,9 +210,11 @@ def test_limits_stop_the_loop(tok):
     t = run(AgentLoopSettings(max_assistant_turns=2))
     assert (t.finish_reason, t.turns, t.user_turns) == ("max_assistant_turns", 2, 1)
     assert t.response_mask[-1] == 1 and t.response_ids[-1] == EOS  # ends on the model's turn
-    t = run(AgentLoopSettings(max_user_turns=3))
-    assert (t.finish_reason, t.turns, t.user_turns) == ("max_user_turns", 3, 3)
-    assert t.response_ids[-len(tool_turn(tok, "2")):] == tool_turn(tok, "2")
+    t = run(AgentLoopSettings(max_user_turns=3))  # verl: the model answers the 3rd tool turn
+    assert (t.finish_reason, t.turns, t.user_turns) == ("max_user_turns", 4, 3)
+    assert len(t.tool_calls) == 3 and t.response_ids[-1] == EOS and t.response_mask[-1] == 1
+    assert t.response_ids[-len(enc(tok, c)) - 1 - len(tool_turn(tok, "2")):-len(enc(tok, c)) - 1] \
+        == tool_turn(tok, "2")
     turn_len = len(enc(tok, c)) + 1 + len(tool_turn(tok, "2"))
     t = run(AgentLoopSettings(), budget=turn_len + 10)  # the 2nd turn is cut by the budget
     assert t.finish_reason == "length" and len(t.response_ids) == turn_len + 10
@@ -280,7 +282,7 @@ def test_tool_config_protocol_errors_and_truncation(tok, tmp_path):
     assert "at most 1 tool call" in t.tool_calls[1].response
 
     for body, match in [({"tools": [{"class_name": "nowhere.Tool"}]}, r"tools\[0\] \(nowhere.Tool\): .*cannot import"),
-                        ({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool"}]}, "ports by importing"),
+                        ({"tools": [{"class_name": "verl.tools.search_tool.SearchTool"}]}, "ports by importing"),
                         ({"tools": [{"class_name": "megarl.rollout.agent.tools.CalculatorTool",
                                      "config": {"type": "mcp"}}]}, "MCP"),
                         ({"tools": [{"class_name": "megarl.rollout.agent.tools.CalculatorTool",
@@ -420,3 +422,59 @@ def test_config_section_feeds_the_settings_and_enable_needs_tools():
     assert AgentLoopSettings.from_config(cfg.actor_rollout_ref.rollout.multi_turn).enable
     with pytest.raises(UserInputError, match="tool_response_truncate_side"):
         AgentLoopSettings(tool_response_truncate_side="both")
+
+
+def test_sglang_adapter_runs_the_loop(tok):
+    """megarl's SGLang adapter (tp 1) under the loop, SGLang itself replaced by a stand-in that
+    answers like its offline engine (output_ids ending with the matched stop id, per-token
+    (logprob, id, text) entries): the trajectory holds the ids and logprobs the stand-in
+    returned, the tool glue between them, and each turn's requests carry their own seeds."""
+    from megarl.rollout.agent.tool_parser import ParsedTurn
+    from megarl.rollout.sglang.engine import SGLangEngine
+
+    class EveryTurnCalls:
+        def parse(self, text):
+            return ParsedTurn([ToolCall("calculator", {"expression": "6 * 7"})], text)
+
+    register_tool_parser("every_turn_sglang", EveryTurnCalls)
+
+    class StandIn:
+        def __init__(self):
+            self.requests = []
+
+        def generate(self, input_ids, sampling_params, return_logprob):
+            self.requests.append((input_ids, sampling_params))
+            out = []
+            for ids in input_ids:
+                gen = enc(tok, f"t{len(ids) % 7}") + [EOS]
+                out.append({"output_ids": gen, "meta_info": {
+                    "output_token_logprobs": [(-0.1 * (k + 1), t, None) for k, t in enumerate(gen)],
+                    "finish_reason": {"type": "stop", "matched": EOS}}})
+            return out
+
+    standin = StandIn()
+    engine = SGLangEngine(engine=standin)
+    tools = {"calculator": CalculatorTool()}
+    prompts = [prompt_of(tok, q, tools) for q in ("a", "bb")]
+    trajs = run_agent_loop(engine, [p for _, p in prompts],
+                           SamplingParams(n=2, seed=3, max_new_tokens=3000), tok, tools,
+                           AgentLoopSettings(format="every_turn_sglang", max_assistant_turns=3),
+                           prompt_messages=[m for m, _ in prompts])
+    assert len(standin.requests) == 3 and [len(r[0]) for r in standin.requests] == [4, 4, 4]
+    seeds = [[p["sampling_seed"] for p in params] for _, params in standin.requests]
+    assert len({s for turn in seeds for s in turn}) == 12  # per trajectory and per turn
+    for k, t in enumerate(trajs):
+        inputs = [r[0][k] for r in standin.requests]
+        assert all(i == t.prompt_ids + t.response_ids[: len(i) - len(t.prompt_ids)] for i in inputs)
+        want, mask, lps = [], [], []
+        for turn, i in enumerate(inputs):
+            gen = enc(tok, f"t{len(i) % 7}") + [EOS]
+            want += gen
+            mask += [1] * len(gen)
+            lps += [pytest.approx(-0.1 * (n + 1)) for n in range(len(gen))]
+            if turn < 2:
+                glue = tool_turn(tok, "42")
+                want, mask, lps = want + glue, mask + [0] * len(glue), lps + [0.0] * len(glue)
+        assert (t.response_ids, t.response_mask) == (want, mask)
+        assert t.logprobs == lps
+        assert t.finish_reason == "max_assistant_turns" and t.sanity_mismatch is None

@@ -291,7 +291,9 @@ def test_batch_mask_logprobs_and_loss_on_model_tokens(trajectories):
 
 
 @pytest.mark.parametrize("extra, keys", [
-    ([f"{A}.rollout.name=vllm"], [f"{MT}.enable", f"{A}.rollout.name"]),
+    ([f"{A}.rollout.name=vllm", f"{A}.rollout.tensor_model_parallel_size=2"],
+     [f"{MT}.enable", f"{A}.rollout.tensor_model_parallel_size"]),
+    ([f"{MT}.interaction_config_path=i.yaml"], [f"{MT}.interaction_config_path"]),
     (["async_training.staleness_threshold=1"], [f"{MT}.enable", "async_training.staleness_threshold"]),
     (["reward_model.enable=true", "reward_model.model.path=x"], [f"{MT}.enable", "reward_model.enable"]),
     (["data.apply_chat_template=false"], [f"{MT}.enable", "data.apply_chat_template"]),

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import inspect
 import logging
 import time
+import uuid
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -55,6 +57,7 @@ class AgentLoopSettings:
     max_assistant_turns: int | None = None  # None: no limit
     max_user_turns: int | None = None  # None: no limit
     tool_config_path: str | None = None
+    interaction_config_path: str | None = None  # verl's interaction YAML (a simulated user)
     format: str = "hermes"
     max_parallel_calls: int = 1  # calls run per assistant turn (more are answered with an error)
     max_tool_response_length: int = 256  # CHARACTERS of one tool response (verl)
@@ -125,12 +128,16 @@ class Trajectory:
     num_generated: int = 0
     num_appended: int = 0
     tool_time_s: float = 0.0  # wall time of its tool calls (each turn's calls run at once)
+    interaction: str | None = None  # the interaction's name (None: no interaction)
+    turn_scores: list[float] = field(default_factory=list)  # each interaction turn's score
+    interaction_score: float | None = None  # its calculate_score at the end
     messages: list[dict[str, str]] = field(default_factory=list)
     sanity_checked: bool = False
     sanity_mismatch: str | None = None
     # internal: the end of the assistant turn the loop did not append (for the sanity check)
     _open_tail: str = ""
     _instances: dict[str, str] = field(default_factory=dict)
+    _interaction_id: str | None = None
 
 
 # --- the chat template, incrementally --------------------------------------------------------
@@ -157,10 +164,11 @@ class ChatContinuation:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def tool_turn_text(self, contents: list[str]) -> str:
-        """The template's rendering of tool messages ``contents`` and the assistant header
-        after them (not the tail of the assistant turn before)."""
-        msgs = [{"role": "tool", "content": c} for c in contents]
+    def tool_turn_text(self, contents: list[str], role: str = "tool") -> str:
+        """The template's rendering of ``role`` messages ``contents`` (tool responses, or the
+        interaction's user turn) and the assistant header after them (not the tail of the
+        assistant turn before)."""
+        msgs = [{"role": role, "content": c} for c in contents]
         with_tools = self.render(
             [*_PREFIX, {"role": "assistant", "content": _SENTINEL}, *msgs], True)
         if with_tools.startswith(self._closed):
@@ -168,7 +176,7 @@ class ChatContinuation:
         system = self.render(_PREFIX[:1], False)
         alone = self.render([*_PREFIX[:1], *msgs], True)
         if not alone.startswith(system):
-            raise UserInputError("the chat template renders tool messages differently "
+            raise UserInputError(f"the chat template renders {role} messages differently "
                                  "depending on what precedes them; cannot append them "
                                  "incrementally")
         return alone[len(system):]
@@ -309,6 +317,84 @@ class _ToolRunner:
         await asyncio.gather(*(one(t) for t in trajs))
 
 
+# --- interactions ----------------------------------------------------------------------------
+
+
+def _takes_instance_id(method) -> bool:
+    """verl's BaseInteraction.calculate_score / finalize_interaction take no instance id; its
+    gsm8k interaction's do."""
+    try:
+        params = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params)
+
+
+class _InteractionRunner:
+    """Each trajectory's interaction (picked by its row's ``interaction_kwargs["name"]``,
+    verl's rule; the only one when there is one and no name is given)."""
+
+    def __init__(self, interactions: dict[str, Any], kwargs_rows: Sequence[dict | None] | None):
+        self.interactions = interactions
+        self.kwargs_rows = kwargs_rows
+
+    def kwargs(self, traj: Trajectory) -> dict:
+        row = None if self.kwargs_rows is None else self.kwargs_rows[traj.prompt_index]
+        return dict(row or {})
+
+    def pick(self, traj: Trajectory) -> str:
+        row = None if self.kwargs_rows is None else self.kwargs_rows[traj.prompt_index]
+        if row is None:
+            raise UserInputError(
+                f"multi_turn.interaction_config_path is set but prompt {traj.prompt_index} has "
+                "no extra_info.interaction_kwargs (verl's row field: {name: <interaction>, "
+                "...: its start_interaction arguments, e.g. ground_truth})")
+        name = row.get("name")
+        if name is None and len(self.interactions) == 1:
+            name = next(iter(self.interactions))
+        if name not in self.interactions:
+            raise UserInputError(
+                f"prompt {traj.prompt_index}: interaction_kwargs name={name!r} is not among the "
+                f"configured interactions ({', '.join(sorted(self.interactions))})")
+        return name
+
+    async def start(self, trajs: list[Trajectory]) -> None:
+        async def one(t):
+            t.interaction = self.pick(t)
+            t._interaction_id = await self.interactions[t.interaction].start_interaction(
+                uuid.uuid4().hex, **self.kwargs(t))
+
+        await asyncio.gather(*(one(t) for t in trajs))
+
+    async def respond(self, work: list[tuple[Trajectory, list[dict]]]) -> list[tuple]:
+        async def one(t, messages):
+            out = await self.interactions[t.interaction].generate_response(
+                t._interaction_id, messages, **self.kwargs(t))
+            try:
+                terminate, content, score, extra = out
+            except (TypeError, ValueError):
+                raise RuntimeError(f"interaction {t.interaction}: generate_response returned "
+                                   f"{type(out).__name__}, not (should_terminate_sequence, "
+                                   "response_content, current_turn_score, additional_data)") from None
+            return bool(terminate), "" if content is None else str(content), score, extra
+
+        return list(await asyncio.gather(*(one(t, m) for t, m in work)))
+
+    async def finish(self, trajs: list[Trajectory]) -> None:
+        async def one(t):
+            inter = self.interactions[t.interaction]
+            args = (t._interaction_id,)
+            score = await inter.calculate_score(
+                *(args if _takes_instance_id(inter.calculate_score) else ()))
+            t.interaction_score = None if score is None else float(score)
+            await inter.finalize_interaction(
+                *(args if _takes_instance_id(inter.finalize_interaction) else ()))
+            t._interaction_id = None
+
+        await asyncio.gather(*(one(t) for t in trajs if t._interaction_id is not None))
+
+
 # --- the loop --------------------------------------------------------------------------------
 
 
@@ -324,6 +410,8 @@ def run_agent_loop(
     prompt_keys: Sequence[int] | None = None,
     prompt_messages: Sequence[list[dict]] | None = None,
     tools_kwargs: Sequence[dict | None] | None = None,
+    interactions: dict[str, Any] | None = None,
+    interaction_kwargs: Sequence[dict | None] | None = None,
 ) -> list[Trajectory]:
     """``sampling.n`` trajectories per prompt, prompt-major (as `RolloutEngine.generate`).
 
@@ -334,6 +422,15 @@ def run_agent_loop(
     from (sampling.seed, turn). prompt_messages: each prompt's chat messages, for the
     tokenization sanity check (it does not run without them). tools_kwargs: per prompt,
     {tool name: {"create_kwargs": {...}, "execute_kwargs": {...}}} (verl's row field).
+    interactions: {name: `BaseInteraction`} (default: those of
+    ``settings.interaction_config_path``, if set); interaction_kwargs: per prompt, verl's row
+    field ``extra_info.interaction_kwargs`` ({name, ...start_interaction's arguments}). With
+    interactions, an assistant turn without a tool call goes to the trajectory's interaction:
+    its response is appended as a user turn (mask 0) unless it ends the conversation
+    (should_terminate_sequence: finish ``stop``, nothing appended); each turn's score is kept
+    (``turn_scores``) and ``calculate_score`` at the end (``interaction_score``).
+    ``max_user_turns`` counts tool rounds and interaction turns alike; as in verl, the model
+    answers the last user turn before the limit stops the trajectory.
     """
     if isinstance(tools, dict):
         tools = dict(tools)
@@ -349,9 +446,17 @@ def run_agent_loop(
     chat = ChatContinuation(tokenizer)
     trajs = [Trajectory(p, s, list(prompts[p])) for p in range(len(prompts)) for s in range(n)]
     traj_keys = [keys[t.prompt_index] * n + t.sample_index for t in trajs]
+    if interactions is None and settings.interaction_config_path:
+        from megarl.data.locations import resolve_path
+        from megarl.rollout.agent.interactions import load_interactions
+
+        interactions = load_interactions(resolve_path(settings.interaction_config_path))
+    inter = _InteractionRunner(interactions, interaction_kwargs) if interactions else None
     runner_loop = asyncio.new_event_loop()
     try:
         runner = _ToolRunner(tools, settings, tools_kwargs)
+        if inter is not None:
+            runner_loop.run_until_complete(inter.start(trajs))
         live = list(range(len(trajs)))
         turn = 0
         while live:
@@ -364,7 +469,7 @@ def run_agent_loop(
             if len(completions) != len(live):
                 raise RuntimeError(f"the engine returned {len(completions)} completions for "
                                    f"{len(live)} prompts")
-            work, still = [], []
+            work, still, talk = [], [], []
             for c in completions:
                 j = live[c.prompt_index]
                 t = trajs[j]
@@ -384,13 +489,17 @@ def run_agent_loop(
                     t.finish_reason = "length"
                     continue
                 parsed = parser.parse(tokenizer.decode(ids, skip_special_tokens=False))
-                if not parsed.has_calls:
+                if not parsed.has_calls and inter is None:
                     t.finish_reason = "stop"
                 elif settings.max_assistant_turns and t.turns >= settings.max_assistant_turns:
                     t.finish_reason = "max_assistant_turns"
-                else:
+                elif settings.max_user_turns and t.user_turns >= settings.max_user_turns:
+                    t.finish_reason = "max_user_turns"
+                elif parsed.has_calls:
                     work.append((t, turn, parsed.entries))
                     still.append(j)
+                else:
+                    talk.append(j)
             results = runner_loop.run_until_complete(runner.run_turn(work)) if work else []
             live = []
             for j, (t, _, _), records in zip(still, work, results):
@@ -414,12 +523,34 @@ def run_agent_loop(
                 t.num_appended += len(ids)
                 t.messages += [{"role": "tool", "content": c} for c in contents]
                 t._open_tail = ""
-                if settings.max_user_turns and t.user_turns >= settings.max_user_turns:
-                    t.finish_reason = "max_user_turns"
-                    continue
                 live.append(j)
+            replies = runner_loop.run_until_complete(inter.respond(
+                [(trajs[j], [*(prompt_messages[trajs[j].prompt_index] if prompt_messages
+                               else []), *trajs[j].messages]) for j in talk])) if talk else []
+            for j, (terminate, content, score, _) in zip(talk, replies):
+                t = trajs[j]
+                if score is not None:
+                    t.turn_scores.append(float(score))
+                if terminate:
+                    t.finish_reason = "stop"
+                    continue
+                ids = chat.encode(t._open_tail + chat.tool_turn_text([content], "user"))
+                if len(t.response_ids) + len(ids) >= budget:
+                    t.finish_reason = "length"
+                    continue
+                t.user_turns += 1
+                t.response_ids += ids
+                t.response_mask += [0] * len(ids)
+                t.logprobs += [0.0] * len(ids)
+                t.num_appended += len(ids)
+                t.messages.append({"role": "user", "content": content})
+                t._open_tail = ""
+                live.append(j)
+            live.sort()
             turn += 1
         runner_loop.run_until_complete(runner.finish(trajs))
+        if inter is not None:
+            runner_loop.run_until_complete(inter.finish(trajs))
     finally:
         runner_loop.close()
     if prompt_messages is not None and settings.tokenization_sanity_check_mode != "disable":
@@ -445,7 +576,7 @@ def sanity_check(chat: ChatContinuation, traj: Trajectory, prompt_messages: list
     else a description of the first difference. ``ignore_strippable``: differences whose
     text on both sides is whitespace only are ignored."""
     messages = [*prompt_messages, *traj.messages]
-    ends_with_tool = bool(traj.messages) and traj.messages[-1]["role"] == "tool"
+    ends_with_tool = bool(traj.messages) and traj.messages[-1]["role"] in ("tool", "user")
     text = chat.render(messages, ends_with_tool, tools)
     if traj._open_tail and text.endswith(traj._open_tail):
         text = text[: -len(traj._open_tail)]

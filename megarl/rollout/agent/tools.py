@@ -20,8 +20,10 @@ The tool config file (verl's ``multi_turn.tool_config_path``)::
 
 ``tool_schema`` may be left out where the class has a default schema (both built-ins do).
 
-Built-ins: `CalculatorTool` (countdown's safe evaluator, no eval) and `PythonTool` (a program
-run in a separate, bounded, unprivileged process: see `megarl.rollout.agent._sandbox`).
+Built-ins: `CalculatorTool` (countdown's safe evaluator, no eval), `PythonTool` (a program
+run in a separate, bounded, unprivileged process: see `megarl.rollout.agent._sandbox`) and
+`Gsm8kTool` (verl's gsm8k answer checker). verl's own class names of built-ins
+(`VERL_BUILTINS`: ``verl.tools.gsm8k_tool.Gsm8kTool``) load megarl's, with a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
 import math
 import os
 import random
@@ -43,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import UserInputError
+
+logger = logging.getLogger(__name__)
 
 # --- schema (verl.tools.schemas) ---------------------------------------------------------------
 
@@ -189,7 +194,11 @@ def load_tools(path: str | os.PathLike) -> dict[str, BaseTool]:
             raise UserInputError(f"{where}: config.type={kind!r} is not supported (only "
                                  "native tools; MCP tools are not implemented)")
         try:
-            cls = _import_class(entry["class_name"])
+            builtin = VERL_BUILTINS.get(entry["class_name"])
+            if builtin is not None:
+                logger.warning("tool config %s: verl's %s runs as megarl's built-in %s", path,
+                               entry["class_name"], builtin)
+            cls = _import_class(builtin or entry["class_name"])
             if not issubclass(cls, BaseTool):
                 raise ValueError(f"{entry['class_name']} is not a subclass of "
                                  "megarl.rollout.agent.tools.BaseTool")
@@ -243,6 +252,60 @@ class CalculatorTool(BaseTool):
         except EquationError as e:
             return ToolResponse(text=f"Error: {e}"), 0.0, {}
         return ToolResponse(text=format_number(value)), 0.0, {}
+
+
+# --- built-in: gsm8k (verl's Gsm8kTool) ---------------------------------------------------------
+
+
+class Gsm8kTool(BaseTool):
+    """verl's ``verl.tools.gsm8k_tool.Gsm8kTool``: the model submits an answer; the tool says
+    whether it parses to the ground truth (create_kwargs ``ground_truth``, verl's "flexible"
+    GSM8K scoring: the last number), and rewards each submission with 0.0 when it improves on
+    the previous one, -0.05 when not; `calc_reward` is the last answer's score."""
+
+    def __init__(self, config: dict | None = None, tool_schema=None):
+        super().__init__(config, tool_schema or _schema(
+            "calc_gsm8k_reward", "A tool for calculating the reward of gsm8k. (1.0 if parsed "
+            "answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)",
+            "answer", "The model's answer to the GSM8K math problem, must be a digits"))
+        self._instances: dict[str, dict[str, Any]] = {}
+
+    async def create(self, instance_id: str | None = None, ground_truth: str | None = None,
+                     **kwargs) -> tuple[str, ToolResponse]:
+        instance_id = instance_id or str(uuid.uuid4())
+        if ground_truth is None:
+            ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
+        self._instances[instance_id] = {"response": "", "ground_truth": ground_truth,
+                                        "reward": 0.0}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
+        answer = parameters.get("answer", "")
+        answer = answer if isinstance(answer, str) else str(answer)
+        state = self._instances[instance_id]
+        state["response"] = answer if answer.startswith("#### ") else "#### " + answer
+        reward = await self.calc_reward(instance_id)
+        tool_reward = 0.0 if reward > state["reward"] else -0.05
+        state["reward"] = reward
+        return ToolResponse(text=f"Current parsed {answer=} {reward=}"), tool_reward, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        from megarl.rewards.gsm8k import gsm8k_score
+
+        state = self._instances[instance_id]
+        if state["ground_truth"] is None:
+            return 0.0
+        return gsm8k_score(state["response"], state["ground_truth"], method="flexible",
+                           format_score=0.0, score=1.0)
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
+
+
+# verl's dotted class names that megarl reads as its own built-ins (with a notice)
+VERL_BUILTINS: dict[str, str] = {
+    "verl.tools.gsm8k_tool.Gsm8kTool": "megarl.rollout.agent.tools.Gsm8kTool",
+}
 
 
 # --- built-in: python --------------------------------------------------------------------------
