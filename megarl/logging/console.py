@@ -13,10 +13,18 @@ from collections.abc import Mapping
 
 from tqdm import tqdm
 
+# (metric, column): a column is shown when the step's row has its metric, so the columns follow
+# what the recipe computes. ``kl`` is the KL to the reference policy that the run trains with:
+# ``actor/kl_loss`` (actor.use_kl_loss) and ``kl_rwd`` the in-reward penalty's
+# ``actor/reward_kl_penalty`` (algorithm.use_kl_in_reward). ``actor/ppo_kl`` (the current policy
+# against the one that sampled, 0 on an on-policy step) is not a console column: a verl user
+# would read ``kl=0`` as "the policy has not moved from the reference"; it stays in the record.
 KEY_METRICS = (
     ("critic/score/mean", "score"),
     ("actor/pg_loss", "pg"),
-    ("actor/ppo_kl", "kl"),
+    ("actor/kl_loss", "kl"),
+    ("actor/reward_kl_penalty", "kl_rwd"),
+    ("critic/vf_loss", "vf"),
     ("actor/entropy", "ent"),
     ("response_length/mean", "len"),
     ("timing_s/step", "s/step"),

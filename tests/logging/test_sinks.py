@@ -108,3 +108,23 @@ def test_a_registered_sink_gets_every_row_and_is_closed(tmp_path, monkeypatch):
 def test_unknown_sink_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"trainer.logger: unknown sink\(s\) \['swanlab'\]"):
         MetricLogger(tmp_path, ["swanlab"], total_steps=1)
+
+
+def test_console_kl_is_the_kl_to_the_reference_the_run_trains_with(tmp_path, capsys):
+    """A GRPO row (use_kl_loss) shows ``kl=`` from actor/kl_loss, a PPO row with the in-reward
+    penalty shows ``kl_rwd=`` from actor/reward_kl_penalty, and a row without a reference KL
+    shows no kl column. Before: ``kl=`` was actor/ppo_kl, 0 on every on-policy step of a GRPO
+    run whose actor/kl_loss was 0.003-0.013 (``step 1/3 | score=0.5 pg=-0.25 kl=0 ...``)."""
+    grpo = {"critic/score/mean": 0.5, "actor/pg_loss": -0.25, "actor/ppo_kl": 0.0,
+            "actor/kl_loss": 0.0125, "actor/entropy": 1.5}
+    ppo = {"critic/score/mean": 0.5, "actor/pg_loss": -0.25, "actor/ppo_kl": 0.0,
+           "actor/reward_kl_penalty": 0.002, "critic/vf_loss": 0.75}
+    plain = {"critic/score/mean": 0.5, "actor/pg_loss": -0.25, "actor/ppo_kl": 0.0}
+    logger = MetricLogger(tmp_path / "run", ["console"], total_steps=3)
+    for step, row in enumerate((grpo, ppo, plain), 1):
+        logger.log(step, row)
+    logger.close(plot=False)
+    out = [line.split(" | ")[1] for line in capsys.readouterr().out.splitlines()]
+    assert out == ["score=0.5 pg=-0.25 kl=0.0125 ent=1.5",
+                   "score=0.5 pg=-0.25 kl_rwd=0.002 vf=0.75",
+                   "score=0.5 pg=-0.25"]
