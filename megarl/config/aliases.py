@@ -127,7 +127,8 @@ def _merge_alias(existing: Any, value: Any, src: str, dst: str, source: str) -> 
 
 
 def _resume(layer: dict, source: str) -> None:
-    """verl's ``resume_mode`` (auto | disable | resume_path) + ``resume_from_path`` -> ``resume``.
+    """verl's ``resume_mode`` (auto | disable | resume_path) + ``resume_from_path`` -> ``resume``
+(and megarl's ``force``: auto, accepting changed settings; megarl.trainer.resume_check).
     A ``resume_from_path`` given without ``resume_mode`` is read as a path to resume from (verl
     would ignore it under its default mode auto)."""
     trainer = layer.get("trainer")
@@ -135,10 +136,10 @@ def _resume(layer: dict, source: str) -> None:
         return
     mode = trainer.pop("resume_mode", None)
     path = trainer.pop("resume_from_path", None)
-    if mode not in (None, "auto", "disable", "resume_path"):
+    if mode not in (None, "auto", "disable", "resume_path", "force"):
         raise ConfigError(
             f"trainer.resume_mode: invalid choice {mode!r}; expected one of 'auto', 'disable', "
-            f"'resume_path' (or set trainer.resume=auto|disable|<path>) in {source}"
+            f"'resume_path', 'force' (or set trainer.resume=auto|force|disable|<path>) in {source}"
         )
     if mode == "resume_path" or (mode is None and path is not None):
         if path is None:

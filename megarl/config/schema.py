@@ -195,7 +195,8 @@ class TrainerConfig:
     log_val_generations: int = 0  # validation generations printed (console) per validation
     rollout_data_dir: str | None = None  # write each step's generations to {dir}/{step}.jsonl
     validation_data_dir: str | None = None  # each validation's generations to {dir}/{step}.jsonl
-    # "auto": latest checkpoint in default_local_dir if any | "disable" | a checkpoint path.
+    # "auto": latest checkpoint in default_local_dir if any | "force": the same, accepting
+    # settings that change the run's meaning (megarl.trainer.resume_check) | "disable" | a path.
     # verl's resume_mode / resume_from_path are read into this key.
     resume: str = "auto"
     max_ckpt_to_keep: int | None = None  # None = keep all

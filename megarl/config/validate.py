@@ -290,7 +290,8 @@ def _check_ranges(cfg: Config, c: _Checker) -> None:
         if v == 0 or v < -1:
             c.fail(f"trainer.{key}", f"must be -1 (never) or >= 1 steps, got {v!r}")
     if not t.resume:
-        c.fail("trainer.resume", "must be 'auto', 'disable' or a checkpoint path, got ''")
+        c.fail("trainer.resume", "must be 'auto', 'force' (auto, accepting changed settings), "
+                                 "'disable' or a checkpoint path, got ''")
 
 
 def _check_optim(prefix: str, o, c: _Checker) -> None:

@@ -9,9 +9,11 @@ def run(cfg: Any) -> dict[str, Any]:
     """Train with a validated Config in this process (one rank of a torchrun job, or alone)."""
     from megarl.trainer.async_rollout import AsyncRLTrainer
     from megarl.trainer.parts import async_settings, pin_threads
+    from megarl.trainer.resume_check import refuse_early
     from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
 
+    refuse_early(cfg)  # a resume that would change the run's meaning, before any model is built
     pin_threads()
     device = mdist.resolve_device(cfg.trainer.device)
     mdist.init_distributed(device, cfg.launch.backend)

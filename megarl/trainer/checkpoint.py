@@ -6,6 +6,7 @@ Layout under ``root`` (``<trainer.default_local_dir>/checkpoints``)::
         actor/ critic/ ...    each role's Backend.save() output (collective)
         rng/rank{r}.pt        every rank's RNG states
         trainer_state.json    step, dataloader position, KL controller, ...
+        config.yaml           the run directory's config.yaml when saved (what a resume compares)
         COMPLETE              written last, before the rename
     .tmp_global_step_9/       a checkpoint being written (ignored by resume; removed by the next save)
     .old_global_step_3/       a checkpoint being deleted (pruned or replaced; likewise)
@@ -118,6 +119,9 @@ class CheckpointManager:
         torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
         mdist.barrier()
         if rank == 0:
+            config = self.root.parent / "config.yaml"  # the run's (megarl.trainer.resume_check)
+            if config.is_file():
+                shutil.copyfile(config, tmp / "config.yaml")
             with open(tmp / "trainer_state.json", "w") as f:
                 json.dump(trainer_state, f, indent=1, sort_keys=True)
             _fsync_tree(tmp)

@@ -372,12 +372,13 @@ class RLTrainer:
         mode = self.cfg.trainer.resume
         if mode == "disable":
             return None
-        ckpt = self.ckpt.latest() if mode == "auto" else Path(mode)
+        from megarl.trainer import resume_check  # what it continues, and refused changes
+
+        ckpt = resume_check.checkpoint_for(mode, self.ckpt.latest())
         if ckpt is None:
             return None
-        if not (ckpt / "COMPLETE").is_file():
-            raise FileNotFoundError(f"trainer.resume: {ckpt} is not a complete checkpoint")
         p = self.parts
+        self.resume_notes[:0] = resume_check.check(self.cfg, ckpt, p.total_steps)
         p.actor.load(str(ckpt / "actor"))
         if p.critic is not None:
             p.critic.load(str(ckpt / "critic"))
