@@ -35,8 +35,10 @@ def test_defaults_are_verls_and_keys_are_implemented(load):
         None, 2.0, False)
     for name in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize"):
         assert classify(f"{KEY}.{name}").status == "implemented"
-    assert classify(f"{KEY}.rollout_rs").status == "rejected"
-    assert classify(f"{KEY}.bypass_mode").status == "rejected"
+    assert (rc.rollout_rs, rc.rollout_rs_threshold, rc.bypass_mode, rc.loss_type) == (
+        None, None, False, "ppo_clip")
+    for name in ("rollout_rs", "rollout_rs_threshold", "bypass_mode", "loss_type"):
+        assert classify(f"{KEY}.{name}").status == "implemented"
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -50,7 +52,9 @@ def test_levels_load(load, level):
     (f"{KEY}.rollout_is=geometric", [f"{KEY}.rollout_is", "geometric", "token", "sequence"]),
     (f"{KEY}.rollout_is_threshold=0", [f"{KEY}.rollout_is_threshold", "> 0", "2.0"]),
     (f"{KEY}.rollout_is_threshold=-1.5", [f"{KEY}.rollout_is_threshold", "-1.5"]),
-    (f"{KEY}.rollout_rs=token_k1", [f"{KEY}.rollout_rs", "not supported"]),
+    (f"{KEY}.rollout_rs=token_k1", [f"{KEY}.rollout_rs", "rollout_rs_threshold must be given"]),
+    (f"{KEY}.rollout_rs=geometric", [f"{KEY}.rollout_rs", "geometric", "seq_mean_k1"]),
+    (f"{KEY}.rollout_rs=token_k2", [f"{KEY}.rollout_rs", "rollout_rs_threshold"]),
 ])
 def test_bad_values_name_the_key(load, override, words):
     with pytest.raises(ConfigError) as err:
