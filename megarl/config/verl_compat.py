@@ -293,13 +293,14 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{_ACTOR}.calculate_entropy", "inert", "the entropy is always computed (fused, no "
          "extra memory)"),
     Rule(f"{_ACTOR}.calculate_sum_pi_squared", "inert", "only read by verl's optimal-baseline "
-         "estimators, which megarl does not have"),
+         "estimators: megarl has the estimator as a function (megarl.algos."
+         "optimal_token_baseline), but its logprob pass does not compute sum(pi^2) yet, so "
+         "adv_estimator=optimal_token_baseline is not selectable"),
     Rule(f"{_ACTOR}.freeze_vision_tower", "inert", _TEXT),
     Rule(f"{_ACTOR}.policy_loss.clip_cov_*", "inert", _ONLY_WHEN.format(what="loss_mode=clip_cov")),
     Rule(f"{_ACTOR}.policy_loss.kl_cov_ratio", "inert", _ONLY_WHEN.format(what="loss_mode=kl_cov")),
     Rule(f"{_ACTOR}.policy_loss.ppo_kl_coef", "inert", _ONLY_WHEN.format(what="loss_mode=kl_cov")),
     Rule(f"{_ACTOR}.policy_loss.dro_beta", "inert", _ONLY_WHEN.format(what="loss_mode=dro")),
-    Rule(f"{_ACTOR}.tau_*", "inert", _ONLY_WHEN.format(what="loss_mode=sapo")),
     Rule(f"{_ACTOR}.use_fused_kernels", "mapped", f"{_ARR}.model.use_fused_kernels"),
     Rule(f"{_ACTOR}.use_remove_padding", "mapped", f"{_ARR}.model.use_remove_padding"),
     Rule(f"{_ACTOR}.use_prefix_grouper", "rejected", "shared-prefix grouping is not implemented"),
@@ -361,12 +362,6 @@ RULES: tuple[Rule, ...] = (
          "one at a time"),
     Rule("algorithm.use_pf_ppo", "rejected", "PF-PPO reweighting is not implemented"),
     Rule("algorithm.pf_ppo.*", "inert", _ONLY_WHEN.format(what="algorithm.use_pf_ppo")),
-    Rule("algorithm.rollout_correction.rollout_rs", "rejected", "rollout rejection sampling is "
-         "not implemented"),
-    Rule("algorithm.rollout_correction.bypass_mode", "rejected", "old logprobs are always "
-         "recomputed by the trainer"),
-    Rule("algorithm.rollout_correction.*", "inert",
-         _ONLY_WHEN.format(what="rollout_correction.rollout_rs / bypass_mode")),
     # reward (verl's `reward.*` section and its older `reward_model.*` spellings)
     Rule("reward.custom_reward_function.*", "mapped", "custom_reward_function.*"),
     Rule("reward.reward_manager.name", "mapped", "reward_model.reward_manager"),
