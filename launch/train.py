@@ -105,7 +105,6 @@ def _report_stop(signum: int, run_dir: list[str]) -> None:
 
 def _main(args: argparse.Namespace, run_dir: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from megarl.config import ConfigError
     from megarl.config.loader import resolve_config
     from megarl.errors import UserInputError
@@ -141,6 +140,12 @@ def _main(args: argparse.Namespace, run_dir: list[str]) -> int:
             return 2
     cfg = resolved.config
     run_dir.append(str(cfg.trainer.default_local_dir))
+    from megarl.config.preflight import model_keys
+    from megarl.utils import hub
+
+    # hub ids download (verl's behaviour) unless HF_HUB_OFFLINE=1; a run that reads no hub id
+    # (the embedded demo, local folders) goes offline. Before huggingface_hub is imported.
+    hub.decide_offline(value for _, value, _ in model_keys(cfg))
     if os.environ.get("RANK", "0") == "0":
         print(resolved.report(), flush=True)
     from megarl.trainer import run
@@ -148,7 +153,11 @@ def _main(args: argparse.Namespace, run_dir: list[str]) -> int:
     try:
         run(cfg)
     except UserInputError as err:  # bad data, model or checkpoint: the message names the fix
-        print(f"error ({type(err).__name__}):\n{err}", file=sys.stderr)
+        if os.environ.get("MEGARL_DEBUG", "0") not in ("", "0"):
+            raise  # the traceback, under MEGARL_DEBUG=1
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same problem
+            print(f"error ({type(err).__name__}):\n{err}\n(MEGARL_DEBUG=1 prints the traceback)",
+                  file=sys.stderr)
         return 2
     return 0
 

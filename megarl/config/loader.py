@@ -306,12 +306,15 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
     problems += check(cfg, bad)
     notices, refused = verl_only_findings(verl_only, flatten(resolved))
     problems += refused
-    if problems:
-        raise ConfigError(problems)
     layers = ["schema defaults", *(source for source, _ in files)]
     if overrides:
         layers.append("overrides")
-    return Resolved(cfg, prov, layers, use_demo, reason, name, notices)
+    out = Resolved(cfg, prov, layers, use_demo, reason, name, notices)
+    if problems:
+        err = ConfigError(problems)
+        err.resolved = out  # the config as far as it resolved: `config show` prints it
+        raise err
+    return out
 
 
 def _delete(tree: dict, dotted: str) -> None:

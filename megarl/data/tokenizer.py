@@ -1,4 +1,5 @@
-"""Loading HF tokenizers offline and turning chat messages into prompt text."""
+"""Loading HF tokenizers (a hub id downloads unless HF_HUB_OFFLINE=1: megarl.utils.hub) and
+turning chat messages into prompt text."""
 
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str, **kwargs: Any):
-    """``AutoTokenizer.from_pretrained(path)`` with downloads disabled.
+    """``AutoTokenizer.from_pretrained(path)``.
 
     ``path`` is a local tokenizer/model folder, ``embedded://tokenizer`` (or any embedded model),
-    or a hub id already present in the local HF cache. A tokenizer without a pad token gets its
-    eos token as pad (logged).
+    or a hub id: downloaded unless the user set HF_HUB_OFFLINE=1 (then it must be in the local
+    HF cache); a local path never reaches the network (`megarl.utils.hub.decide_offline`). A
+    tokenizer without a pad token gets its eos token as pad (logged).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from megarl.utils import hub
+
+    local = resolve_path(path)
+    hub.decide_offline([local])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    local = resolve_path(path)
     if os.path.exists(local) and not os.path.isdir(local):
         raise NotADirectoryError(
             f"tokenizer path {local!r} is a file; give the folder that holds tokenizer.json / "
@@ -34,16 +37,16 @@ def load_tokenizer(path: str, **kwargs: Any):
     if not os.path.isdir(local) and not hub_like:
         raise FileNotFoundError(
             f"tokenizer folder not found: {local!r}. Give a local HF tokenizer/model folder, a hub "
-            f"id that is already in the local HF cache, or embedded://tokenizer (no downloads: "
-            f"HF_HUB_OFFLINE=1)"
+            f"id (org/name), or embedded://tokenizer"
         )
     try:
         tok = AutoTokenizer.from_pretrained(local, **kwargs)
     except Exception as e:  # noqa: BLE001 - HF raises OSError/ValueError/... depending on version
+        why = (f"; it is a hub id and {hub.HOW_TO_DOWNLOAD}" if hub_like and hub.offline()
+               else "")
         raise FileNotFoundError(
             f"could not load a tokenizer from {local!r} ({type(e).__name__}: {e}). Give a local "
-            f"HF tokenizer/model folder, a hub id already in the local HF cache, or "
-            f"embedded://tokenizer (downloads are disabled: HF_HUB_OFFLINE=1)"
+            f"HF tokenizer/model folder, a hub id (org/name), or embedded://tokenizer{why}"
         ) from e
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:

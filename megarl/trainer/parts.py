@@ -182,6 +182,12 @@ def build_run(cfg: Any) -> RunParts:
     """Everything a run needs, built in order; rank 0 first takes the run directory's lock
     (one writer per directory: a second run on it is refused here, within its start-up)."""
     check_engine_installed(cfg)  # before the minutes spent on data, assets and models
+    from megarl.config import ConfigError
+    from megarl.config.preflight import path_problems
+
+    problems = path_problems(cfg)  # the same checks as `python -m megarl.config check`
+    if problems:
+        raise ConfigError(problems)
     lock = RunDirLock(cfg.trainer.default_local_dir).acquire() if mdist.rank() == 0 else None
     try:
         parts = _build_parts(cfg)
@@ -279,16 +285,20 @@ def _build_parts(cfg: Any) -> RunParts:
 
 
 def build_agent(cfg: Any, tokenizer: Any) -> AgentRollout | None:
-    """``rollout.multi_turn.enable``: the tools of ``multi_turn.tool_config_path`` and the agent
-    loop's settings; None when multi-turn rollouts are off."""
+    """``rollout.multi_turn.enable``: the tools of ``multi_turn.tool_config_path``, the
+    interactions of ``multi_turn.interaction_config_path`` (each optional, loaded now so a bad
+    file fails at start-up) and the agent loop's settings; None when multi-turn rollouts are
+    off."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return None
-    from megarl.rollout.agent import AgentLoopSettings, load_tools
+    from megarl.rollout.agent import AgentLoopSettings, load_interactions, load_tools
 
-    tools = load_tools(resolve_path(mt.tool_config_path))
+    tools = load_tools(resolve_path(mt.tool_config_path)) if mt.tool_config_path else {}
+    interactions = (load_interactions(resolve_path(mt.interaction_config_path))
+                    if mt.interaction_config_path else None)
     return AgentRollout(tools=tools, settings=AgentLoopSettings.from_config(mt),
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, interactions=interactions)
 
 
 def pin_threads() -> None:
