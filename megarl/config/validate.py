@@ -154,15 +154,12 @@ def _check_multi_turn(cfg: Config, c: _Checker) -> None:
     mt, key = arr.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn.enable"
     if not mt.enable:
         return
-    if not mt.tool_config_path:
+    if not mt.tool_config_path and not mt.interaction_config_path:
         c.fail(("actor_rollout_ref.rollout.multi_turn.tool_config_path", key),
-               "required when multi_turn.enable is true: verl's tool YAML (tools: [{class_name, "
-               "config, tool_schema}])")
-    if mt.interaction_config_path:
-        c.fail(("actor_rollout_ref.rollout.multi_turn.interaction_config_path", key),
-               "interactions (a simulated user answering the model's turns) run in the agent "
-               "loop, but the trainer does not pass each row's extra_info.interaction_kwargs to "
-               "it yet; leave interaction_config_path unset")
+               "multi_turn.enable needs tools or an interaction: set tool_config_path (verl's "
+               "tool YAML: tools: [{class_name, config, tool_schema}]) and/or "
+               "actor_rollout_ref.rollout.multi_turn.interaction_config_path (interaction: "
+               "[{name, class_name, config}])")
     if arr.rollout.tensor_model_parallel_size > 1:
         c.fail((key, "actor_rollout_ref.rollout.tensor_model_parallel_size"),
                "multi-turn rollouts need one rank per engine for now (the ranks of a "

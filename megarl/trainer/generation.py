@@ -54,11 +54,13 @@ def local_share(num_items: int, tp_size: int = 1) -> tuple[list[int], int]:
 @dataclass
 class AgentRollout:
     """What `generate` needs to run the agent loop: the tools (by name), the loop's settings
-    (`AgentLoopSettings`) and the tokenizer (the chat template's continuations)."""
+    (`AgentLoopSettings`), the tokenizer (the chat template's continuations) and the
+    interactions (a simulated user answering turns without a tool call), by name."""
 
     tools: dict[str, Any]
     settings: Any
     tokenizer: Any
+    interactions: dict[str, Any] | None = None  # by name (multi_turn.interaction_config_path)
 
 
 def generate(
@@ -127,7 +129,10 @@ def _agent_share(engine: RolloutEngine, items: list[Any], mine: list[int],
         agent.settings, max_response_length=sampling.max_new_tokens,
         prompt_keys=[group_offset + k for k in mine],
         prompt_messages=raw if all(r is not None for r in raw) else None,
-        tools_kwargs=[(it.extra_info or {}).get("tools_kwargs") for it in chosen])
+        tools_kwargs=[(it.extra_info or {}).get("tools_kwargs") for it in chosen],
+        interactions=agent.interactions or {},
+        interaction_kwargs=[(it.extra_info or {}).get("interaction_kwargs") for it in chosen]
+        if agent.interactions else None)
     out = []
     for t in trajs:
         k = mine[t.prompt_index]
@@ -151,8 +156,9 @@ def trajectory_info(t: Any) -> dict[str, Any]:
     """What the reward function reads about a trajectory in ``extra_info`` (plain values):
     ``turns`` (assistant turns), ``tool_calls`` (each: turn, name, arguments, response, error,
     reward), ``tool_rewards`` ({tool: calc_reward}), and verl's names ``num_turns`` (verl's
-    count: the prompt's user turn + assistant turns + tool rounds) and
-    ``rollout_reward_scores`` (verl's name of the tool rewards)."""
+    count: the prompt's user turn + assistant turns + tool rounds and interaction turns),
+    ``rollout_reward_scores`` (verl's name of the tool rewards), and with an interaction
+    ``turn_scores`` (each of its turns' scores) and ``interaction_score`` (its final score)."""
     return {
         "turns": t.turns,
         "tool_calls": [{"turn": c.turn, "name": c.name, "arguments": c.arguments,
@@ -161,6 +167,8 @@ def trajectory_info(t: Any) -> dict[str, Any]:
         "tool_rewards": dict(t.tool_rewards),
         "num_turns": 1 + t.turns + t.user_turns,
         "rollout_reward_scores": dict(t.tool_rewards),
+        "turn_scores": list(t.turn_scores),
+        "interaction_score": t.interaction_score,
     }
 
 

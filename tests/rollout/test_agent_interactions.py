@@ -128,3 +128,29 @@ def test_interaction_settings_and_errors(tok, interaction_yaml, tmp_path):
         with pytest.raises(UserInputError, match=match) as e:
             load_interactions(path)
         assert str(path) in str(e.value)
+
+
+def test_the_trainer_generation_passes_rows_interactions_and_reports_scores(tok):
+    """`megarl.trainer.generation.generate` with an interaction: each row's
+    ``extra_info.interaction_kwargs`` reaches the loop, and each sample's extra_info carries
+    the turn scores and the final interaction score for the reward (verl's names), with the
+    loop's mask. Before the wiring the trainer refused interaction_config_path."""
+    from megarl.trainer.batch import PromptItem
+    from megarl.trainer.generation import AgentRollout, generate
+
+    tools = {"calculator": CalculatorTool()}
+    prompts = [prompt_of(tok, q, tools) for q in ("q0", "q1")]
+    items = [PromptItem(prompt_ids=p, data_source="gsm8k", ground_truth=gt,
+                        extra_info={"interaction_kwargs": {"name": "gsm8k", "ground_truth": gt}})
+             for (_, p), gt in zip(prompts, ("7", "9"))]
+    policy = ScriptedPolicy(tok, [["#### 5", "#### 7"], ["#### 9"]])
+    agent = AgentRollout(tools=tools, settings=AgentLoopSettings(max_user_turns=2),
+                         tokenizer=tok, interactions={"gsm8k": Gsm8kInteraction({})})
+    samples = generate(policy, items, SamplingParams(max_new_tokens=2000), 0, agent=agent)
+    s0, s1 = samples
+    assert s0.extra_info["turn_scores"] == [0.0, 1.0] and s0.extra_info["interaction_score"] == 1.0
+    assert s1.extra_info["turn_scores"] == [1.0] and s1.extra_info["interaction_score"] == 1.0
+    assert s0.extra_info["num_turns"] == 1 + 2 + 1
+    wrong = user_turn(tok, Gsm8kInteraction.INCORRECT)
+    first = enc(tok, "#### 5") + [EOS]
+    assert s0.response_mask[:len(first) + len(wrong)] == [1] * len(first) + [0] * len(wrong)

@@ -416,7 +416,7 @@ def test_config_section_feeds_the_settings_and_enable_needs_tools():
     assert (s.max_assistant_turns, s.tool_response_truncate_side, s.format) == (3, "left", "hermes")
     # the trainer runs the agent loop now (tests/trainer/test_multi_turn_trainer.py); it needs
     # the tools
-    with pytest.raises(ConfigError, match=f"{mt}.tool_config_path: required when"):
+    with pytest.raises(ConfigError, match=f"{mt}.tool_config_path: multi_turn.enable needs tools or an interaction"):
         resolve_config("grpo", [f"{mt}.enable=true"])
     cfg = resolve_config("grpo", [f"{mt}.enable=true", f"{mt}.tool_config_path=t.yaml"]).config
     assert AgentLoopSettings.from_config(cfg.actor_rollout_ref.rollout.multi_turn).enable

@@ -293,7 +293,6 @@ def test_batch_mask_logprobs_and_loss_on_model_tokens(trajectories):
 @pytest.mark.parametrize("extra, keys", [
     ([f"{A}.rollout.name=vllm", f"{A}.rollout.tensor_model_parallel_size=2"],
      [f"{MT}.enable", f"{A}.rollout.tensor_model_parallel_size"]),
-    ([f"{MT}.interaction_config_path=i.yaml"], [f"{MT}.interaction_config_path"]),
     (["async_training.staleness_threshold=1"], [f"{MT}.enable", "async_training.staleness_threshold"]),
     (["reward_model.enable=true", "reward_model.model.path=x"], [f"{MT}.enable", "reward_model.enable"]),
     (["data.apply_chat_template=false"], [f"{MT}.enable", "data.apply_chat_template"]),
@@ -308,3 +307,15 @@ def test_unsupported_combinations_are_refused(tmp_path, extra, keys):
     text = str(e.value)
     for key in keys:
         assert key in text, (key, text)
+
+
+def test_multi_turn_needs_tools_or_an_interaction():
+    """multi_turn.enable with neither a tool file nor an interaction file is refused naming
+    both keys; an interaction alone is enough."""
+    from megarl.errors import UserInputError
+
+    with pytest.raises(UserInputError) as e:
+        resolve_config("grpo", [f"{MT}.enable=true"])
+    assert f"{MT}.tool_config_path" in str(e.value)
+    assert f"{MT}.interaction_config_path" in str(e.value)
+    resolve_config("grpo", [f"{MT}.enable=true", f"{MT}.interaction_config_path=i.yaml"])

@@ -32,15 +32,14 @@ VERL_DIR = "/home/user/verl/examples/sglang_multiturn"
 R = "actor_rollout_ref.rollout"
 MT = f"{R}.multi_turn"
 TP = f"{R}.tensor_model_parallel_size"  # multi-turn needs one rank per engine for now
-INTERACTION = f"{MT}.interaction_config_path"
 
 # name: (verl's --config-name, the keys the check refuses)
 REFUSED = {
     "run_qwen2.5-3b_gsm8k_multiturn": ("gsm8k_multiturn_grpo", {f"{R}.over_sample_rate"}),
-    "run_qwen2.5-3b_gsm8k_multiturn_4xgpu": ("gsm8k_multiturn_grpo", {TP, INTERACTION}),
+    "run_qwen2.5-3b_gsm8k_multiturn_4xgpu": ("gsm8k_multiturn_grpo", {TP}),
     "run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction": (
         "gsm8k_multiturn_grpo_w_interaction",
-        {TP, INTERACTION, f"{MT}.tool_config_path", "actor_rollout_ref.actor.fsdp_config.model_dtype"}),
+        {TP, "actor_rollout_ref.actor.fsdp_config.model_dtype"}),
     "run_qwen0.5b_gsm8k_multiturn_curriculum": ("gsm8k_multiturn_grpo", {TP, "data.sampler"}),
     "run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp": ("gsm8k_multiturn_grpo",
                                                  {TP, "actor_rollout_ref.actor.use_kl_loss"}),
@@ -51,7 +50,7 @@ REFUSED = {
     "run_qwen2.5-3b_gsm8k_multiturn_server": ("gsm8k_multiturn_grpo_server",
                                               {f"{R}.sglang_rollout_mode", f"{R}.server"}),
     "run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server": (
-        "gsm8k_multiturn_grpo_server", {TP, INTERACTION, f"{R}.sglang_rollout_mode", f"{R}.server"}),
+        "gsm8k_multiturn_grpo_server", {TP, f"{R}.sglang_rollout_mode", f"{R}.server"}),
 }
 
 
