@@ -128,3 +128,26 @@ def test_console_kl_is_the_kl_to_the_reference_the_run_trains_with(tmp_path, cap
     assert out == ["score=0.5 pg=-0.25 kl=0.0125 ent=1.5",
                    "score=0.5 pg=-0.25 kl_rwd=0.002 vf=0.75",
                    "score=0.5 pg=-0.25"]
+
+
+def test_curves_draw_the_trained_reward_the_verifiable_one_and_nonzero_losses(tmp_path):
+    """Rows shaped as the pure_prm_vr demo's: critic/score/mean == critic/rewards/mean (PRM +
+    verifiable), critic/verifiable_reward/mean rising 0.27 -> 0.47, actor/ppo_kl 0, no KL loss.
+    Before: the reward panel drew critic/score/mean and critic/rewards/mean (one line twice)
+    and not the verifiable reward; no loss panel."""
+    from megarl.logging.plots import curves_data, plot_curves
+
+    vr = [0.27, 0.35, 0.47]
+    rows = [{"step": 0, "val/test_score/arith": 0.3}]
+    rows += [{"step": s, "critic/score/mean": 0.1 * s, "critic/rewards/mean": 0.1 * s,
+              "critic/verifiable_reward/mean": vr[s - 1], "actor/pg_loss": -0.01 * s,
+              "actor/ppo_kl": 0.0, "actor/kl_loss": 0.0, "val/test_score/arith": 0.3 + 0.1 * s}
+             for s in (1, 2, 3)]
+    data = curves_data(rows)
+    assert list(data["training reward"]) == ["critic/rewards/mean",
+                                             "critic/verifiable_reward/mean"]
+    assert data["training reward"]["critic/verifiable_reward/mean"] == [(1, .27), (2, .35), (3, .47)]
+    assert [s for s, _ in data["validation"]["val/test_score/arith"]] == [0, 1, 2, 3]
+    assert list(data["loss terms"]) == ["actor/pg_loss"]  # the KL loss is 0 throughout
+    assert plot_curves(rows, tmp_path / "c.png") == str(tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
