@@ -42,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("hf-to-megatron", help="HF folder -> megatron dist checkpoint")
     a.add_argument("--hf", required=True, type=Path, help="HF model folder (config.json)")
     a.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
-    a.add_argument("--tp", type=int, default=1, help="tensor parallel size to write from")
-    a.add_argument("--pp", type=int, default=1, help="pipeline parallel size to write from")
+    a.add_argument("--tp", type=int, default=1, help="tensor parallel size the written checkpoint is sharded for")
+    a.add_argument("--pp", type=int, default=1, help="pipeline parallel size the written checkpoint is sharded for")
     a.add_argument("--ep", type=int, default=1,
-                   help="expert parallel size to write from (mixture-of-experts models)")
+                   help="expert parallel size the written checkpoint is sharded for (mixture-of-experts models)")
     a.add_argument("--etp", type=int, default=None,
                    help="expert tensor parallel size (default: --tp)")
     a.add_argument("--role", choices=("actor", "critic", "prm"), default="actor")
