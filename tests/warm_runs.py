@@ -8,10 +8,11 @@ environment, working directory, ``sys.argv``, ``sys.path[0]``, stdout and stderr
 handlers and non-daemon threads at exit, exit code (or ``-signal``). Every run is a fresh fork
 of the untouched server, so runs never see each other's state.
 
-The server is used only when the run's environment equals the one it was started with, but
-for `VOLATILE` names (what modules read at import time is then the same); otherwise, with ``MEGARL_TEST_FRESH=1``, or
-when the server cannot fork safely (a thread was started while importing), the run is a plain
-subprocess. ``tests/trainer/test_warm_runs.py`` checks a run both ways gives the same bits.
+The server runs in the run's environment (but for `VOLATILE` names): when a run's environment
+differs, a new server is started in it (what modules read at import time is then the same).
+With ``MEGARL_TEST_FRESH=1``, or when the server cannot fork safely (a thread was started while
+importing), the run is a plain subprocess. ``tests/trainer/test_warm_runs.py`` checks that a
+run gives the same bits both ways.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class _Server:
 
 
 _server: _Server | None = None
+atexit.register(lambda: _server is not None and _server.close())
 # Set per test by pytest, read by nothing at import time (the child gets the run's own value).
 VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
@@ -92,10 +94,13 @@ def run_script(argv: list[str], cwd: Path, env: dict[str, str],
     the warm server where it can be (module doc)."""
     global _server
     if os.environ.get("MEGARL_TEST_FRESH") != "1" and sys.platform.startswith("linux"):
-        if _server is None:
+        if _server is None or not _same_env(_server.env, env) or _server.proc.poll() is not None:
+            # a test changed the environment for good (e.g. an engine sets its variables in
+            # the test process): a server started in the new one
+            if _server is not None:
+                _server.close()
             _server = _Server(env, cwd)
-            atexit.register(_server.close)
-        if _server.ok and _same_env(_server.env, env) and _server.proc.poll() is None:
+        if _server.ok:
             return _server.run(argv, env, cwd, timeout)
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)

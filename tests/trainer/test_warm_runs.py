@@ -52,3 +52,21 @@ def test_a_warm_run_fails_as_a_fresh_one(tmp_path):
     assert warm.returncode == fresh.returncode != 0
     last = [p.stderr.strip().splitlines()[-1] for p in (warm, fresh)]
     assert last[0] == last[1] and "data.train_batch_size" in last[0], last
+
+
+def test_a_changed_environment_gets_a_server_of_its_own(tmp_path, monkeypatch):
+    """A run in an environment the server was not started in (a test set a variable for good)
+    runs in a new server started in that environment: the child sees the variable, as a
+    fresh interpreter would, and so did the imports before it. Before, every later run of the
+    worker fell back to a fresh interpreter (the saving lost for the rest of the session)."""
+    script = tmp_path / "show.py"
+    script.write_text("import os, sys\nprint(os.environ.get('MEGARL_WARM_PROBE'), "
+                      "os.getppid())\n")
+    first = warm_runs.run_script([str(script)], REPO, env(), timeout=60)
+    server = warm_runs._server
+    monkeypatch.setenv("MEGARL_WARM_PROBE", "set")
+    second = warm_runs.run_script([str(script)], REPO, env(), timeout=60)
+    assert first.stdout.split()[0] == "None" and second.stdout.split()[0] == "set"
+    assert warm_runs._server is not server and warm_runs._server.ok
+    assert int(second.stdout.split()[1]) == warm_runs._server.proc.pid  # forked, not fresh
+    assert server.proc.poll() is not None  # the old server is gone
