@@ -15,10 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from process_helpers import alive, wait_gone
-from test_resume import COMMON, RESUMED, _untimed, _weights, assert_resumed, logged_before
-from trainer_helpers import FAST, REPO, env, train, train_rows
+from test_resume import COMMON, RESUMED, assert_resumed, assert_same_runs, logged_before
+from trainer_helpers import FAST, REPO, env, train
 
 from megarl.trainer.checkpoint import COMPLETE, CheckpointManager
 
@@ -102,14 +101,7 @@ def _only_complete(run: Path) -> list[int]:
 
 
 def _assert_bitwise(straight: Path, resumed: Path) -> None:
-    a, b = train_rows(straight), train_rows(resumed)
-    assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        assert _untimed(ra) == _untimed(rb), f"step {ra['step']} metrics differ"
-    wa, wb = _weights(straight), _weights(resumed)
-    assert wa.keys() == wb.keys() and wa
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
+    assert_same_runs(straight, resumed, 6)
 
 
 def _resume(run: Path) -> None:

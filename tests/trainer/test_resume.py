@@ -115,6 +115,23 @@ def _hard_kill(proc: subprocess.Popen) -> None:
 RESUMED = ["trainer.logger=[console,jsonl]", "trainer.resume=auto"]
 
 
+def assert_same_runs(straight: Path, resumed: Path, steps: int) -> list[dict]:
+    """Both runs logged steps 1..``steps`` with equal metrics (wall-clock entries aside) and
+    exported equal weights, which training changed from the initial ones (so the comparison is
+    not between two copies of the init). Returns the straight run's rows."""
+    a, b = train_rows(straight), train_rows(resumed)
+    assert [r["step"] for r in a] == list(range(1, steps + 1)) == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert _untimed(ra) == _untimed(rb), f"step {ra['step']} metrics differ"
+    wa, wb = _weights(straight), _weights(resumed)
+    assert wa.keys() == wb.keys() and wa
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    init = load_file(next(_policy_dir().glob("*.safetensors")))
+    assert any(not torch.equal(init[k], wa[k]) for k in init if k in wa)
+    return a
+
+
 def logged_before(run_dir: Path, step: int) -> list[dict]:
     """The record's rows up to ``step`` as the interrupted run left them (timings included)."""
     return [r for r in metrics(run_dir) if r["step"] <= step]
@@ -159,17 +176,7 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets, config, ext
     before = logged_before(resumed, 3)
     proc = train(resumed, config, *COMMON, *extra, *RESUMED, nproc=2)
 
-    a, b = train_rows(straight), train_rows(resumed)
-    assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        assert _untimed(ra) == _untimed(rb), f"step {ra['step']} metrics differ"
-    wa, wb = _weights(straight), _weights(resumed)
-    assert wa.keys() == wb.keys() and wa
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-    # and training did change the weights (the comparison is not between two copies of the init)
-    init = load_file(next(_policy_dir().glob("*.safetensors")))
-    assert any(not torch.equal(init[k], wa[k]) for k in init if k in wa)
+    assert_same_runs(straight, resumed, 6)
     assert_resumed(proc, resumed, before, 3, 6)
 
 
@@ -252,16 +259,7 @@ def test_kill_during_checkpoint_write_resumes_from_previous_bitwise(tmp_path, de
     assert_resumed(proc, killed, before, 2, 4)
     assert mgr.complete_steps() == [2, 4] and not (root / ".tmp_global_step_4").exists()
 
-    a, b = train_rows(straight), train_rows(killed)
-    assert [r["step"] for r in a] == [1, 2, 3, 4] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        assert _untimed(ra) == _untimed(rb), f"step {ra['step']} metrics differ"
-    wa, wb = _weights(straight), _weights(killed)
-    assert wa.keys() == wb.keys() and wa
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-    init = load_file(next(_policy_dir().glob("*.safetensors")))
-    assert any(not torch.equal(init[k], wa[k]) for k in init if k in wa)
+    assert_same_runs(straight, killed, 4)
 
 
 def test_a_step_saved_but_not_logged_is_logged_on_resume(tmp_path, demo_assets):
