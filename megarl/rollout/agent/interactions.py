@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -112,34 +111,12 @@ def default_name(class_name: str) -> str:
 def load_interactions(path: str | os.PathLike) -> dict[str, BaseInteraction]:
     """The interactions of verl's interaction config YAML at ``path``, by name (a
     UserInputError names the file and the entry on bad input)."""
-    import yaml
+    from megarl.rollout.agent.tools import _import_class, config_entries
 
-    from megarl.rollout.agent.tools import _import_class
-
-    path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise UserInputError(f"interaction config {path}: cannot read it ({e})") from None
-    except yaml.YAMLError as e:
-        raise UserInputError(f"interaction config {path}: not valid YAML ({e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("interaction"), list):
-        raise UserInputError(f"interaction config {path}: needs a top-level 'interaction:' list "
-                             "of {name, class_name, config} entries")
     out: dict[str, BaseInteraction] = {}
-    for i, entry in enumerate(doc["interaction"]):
-        where = f"interaction config {path}: interaction[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
-            raise UserInputError(f"{where}: each entry needs a class_name (a dotted path)")
+    for where, entry, config in config_entries(path, "interaction", "interaction",
+                                               ("name", "class_name", "config")):
         class_name = entry["class_name"]
-        where += f" ({class_name})"
-        unknown = set(entry) - {"name", "class_name", "config"}
-        if unknown:
-            raise UserInputError(f"{where}: unknown keys {sorted(unknown)}; an entry has "
-                                 "name, class_name, config")
-        config = entry.get("config") or {}
-        if not isinstance(config, dict):
-            raise UserInputError(f"{where}: config must be a mapping")
         name = entry.get("name") or default_name(class_name)
         if name in out:
             raise UserInputError(f"{where}: a second interaction named {name!r}")

@@ -161,34 +161,47 @@ def _import_class(dotted: str):
     return cls
 
 
-def load_tools(path: str | os.PathLike) -> dict[str, BaseTool]:
-    """The tools of verl's tool config YAML at ``path``, by name (a UserInputError names the
-    file and the entry on bad input)."""
+def config_entries(path: str | os.PathLike, what: str, key: str,
+                   fields: tuple[str, ...]) -> list[tuple[str, dict, dict]]:
+    """The entries of verl's ``key:`` list in the YAML file ``path`` (a tool or interaction
+    config), checked: each a mapping with a dotted ``class_name``, only ``fields``, a mapping
+    ``config``. Returns (where, entry, config) per entry, ``where`` naming the file, the entry
+    and its class for error messages (UserInputError on bad input)."""
     import yaml
 
     path = Path(path)
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as e:
-        raise UserInputError(f"tool config {path}: cannot read it ({e})") from None
+        raise UserInputError(f"{what} config {path}: cannot read it ({e})") from None
     except yaml.YAMLError as e:
-        raise UserInputError(f"tool config {path}: not valid YAML ({e})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("tools"), list):
-        raise UserInputError(f"tool config {path}: needs a top-level 'tools:' list of "
-                             "{class_name, config, tool_schema} entries")
-    tools: dict[str, BaseTool] = {}
-    for i, entry in enumerate(doc["tools"]):
-        where = f"tool config {path}: tools[{i}]"
+        raise UserInputError(f"{what} config {path}: not valid YAML ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), list):
+        raise UserInputError(f"{what} config {path}: needs a top-level '{key}:' list of "
+                             f"{{{', '.join(fields)}}} entries")
+    out = []
+    for i, entry in enumerate(doc[key]):
+        where = f"{what} config {path}: {key}[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
             raise UserInputError(f"{where}: each entry needs a class_name (a dotted path)")
         where += f" ({entry['class_name']})"
-        unknown = set(entry) - {"class_name", "config", "tool_schema"}
+        unknown = set(entry) - set(fields)
         if unknown:
             raise UserInputError(f"{where}: unknown keys {sorted(unknown)}; an entry has "
-                                 "class_name, config, tool_schema")
+                                 f"{', '.join(fields)}")
         config = entry.get("config") or {}
         if not isinstance(config, dict):
             raise UserInputError(f"{where}: config must be a mapping")
+        out.append((where, entry, config))
+    return out
+
+
+def load_tools(path: str | os.PathLike) -> dict[str, BaseTool]:
+    """The tools of verl's tool config YAML at ``path``, by name (a UserInputError names the
+    file and the entry on bad input)."""
+    tools: dict[str, BaseTool] = {}
+    for where, entry, config in config_entries(path, "tool", "tools",
+                                               ("class_name", "config", "tool_schema")):
         kind = config.get("type", "native")
         if kind != "native":
             raise UserInputError(f"{where}: config.type={kind!r} is not supported (only "
