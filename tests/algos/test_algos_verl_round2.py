@@ -305,7 +305,7 @@ def brute_rs(old, rollout, mask, specs):
     for opt, (lo, hi) in specs.items():
         kind = opt[-2:]
 
-        def k(x):
+        def k(x, kind=kind):
             x = min(max(x, -20.0), 20.0)
             return {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1.0 - x}[kind]
         toks = {i: [k(old[i][t] - rollout[i][t]) for t in range(T) if mask[i][t]] for i in range(B)}
@@ -324,7 +324,7 @@ def brute_rs(old, rollout, mask, specs):
                     value[i, t] = per_row[i] if per_row else toks[i][j]
                     j += 1
 
-        def ok(v):
+        def ok(v, lo=lo, hi=hi):
             if lo is None:
                 return v <= hi
             return math.log(lo) <= v <= math.log(hi)

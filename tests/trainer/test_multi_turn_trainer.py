@@ -217,8 +217,7 @@ def test_batch_mask_logprobs_and_loss_on_model_tokens(trajectories):
     from megarl.algos import agg_loss
     from megarl.backends.torch import TorchBackend
     from megarl.trainer.batch import RolloutBatch
-    from megarl.trainer.losses import ActorLossSettings, actor_loss_fn
-    from megarl.trainer.losses import Norm
+    from megarl.trainer.losses import ActorLossSettings, Norm, actor_loss_fn
 
     path, tok, samples, _ = trajectories
     batch = RolloutBatch.from_samples(samples, tok.pad_token_id)
@@ -278,7 +277,7 @@ def test_batch_mask_logprobs_and_loss_on_model_tokens(trajectories):
         fn = actor_loss_fn(settings, norm)
         got = {}
 
-        def capture(out, mb, fn=fn):
+        def capture(out, mb, fn=fn, got=got):
             loss, metrics = fn(out, mb)
             got["loss"] = float(loss.detach())
             return loss, metrics

@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import torch
+import warm_runs
 from test_resume import _untimed, _weights
 from trainer_helpers import FAST, REPO, env, train_rows
-
-import warm_runs
 
 
 def _both(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, ...]:
