@@ -35,6 +35,7 @@ ADDED: dict[str, object] = {
     "actor_rollout_ref.actor.router_replay.mode": "disabled",
     **{f"actor_rollout_ref.rollout.multi_turn.{key}": value for key, value in (
         ("enable", False), ("max_assistant_turns", None), ("max_user_turns", None), ("tool_config_path", None),
+        ("interaction_config_path", None),
         ("format", "hermes"), ("max_parallel_calls", 1), ("max_tool_response_length", 256),
         ("tool_response_truncate_side", "middle"), ("tokenization_sanity_check_mode", "strict"))},
     **{f"{role}.parallel.ulysses_sequence_parallel_size": 1
