@@ -117,7 +117,8 @@ def test_a_weight_ring_costs_one_descriptor_whatever_the_tensor_count(tiny_folde
 def test_packed_completions_are_flat_and_round_trip(tiny_folder):
     """A batch of 64 completions with routing records ([600 tokens, 24 layers, 8 experts] each)
     pickles into a few dozen objects, not one per number, and unpacks to the same completions.
-    Before the fix (``tolist()``) the batch pickled as ~7.4 million objects."""
+    Before the fix (``tolist()``) the routing records alone pickled into 11.2 million opcodes
+    (18.9 MB)."""
     g = torch.Generator().manual_seed(0)
     comps = [Completion(prompt_index=i, token_ids=torch.randint(3, 90, (100,), generator=g)
                         .tolist(), logprobs=-torch.rand(100, generator=g),
