@@ -97,7 +97,7 @@ def engine_main(spec: EngineSpec, requests: Any, results: Any) -> None:
     die_with_parent(mp.parent_process().pid)
     os.environ["OMP_NUM_THREADS"] = str(spec.threads)
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_requests, args=(requests, inbox), daemon=True,
+    threading.Thread(target=drain_into, args=(requests, inbox), daemon=True,
                      name="megarl-engine-requests").start()
     engine = None
     try:
@@ -140,8 +140,9 @@ def engine_main(spec: EngineSpec, requests: Any, results: Any) -> None:
         raise
 
 
-def _read_requests(conn: Any, inbox: queue.Queue) -> None:
-    """Move every request from the pipe to ``inbox``; ("eof",) when the trainer is gone."""
+def drain_into(conn: Any, inbox: queue.Queue) -> None:
+    """Move every message from the pipe ``conn`` to ``inbox``; ("eof",) when the other side
+    is gone (both sides of the engine process read their pipe with it)."""
     try:
         while True:
             inbox.put(conn.recv())

@@ -54,7 +54,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.rollout.build import EngineSpec
-from megarl.rollout.engine_process import engine_main
+from megarl.rollout.engine_process import drain_into, engine_main
 from megarl.rollout.packed import pack_completions, pack_prompts, unpack_completions
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.reshard import as_named
@@ -119,7 +119,7 @@ class ProcessRolloutEngine:
         requests_in.close()
         results_out.close()
         self._inbox: queue.Queue = queue.Queue()
-        threading.Thread(target=_drain_into, args=(self._from_engine, self._inbox), daemon=True,
+        threading.Thread(target=drain_into, args=(self._from_engine, self._inbox), daemon=True,
                          name="megarl-engine-results").start()
         self._ready = self._attached = False
         self._nslots = slots
@@ -385,15 +385,6 @@ class ProcessRolloutEngine:
             self.close()
         except Exception:
             pass
-
-
-def _drain_into(conn: Any, inbox: queue.Queue) -> None:
-    """Move every message from the pipe to ``inbox``; ("eof",) when the other side is gone."""
-    try:
-        while True:
-            inbox.put(conn.recv())
-    except (EOFError, OSError):
-        inbox.put(("eof",))
 
 
 def _group_rank() -> str:
