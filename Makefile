@@ -33,7 +33,7 @@ $(STAMP): setup.py
 # The demo assets first (2 threads, as make demo builds them: the same SFT policy and PRM).
 # Prints the 30 slowest tests, test-seconds per folder and the slowest files (tests/timing_table.py).
 test: assets
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n 2 --timeout=1200 --durations=30 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n 2 --dist loadgroup --timeout=1200 --durations=30 tests
 
 # The inner loop (under 2 minutes on 2 cores): no trainer, engine, torchrun world, server or
 # build in another process, no trained demo assets (docs/testing.md).

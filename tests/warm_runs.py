@@ -30,7 +30,8 @@ from pathlib import Path
 PRELOAD = ("torch", "torch.distributed", "transformers", "megarl.trainer", "megarl.trainer.trainer",
            "megarl.trainer.async_rollout", "megarl.config.loader", "megarl.data",
            "megarl.backends.torch", "megarl.rollout.torch", "megarl.rollout.process",
-           "megarl.rewards.local_pool", "megarl.logging", "megarl.demo.assets")
+           "megarl.rewards.local_pool", "megarl.logging", "megarl.demo.assets",
+           "matplotlib.pyplot")  # curves.png at the end of every run (megarl.logging.plots)
 
 
 class _Server:

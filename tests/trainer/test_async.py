@@ -1,25 +1,15 @@
 """Asynchronous rollout with bounded staleness (async_training.staleness_threshold):
 staleness 0 is the synchronous loop bit for bit; with staleness 1 every sample's policy version
 is within the bound and the loss's ratio uses the behaviour logprobs of the version that
-sampled (checked against transformers on that version's weights); a checkpoint with a batch
-in flight resumes bit for bit after a hard kill."""
+sampled (checked against transformers on that version's weights). The kill and resume of an
+asynchronous run: test_async_faults.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_resume import (
-    COMMON,
-    RESUMED,
-    _train_killed_after_checkpoint,
-    _untimed,
-    assert_resumed,
-    assert_same_runs,
-    logged_before,
-)
+from test_resume import _untimed
 from trainer_helpers import FAST, train, train_rows
-
-from megarl.trainer.checkpoint import CheckpointManager
 
 ASYNC1 = ["async_training.staleness_threshold=1"]
 RESPONSES = 16  # trainer_helpers.FAST: 4 prompts x 4 responses per step
@@ -199,32 +189,6 @@ def test_loss_uses_the_behaviour_logprobs_of_the_sampling_version(async_run):
     shifted = {v: weights[min(v + 1, max(weights))] for v in weights}  # the mix-up
     mixed = _behaviour_gaps(cfg, [c for c in calls if c[0] >= 2], batches, shifted)
     assert min(mixed) > 1e-2, min(mixed)
-
-
-@pytest.mark.dist
-def test_async_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets):
-    """Staleness 1, 2 ranks (an engine process each): 6 steps straight equal 3 steps, a hard
-    kill of every process (engines included) after the step-3 checkpoint, and a resume for
-    the last 3 (metrics but timings, exported weights). The checkpoint holds the batch of
-    step 4, generated with version 2 while step 3 trained; the resumed process ran steps 4-6
-    only (`assert_resumed`). Planted: not saving the batches in flight (the resumed run
-    regenerates step 4's batch on version 3): step 4's metrics differ
-    (async/policy_version_lag 0 instead of 1, other samples). The trainer ignoring
-    trainer.resume=auto (maybe_resume returning None): the restart from step 0 matches the
-    straight run bit for bit and fails only on the resume evidence."""
-
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(straight, "grpo", *COMMON, *ASYNC1, nproc=2)
-    _train_killed_after_checkpoint(resumed, 3, "grpo", ASYNC1)
-    ckpt = CheckpointManager(resumed / "checkpoints")
-    assert ckpt.complete_steps() == [3]
-    assert (ckpt.step_dir(3) / "async" / "rank1.pt").is_file()
-    before = logged_before(resumed, 3)
-    proc = train(resumed, "grpo", *COMMON, *ASYNC1, *RESUMED, nproc=2)
-
-    a = assert_same_runs(straight, resumed, 6)
-    assert [r["async/policy_version_lag/max"] for r in a] == [0, 1, 1, 1, 1, 1]
-    assert_resumed(proc, resumed, before, 3, 6)
 
 
 def test_staleness_2_with_validation_every_step(tmp_path, demo_assets):

@@ -1,5 +1,6 @@
 """Faults of an asynchronous run (``async_training.staleness_threshold=1``, 2 ranks under
-torchrun, an engine process per rank): a stop signal, the engine process killed, a rank killed.
+torchrun, an engine process per rank): a hard kill of every process, a stop signal, the engine
+process killed, a rank killed.
 Each time the whole run ends within a bound, nothing of it stays alive, ``checkpoints/`` holds
 only complete checkpoints, and where the run is resumed it continues bit for bit (6 steps =
 3 + the fault + 3, against one straight run shared by the tests)."""
@@ -16,12 +17,20 @@ from pathlib import Path
 import psutil
 import pytest
 from process_helpers import alive, wait_gone
-from test_resume import COMMON, RESUMED, assert_resumed, assert_same_runs, logged_before
+from test_resume import (
+    COMMON,
+    RESUMED,
+    _train_killed_after_checkpoint,
+    assert_resumed,
+    assert_same_runs,
+    logged_before,
+)
 from trainer_helpers import FAST, REPO, env, train
 
 from megarl.trainer.checkpoint import COMPLETE, CheckpointManager
 
-pytestmark = [pytest.mark.dist, pytest.mark.e2e]
+# one worker runs the module (make test: --dist loadgroup), so the straight run is made once
+pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.xdist_group("async_faults")]
 
 ASYNC1 = ["async_training.staleness_threshold=1"]
 SHM = Path("/dev/shm")
@@ -127,6 +136,29 @@ def _fault_kill_after_checkpoint_3(run: Path, kill) -> tuple[int, str, float]:
     finally:
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
+
+
+def test_async_kill_and_resume_is_bitwise_identical(tmp_path, straight):
+    """Staleness 1, 2 ranks (an engine process each): 6 steps straight equal 3 steps, a hard
+    kill of every process (engines included) after the step-3 checkpoint, and a resume for
+    the last 3 (metrics but timings, exported weights). The checkpoint holds the batch of
+    step 4, generated with version 2 while step 3 trained; the resumed process ran steps 4-6
+    only (`assert_resumed`). Planted: not saving the batches in flight (the resumed run
+    regenerates step 4's batch on version 3): step 4's metrics differ
+    (async/policy_version_lag 0 instead of 1, other samples). The trainer ignoring
+    trainer.resume=auto (maybe_resume returning None): the restart from step 0 matches the
+    straight run bit for bit and fails only on the resume evidence."""
+    resumed = tmp_path / "resumed"
+    _train_killed_after_checkpoint(resumed, 3, "grpo", ASYNC1)
+    ckpt = CheckpointManager(resumed / "checkpoints")
+    assert ckpt.complete_steps() == [3]
+    assert (ckpt.step_dir(3) / "async" / "rank1.pt").is_file()
+    before = logged_before(resumed, 3)
+    proc = train(resumed, "grpo", *COMMON, *ASYNC1, *RESUMED, nproc=2)
+
+    a = assert_same_runs(straight, resumed, 6)
+    assert [r["async/policy_version_lag/max"] for r in a] == [0, 1, 1, 1, 1, 1]
+    assert_resumed(proc, resumed, before, 3, 6)
 
 
 def test_sigterm_to_a_rank_ends_the_run_and_resume_is_bitwise(tmp_path, straight):

