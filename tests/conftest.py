@@ -3,6 +3,8 @@
 - TRITON_INTERPRET=1 so the Triton kernels run (and are tested) on CPU; it has to be set
   before a kernel module is imported, because `@triton.jit` reads it at decoration time.
 - One thread per process: with 2 shared cores, default OpenMP threading is ~25x slower.
+- MEGARL_CACHE_DIR (the prompt token cache, megarl.data.token_cache) in the session's pytest
+  temp folder, shared by its xdist workers (``_megarl_cache_dir``), not in the user's home.
 """
 
 import os
@@ -18,6 +20,23 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megarl_cache_dir(tmp_path_factory):
+    """MEGARL_CACHE_DIR for the session (unless set already): ``megarl-cache`` in the session's
+    temp folder, the one every xdist worker's own folder sits in, so the workers share one
+    cache and pytest removes it with the old temp folders. Set before the first test, the
+    same all session: the training runs inherit it (``trainer_helpers.env()``) and the warm
+    server (tests/warm_runs.py) is started in it."""
+    if "MEGARL_CACHE_DIR" in os.environ:
+        return
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # <session>/popen-gwN -> <session>
+    cache = base / "megarl-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["MEGARL_CACHE_DIR"] = str(cache)
 
 
 def _vllm_must_run() -> bool:

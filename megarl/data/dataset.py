@@ -1,4 +1,5 @@
-"""RLDataset: prompts in verl's row format, tokenised once through the chat template."""
+"""RLDataset: prompts in verl's row format, tokenised once through the chat template (the ids
+of a large file cached on disk: megarl.data.token_cache)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from megarl.data.locations import resolve_path
 from megarl.data.rows import BadRowError, read_rows, validate_row
+from megarl.data.token_cache import token_ids
 from megarl.data.tokenizer import render_prompt
 from megarl.errors import UserInputError
 
@@ -142,7 +144,8 @@ class RLDataset:
         ]
         if not texts:
             return
-        ids_list = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # the tokenizer's output, or the same ids from the on-disk cache (token_cache)
+        ids_list = token_ids(self.tokenizer, texts, add_special_tokens=False)
         limit = self.max_prompt_length
         for r, i, text, ids in zip(rows, where, texts, ids_list):
             ids = list(ids)
