@@ -1,4 +1,5 @@
-"""Run a 2+-rank worker under ``torchrun --standalone`` for a test, one thread per rank.
+"""Run a 2+-rank worker as ``torchrun --standalone`` would for a test, one thread per rank (the
+ranks forked from a warm interpreter: `warm_runs.run_script`).
 
 Workers end with `megarl.utils.dist.destroy`. Ending with a bare ``destroy_process_group`` let
 a gloo worker thread, still freeing a finished collective's tensors, meet the interpreter's
@@ -13,11 +14,11 @@ Python stack.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from warm_runs import run_script
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE_ABORT = "terminate called without an active exception"
@@ -41,11 +42,8 @@ def run_torchrun(worker: Path, nproc: int, args: Sequence[str], timeout: int,
     """``worker``'s combined stdout + stderr; AssertionError with its tail when it fails.
     env: as `worker_env`."""
     full_env = worker_env(env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(worker), *args]
-    for attempt in (1, 2):
-        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
-                              timeout=timeout)
+    for attempt in (1, 2):  # the ranks forked from a warm interpreter (warm_runs.py)
+        proc = run_script([str(worker), *args], REPO, full_env, timeout, nproc)
         out = proc.stdout + proc.stderr
         if proc.returncode == 0:
             return out

@@ -1,4 +1,4 @@
-"""Single-process training runs forked from a warm interpreter (the tests' start-up saver).
+"""Training runs forked from a warm interpreter (the tests' start-up saver).
 
 A run of ``python launch/train.py ...`` spends about 4.5 s importing torch, transformers and
 megarl before it does anything; the suite starts about a hundred of them. `run_script` instead
@@ -6,10 +6,13 @@ asks a server process that has imported those once (and started no thread) to fo
 that runs the script as ``__main__`` exactly as ``python script args`` would: its own
 environment, working directory, ``sys.argv``, ``sys.path[0]``, stdout and stderr, atexit
 handlers and non-daemon threads at exit, exit code (or ``-signal``). Every run is a fresh fork
-of the untouched server, so runs never see each other's state.
+of the untouched server, so runs never see each other's state. A world of ranks
+(``nproc`` given) is as many children forked at once, each with the variables torchrun gives a
+worker (`_rank_env`), ended as torchrun's agent ends it when a rank fails (`_wait_world`).
 
-The server runs in the run's environment (but for `VOLATILE` names): when a run's environment
-differs, a new server is started in it (what modules read at import time is then the same).
+A server runs in the run's environment (but for `VOLATILE` names): a run goes to the server
+started in its environment, or a new one is started in it (what modules read at import time is
+then the same); the `MAX_SERVERS` most recently used stay up.
 With ``MEGARL_TEST_FRESH=1``, or when the server cannot fork safely (a thread was started while
 importing), the run is a plain subprocess. ``tests/trainer/test_warm_runs.py`` checks that a
 run gives the same bits both ways.
@@ -44,24 +47,29 @@ class _Server:
         self.ok = bool(hello.get("ok"))
         self.lock = threading.Lock()
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: Path,
-            timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float,
+            nproc: int | None = None) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="warm-run-") as tmp, self.lock:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            out.touch()
+            err.touch()
+            port = _free_port() if nproc else 0
             self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "env": env,
-                                              "out": str(out), "err": str(err)}) + "\n")
+                                              "out": str(out), "err": str(err),
+                                              "nproc": nproc, "port": port}) + "\n")
             self.proc.stdin.flush()
-            pid = json.loads(self.proc.stdout.readline())["pid"]
+            pids = json.loads(self.proc.stdout.readline())["pids"]
             done: dict = {}
             reader = threading.Thread(target=lambda: done.update(
                 json.loads(self.proc.stdout.readline() or '{"rc": null}')), daemon=True)
             reader.start()
             reader.join(timeout)
             if reader.is_alive():
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+                for pid in pids:
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
                 reader.join(30)
                 raise subprocess.TimeoutExpired([sys.executable, *argv], timeout,
                                                 out.read_text(errors="replace"),
@@ -78,8 +86,11 @@ class _Server:
             self.proc.kill()
 
 
+# The servers of this process, most recently used last; `_server` ran the latest run.
+_servers: list[_Server] = []
 _server: _Server | None = None
-atexit.register(lambda: _server is not None and _server.close())
+MAX_SERVERS = 3  # trainer runs and torchrun workers run in environments of their own
+atexit.register(lambda: [s.close() for s in _servers])
 # Set per test by pytest, read by nothing at import time (the child gets the run's own value).
 VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
@@ -89,22 +100,51 @@ def _same_env(a: dict[str, str], b: dict[str, str]) -> bool:
             == {k: v for k, v in b.items() if k not in VOLATILE})
 
 
-def run_script(argv: list[str], cwd: Path, env: dict[str, str],
-               timeout: float) -> subprocess.CompletedProcess:
-    """``python *argv`` in ``cwd`` with ``env`` (stdout and stderr captured as text), forked from
-    the warm server where it can be (module doc)."""
+def _server_for(env: dict[str, str], cwd: Path) -> _Server:
+    """The live server started in ``env``, else a new one (the least recently used closed
+    beyond `MAX_SERVERS`)."""
     global _server
+    for server in list(_servers):
+        if server.proc.poll() is not None:
+            _servers.remove(server)
+        elif _same_env(server.env, env):
+            _servers.remove(server)
+            break
+    else:
+        # e.g. a test set a variable for good (an engine sets its variables in the test
+        # process): imports may read it, so the server is started in that environment
+        server = _Server(env, cwd)
+        while len(_servers) >= MAX_SERVERS:
+            _servers.pop(0).close()
+    _servers.append(server)
+    _server = server
+    return server
+
+
+def run_script(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
+               nproc: int | None = None) -> subprocess.CompletedProcess:
+    """``python *argv`` in ``cwd`` with ``env`` (stdout and stderr captured as text), forked from
+    the warm server where it can be (module doc). ``nproc``: a world of that many ranks on
+    this node, each given the variables torchrun gives its workers (`_rank_env`), their output
+    interleaved in one stdout and one stderr as under torchrun; when a rank fails the others get
+    SIGTERM (SIGKILL 30 s later) and the exit code is the first failure's. Without the server:
+    ``torchrun --standalone --nproc_per_node=nproc``."""
     if os.environ.get("MEGARL_TEST_FRESH") != "1" and sys.platform.startswith("linux"):
-        if _server is None or not _same_env(_server.env, env) or _server.proc.poll() is not None:
-            # a test changed the environment for good (e.g. an engine sets its variables in
-            # the test process): a server started in the new one
-            if _server is not None:
-                _server.close()
-            _server = _Server(env, cwd)
-        if _server.ok:
-            return _server.run(argv, env, cwd, timeout)
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+        server = _server_for(env, cwd)
+        if server.ok:
+            return server.run(argv, env, cwd, timeout, nproc)
+    launcher = ([] if nproc is None else
+                ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
+    return subprocess.run([sys.executable, *launcher, *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ server side
@@ -114,13 +154,25 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _rank_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+    """What ``torchrun --standalone --nproc_per_node=nproc`` sets for worker ``rank`` (the
+    rendezvous store hosted by rank 0, as without torchrun's agent)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT"}
+
+
 def _child(req: dict) -> None:
     """In the forked child: become ``python argv`` and never return."""
     import runpy
     import traceback
 
-    for fd, path in ((1, req["out"]), (2, req["err"])):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, path in ((1, req["out"]), (2, req["err"])):  # O_APPEND: ranks share the files
+        target = os.open(path, os.O_WRONLY | os.O_APPEND, 0o600)
         os.dup2(target, fd)
         os.close(target)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -172,15 +224,47 @@ def _serve() -> None:
     reply.flush()
     for line in sys.stdin:
         req = json.loads(line)
-        pid = os.fork()
+        nproc, run_id = req["nproc"], os.urandom(8).hex()
+        pids = []
+        for rank in range(nproc or 1):
+            pid = os.fork()
+            if pid == 0:
+                if nproc:
+                    req["env"] = {**req["env"], **_rank_env(rank, nproc, req["port"], run_id)}
+                _child(req)
+            pids.append(pid)
+        reply.write(json.dumps({"pids": pids}) + "\n")
+        reply.flush()
+        reply.write(json.dumps({"rc": _wait_world(pids)}) + "\n")
+        reply.flush()
+
+
+def _wait_world(pids: list[int], grace_s: float = 30.0) -> int:
+    """Reap ``pids``; once one exits non-zero, SIGTERM the others and SIGKILL them after
+    ``grace_s`` (torchrun's agent does the same). Returns the first non-zero exit code, else 0."""
+    import signal
+    import time
+
+    left, rc, kill_at = set(pids), 0, None
+    while left:
+        pid, status = os.waitpid(-1, os.WNOHANG if kill_at is not None else 0)
         if pid == 0:
-            _child(req)
-        reply.write(json.dumps({"pid": pid}) + "\n")
-        reply.flush()
-        _, status = os.waitpid(pid, 0)
-        rc = os.waitstatus_to_exitcode(status)
-        reply.write(json.dumps({"rc": rc}) + "\n")
-        reply.flush()
+            if time.monotonic() >= kill_at:
+                for p in left:
+                    os.kill(p, signal.SIGKILL)
+                kill_at = float("inf")
+            time.sleep(0.02)
+            continue
+        if pid not in left:
+            continue
+        left.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and rc == 0:
+            rc = code
+            for p in left:
+                os.kill(p, signal.SIGTERM)
+            kill_at = time.monotonic() + grace_s
+    return rc
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:

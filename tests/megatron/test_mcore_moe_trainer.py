@@ -24,12 +24,11 @@ gap 0.48 (Intel), above the bound."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import mcore_testlib as lib
 import pytest
 from fp32_bounds import fp32_gap_bound
+from warm_runs import run_script
 
 pytestmark = pytest.mark.dist
 RESPONSE_TOKENS = 16 * 48  # the 4 prompts x 4 responses of 48 tokens at most, below
@@ -49,8 +48,7 @@ def test_grpo_two_steps_at_ep2_engine_and_trainer_agree(tmp_path, demo_assets):
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(lib.REPO))
     env.pop("TRITON_INTERPRET", None)
     mega = "actor_rollout_ref.actor.megatron"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "launch/train.py", "--config", "grpo", "--demo", "on",
+    argv = ["launch/train.py", "--config", "grpo", "--demo", "on",
            f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4",
            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
            "data.max_response_length=48", "trainer.test_freq=-1",
@@ -59,7 +57,7 @@ def test_grpo_two_steps_at_ep2_engine_and_trainer_agree(tmp_path, demo_assets):
            f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.strategy=megatron",
            f"{mega}.expert_model_parallel_size=2", "actor_rollout_ref.rollout.check_logprobs=true",
            f"+{mega}.override_transformer_config.moe_aux_loss_coeff=0.001"]
-    proc = subprocess.run(cmd, cwd=lib.REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_script(argv, lib.REPO, env, timeout=600, nproc=2)  # as torchrun, forked warm
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x]
     rows = [r for r in rows if r["step"] > 0]

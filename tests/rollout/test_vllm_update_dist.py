@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_runs import run_script
 
 pytestmark = [pytest.mark.dist, pytest.mark.vllm]
 
@@ -65,9 +64,8 @@ def test_vllm_update_from_layout(tmp_path, models, backend, layout, engine_tp, m
     out = tmp_path / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), backend, layout, str(engine_tp), str(models[model]), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    argv = [str(WORKER), backend, layout, str(engine_tp), str(models[model]), str(out)]
+    proc = run_script(argv, ROOT, env, timeout=600, nproc=2)  # as torchrun, forked warm
     assert proc.returncode == 0, proc.stderr[-6000:]
     res = json.loads(out.read_text())
     assert res["changed"] > 0.1  # the step moved the weights: the update is not a no-op

@@ -46,16 +46,15 @@ def train(run_dir: Path, config: str, *overrides: str, nproc: int = 1, timeout: 
     args = [f"trainer.default_local_dir={run_dir}", *(FAST if fast else []), *overrides]
     if python_args and nproc != 1:
         raise ValueError("python_args needs nproc=1")
-    if nproc == 1:
-        cmd = [sys.executable, *python_args, "launch/train.py", "--config", config, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "launch/train.py", "--config", config, *args]
-    if nproc == 1 and not python_args:  # forked from a warm interpreter (tests/warm_runs.py)
-        proc = run_script(cmd[1:], REPO, env(), timeout)
-    else:
+    script = ["launch/train.py", "--config", config, *args]
+    if python_args:
+        cmd = [sys.executable, *python_args, *script]
         proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
                               timeout=timeout)
+    else:  # forked from a warm interpreter, each rank of a world too (tests/warm_runs.py)
+        cmd = [sys.executable, *script] if nproc == 1 else [
+            "torchrun", "--standalone", f"--nproc_per_node={nproc}", *script]  # what it stands for
+        proc = run_script(script, REPO, env(), timeout, nproc if nproc > 1 else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n"
                              f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")
