@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_runs import run_script
 
 pytestmark = pytest.mark.dist
 
@@ -44,10 +43,9 @@ def results(tmp_path_factory) -> dict:
     out: dict = {}
     for nproc in (1, 2):
         path = d / f"{nproc}.json"
-        launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc_per_node={nproc}"]
-        proc = subprocess.run([sys.executable, *launcher, str(WORKER), str(model), str(path)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        # 2: as torchrun --standalone, the ranks forked from a warm interpreter
+        proc = run_script([str(WORKER), str(model), str(path)], ROOT, env, timeout=600,
+                          nproc=None if nproc == 1 else nproc)
         if proc.returncode != 0 or not path.is_file():
             pytest.fail(f"bf16 worker x{nproc} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
         out.update(json.loads(path.read_text()))

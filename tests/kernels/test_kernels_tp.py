@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from kernels_device import compiled_triton_on_cuda
+from warm_runs import run_script
 
 import megarl_kernels as mk
 
@@ -26,9 +25,8 @@ def test_tp2_equals_tp1(impl):
     on_cuda = impl == "triton" and compiled_triton_on_cuda()
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="0" if on_cuda else "1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), impl, "cuda" if on_cuda else "cpu"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    argv = [str(WORKER), impl, "cuda" if on_cuda else "cpu"]
+    proc = run_script(argv, ROOT, env, timeout=240, nproc=2)  # as torchrun, forked warm
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for rank in (0, 1):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_runs import run_script
 
 from megarl.models.testing import make_tiny_hf_model
 
@@ -19,8 +18,6 @@ def test_tp_and_fsdp2_match_single_process(tmp_path):
     # qwen3: q/k norm over head_dim survives head sharding; 2 kv heads split 1 per rank; tied
     folder = make_tiny_hf_model(tmp_path / "m", "qwen3", tie_word_embeddings=True, tokenizer=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), str(folder)], env=env, capture_output=True, text=True, timeout=180
-    )
+    # as torchrun --standalone --nproc_per_node=2, the ranks forked from a warm interpreter
+    proc = run_script([str(WORKER), str(folder)], Path.cwd(), env, timeout=180, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
