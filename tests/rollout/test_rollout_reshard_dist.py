@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_runs import run_script
 
 pytestmark = pytest.mark.dist
 
@@ -65,23 +65,18 @@ def results(tmp_path_factory):
         launches["megatron_ep2"] = (2, "ep2", {"ep2": models["qwen3_moe"]})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
-    procs = {}
+    res = {}
     for name, (nproc, layouts, paths) in launches.items():
         backend = "megatron" if name.startswith("megatron") else "torch"
         out = d / f"{name}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(WORKER), backend, layouts,
-               json.dumps({k: str(v) for k, v in paths.items()}), str(out)]
-        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True), out)
-    res = {}
-    for name, (proc, out) in procs.items():
-        try:
-            log, _ = proc.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
+        argv = [str(WORKER), backend, layouts, json.dumps({k: str(v) for k, v in paths.items()}),
+                str(out)]
+        try:  # as torchrun --standalone, the ranks forked from a warm interpreter
+            proc = run_script(argv, ROOT, env, timeout=400, nproc=nproc)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{name} worker timed out:\n{(e.stdout or '')[-3000:]}{e.stderr or ''}")
         if proc.returncode != 0 or not out.is_file():
+            log = proc.stdout + proc.stderr
             pytest.fail(f"{name} worker failed (rc={proc.returncode}):\n{log[-6000:]}")
         res[name] = json.loads(out.read_text())
     return res
