@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from torchrun import NATIVE_ABORT, run_torchrun
 
+pytestmark = pytest.mark.dist  # worlds of ranks
+
 # argv: marker folder, mode, the abort message; a rank's first run leaves a marker file
 WORKER = """
 import os, sys

@@ -46,6 +46,7 @@ def _same(a, b) -> None:
         assert torch.equal(x.logprobs, y.logprobs)
 
 
+@pytest.mark.e2e  # an engine process
 def test_large_requests_and_results_in_flight_both_ways(tiny_folder):
     """A prefetched batch of 256 x 600-token prompts (a large result: 256 x 2 x 96 tokens with
     their logprobs) and, while it generates, another 256 x 600-token request: both come back,
@@ -84,6 +85,7 @@ def test_large_requests_and_results_in_flight_both_ways(tiny_folder):
         proc.close()
 
 
+@pytest.mark.e2e  # an engine process
 def test_a_weight_ring_costs_one_descriptor_whatever_the_tensor_count(tiny_folder):
     """A 48-layer tiny model (580 tensors) published into a 3-slot ring of a real engine
     process: the trainer keeps no descriptor for it and the engine process at most 2 (the
@@ -150,6 +152,7 @@ def test_packed_completions_are_flat_and_round_trip(tiny_folder):
     assert [c.token_ids for c in loaded] == [c.token_ids for c in comps]
 
 
+@pytest.mark.e2e  # an engine process
 def test_a_silent_engine_fails_the_wait_naming_the_request(tiny_folder):
     """An engine process that is alive but sends nothing (stopped with SIGSTOP mid-request)
     fails the trainer's wait after ``timeout_s`` with an error naming the request and its
@@ -187,6 +190,7 @@ def test_a_silent_engine_fails_the_wait_naming_the_request(tiny_folder):
         proc.close()
 
 
+@pytest.mark.e2e  # an engine process
 def test_on_a_gpu_the_proxy_waits_for_the_engine_start_up(tiny_folder):
     """On a GPU (a spec on cuda:k) the constructor returns only once the engine process has
     built its engine, so the trainer does not load its models while the engine sizes its

@@ -10,10 +10,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import warm_runs
 from test_resume import _untimed, _weights
 from trainer_helpers import FAST, REPO, env, train_rows
+
+# every test starts a warm server, and runs or worlds forked from it
+pytestmark = pytest.mark.e2e
 
 
 def _both(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, ...]:
