@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -179,7 +180,8 @@ def test_kill_9_of_a_driver_that_joined_a_cluster_leaves_the_cluster():
     the pool starts no reaper, and the cluster's gcs_server and raylet outlive the driver."""
     prefix = ray_netns_or_skip()
     tag = uuid.uuid4().hex
-    temp = Path(f"/tmp/rlt{tag[:8]}")  # short: Ray's socket paths live under it
+    # short: Ray's socket paths live under it (a Unix socket path holds 107 bytes at most)
+    temp = Path(tempfile.gettempdir()) / f"rlt{tag[:8]}"
     ray_cli = Path(sys.executable).with_name("ray")
     # Token authentication off (head and driver): the driver would not find the head's token.
     head = (f"export RAY_AUTH_MODE=disabled && {ray_cli} start --head --port=6379 --num-cpus=1 "

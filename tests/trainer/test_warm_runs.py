@@ -96,10 +96,9 @@ print(f"sum {{int(t)}}", flush=True)  # one write: the ranks share stdout
 dist.destroy_process_group()
 """
 _WORLD_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
-                "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT")
+                "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE")
 # differ between any two launches, or name torchrun's own agent (its store, its error files)
-_PER_LAUNCH = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
+_PER_LAUNCH = {"TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ENABLE_FILE_TIMER",
                "TORCHELASTIC_TIMER_FILE"}
 
