@@ -4,7 +4,10 @@ PURE's main (OpenRLHF) branch, which produced its published numbers.
 
 Inputs are `[B, L]` response-aligned tensors: `step_rewards` holds the PRM score
 `p(correct) - p(incorrect)` on each step-end token (0 elsewhere), `step_mask` marks the step-end
-tokens (every token whose text ends with the separator, plus the last response token).
+tokens (every token whose text ends with the separator, plus the last response token; for
+multi-turn trajectories, the last model token of each turn, `megarl.trainer.prm.turn_end_mask`).
+`response_mask` is 1 on the tokens the policy generated only, so tool responses appended between
+turns get no reward, no return and no share of the per-token baseline.
 """
 
 from __future__ import annotations

@@ -149,7 +149,8 @@ def check(cfg: Config, bad_keys: set[str]) -> list[str]:
 
 
 def _check_multi_turn(cfg: Config, c: _Checker) -> None:
-    """Multi-turn rollouts with tools: what the trainer runs them with, and what it refuses."""
+    """Multi-turn rollouts with tools: what the trainer runs them with, and what it refuses.
+    A process reward model scores each model turn as one step (`megarl.trainer.prm`)."""
     arr = cfg.actor_rollout_ref
     mt, key = arr.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn.enable"
     if not mt.enable:
@@ -170,11 +171,6 @@ def _check_multi_turn(cfg: Config, c: _Checker) -> None:
         c.fail((key, "async_training.staleness_threshold"),
                "multi-turn rollouts are not run asynchronously yet (the engine process does not "
                "run the agent loop); set async_training.staleness_threshold=0")
-    if cfg.reward_model.enable:
-        c.fail((key, "reward_model.enable"),
-               "a process reward model's steps are not split by model turn yet (its step "
-               "separators would fall in tool responses); use a verifiable reward "
-               "(reward_model.enable=false)")
     if arr.actor.router_replay.mode != "disabled":
         c.fail((key, "actor_rollout_ref.actor.router_replay.mode"),
                "routing replay does not record the experts across turns yet; set "

@@ -4,6 +4,12 @@ Steps and the PRM input are defined once, in ``megarl.data.steps`` (shared with 
 a step ends at every response token whose decoded text ends with the separator and at the last
 response token; with ``prm_step_token`` set, every step-end token is replaced by it in the PRM
 input (PURE's "\\n"), else the PRM reads the response unchanged.
+
+Multi-turn trajectories (`megarl.rollout.agent`: the batch's ``response_mask`` has holes where
+tool responses and template glue were appended) are split by model turn instead: each maximal
+run of model tokens is one step, ending at its last token (`turn_end_mask`); tool responses and
+glue are never scored, and the separator plays no part. ``prm_step_token`` then replaces each
+turn's last token in the PRM input, as it replaces a single-turn response's step ends.
 """
 
 from __future__ import annotations
@@ -36,13 +42,46 @@ def prm_step_settings(rm_cfg, tokenizer) -> tuple[list[int], int | None]:
     return ends, marker_id
 
 
+def turn_end_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: True at the last token of every maximal run of model tokens.
+
+    response_mask: [B, L], 1 on the tokens the model generated (a multi-turn batch's: 0 on
+    tool responses, template glue and padding). Each run is one model turn, so each row has
+    one True per turn, at that turn's last generated token."""
+    model = response_mask.bool()
+    following = torch.cat([model[:, 1:], torch.zeros_like(model[:, :1])], dim=-1)
+    return model & ~following
+
+
+def is_multi_turn(batch: RolloutBatch) -> bool:
+    """Whether the batch holds agent-loop trajectories (samples that carried their own
+    response mask: `RolloutBatch.from_samples` then keeps the padding mask apart)."""
+    return "response_padding_mask" in batch.tensors
+
+
 def score_steps(prm: Backend, batch: RolloutBatch, step_end_ids: list[int],
-                marker_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(step_rewards [B, L] float: r_k at step ends, 0 elsewhere; step_mask [B, L] float)."""
+                marker_id: int | None,
+                by_turn: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step_rewards [B, L] float: r_k at step ends, 0 elsewhere; step_mask [B, L] float).
+
+    by_turn: steps are the model's turns (`turn_end_mask`) instead of the separator's steps;
+    None: so for multi-turn batches (`is_multi_turn`)."""
     seq = batch.sequence_batch()
-    inputs = build_prm_inputs(seq.input_ids, seq.attention_mask, seq.response_length,
-                              step_end_ids, replace_step_end_with=marker_id)
-    prm_batch = SequenceBatch(inputs.input_ids, inputs.attention_mask, seq.response_length)
+    L = seq.response_length
+    if by_turn is None:
+        by_turn = is_multi_turn(batch)
+    if by_turn:
+        steps = turn_end_mask(batch.response_mask)
+        ids = seq.input_ids
+        if marker_id is not None:
+            ids = ids.clone()
+            ids[:, -L:][steps] = int(marker_id)
+        prm_batch = SequenceBatch(ids, seq.attention_mask, L)
+    else:
+        inputs = build_prm_inputs(seq.input_ids, seq.attention_mask, L, step_end_ids,
+                                  replace_step_end_with=marker_id)
+        prm_batch = SequenceBatch(inputs.input_ids, inputs.attention_mask, L)
+        steps = inputs.step_mask
     probs = torch.softmax(prm.token_scores(prm_batch).to(torch.float32), dim=-1)  # [B, L, 2]
-    step_mask = inputs.step_mask.to(torch.float32)
+    step_mask = steps.to(torch.float32)
     return (probs[..., 1] - probs[..., 0]) * step_mask, step_mask

@@ -293,7 +293,6 @@ def test_batch_mask_logprobs_and_loss_on_model_tokens(trajectories):
     ([f"{A}.rollout.name=vllm", f"{A}.rollout.tensor_model_parallel_size=2"],
      [f"{MT}.enable", f"{A}.rollout.tensor_model_parallel_size"]),
     (["async_training.staleness_threshold=1"], [f"{MT}.enable", "async_training.staleness_threshold"]),
-    (["reward_model.enable=true", "reward_model.model.path=x"], [f"{MT}.enable", "reward_model.enable"]),
     (["data.apply_chat_template=false"], [f"{MT}.enable", "data.apply_chat_template"]),
 ])
 def test_unsupported_combinations_are_refused(tmp_path, extra, keys):
