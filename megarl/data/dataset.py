@@ -75,16 +75,38 @@ class RLDataset:
         filter_overlong_prompts: bool = False,
         tools: list[dict] | None = None,
     ):
+        files = [files] if isinstance(files, str) else list(files)
+        if not files:
+            raise ValueError("RLDataset needs at least one data file")
+        self._setup([resolve_path(f) for f in files], tokenizer, max_prompt_length, truncation,
+                    on_bad_row, filter_overlong_prompts, tools)
+        self._ingest([(path, read_rows(path, on_bad_row)) for path in self.files], prompt_key,
+                     on_bad_row, chat_template, apply_chat_template)
+
+    @classmethod
+    def from_rows(cls, name: str, rows: Sequence[dict], tokenizer, max_prompt_length: int,
+                  prompt_key: str = "prompt", truncation: str = "error",
+                  chat_template: str | None = None, apply_chat_template: bool = True,
+                  on_bad_row: str = "error", filter_overlong_prompts: bool = False,
+                  tools: list[dict] | None = None) -> RLDataset:
+        """The same dataset from rows already in memory (e.g. those of a user's dataset class,
+        ``data.custom_cls``); ``name`` stands for the file in messages and ``files``."""
+        self = cls.__new__(cls)
+        self._setup([name], tokenizer, max_prompt_length, truncation, on_bad_row,
+                    filter_overlong_prompts, tools)
+        self._ingest([(name, iter(enumerate(rows)))], prompt_key, on_bad_row, chat_template,
+                     apply_chat_template)
+        return self
+
+    def _setup(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str,
+               on_bad_row: str, filter_overlong_prompts: bool, tools: list[dict] | None) -> None:
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         if on_bad_row not in ("error", "skip"):
             raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
-        files = [files] if isinstance(files, str) else list(files)
-        if not files:
-            raise ValueError("RLDataset needs at least one data file")
-        self.files = [resolve_path(f) for f in files]
+        self.files = files
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
@@ -95,11 +117,18 @@ class RLDataset:
         self.num_truncated = 0
         self.items: list[PromptItem] = []
 
+    def _ingest(self, sources, prompt_key: str, on_bad_row: str, chat_template: str | None,
+                apply_chat_template: bool) -> None:
+        """Validate, render and tokenise the rows of each ``(name, iterator of (row index,
+        row or BadRowError))`` source, in order; a row's ``index`` counts across sources."""
+        max_prompt_length = self.max_prompt_length
+        filter_overlong_prompts = self.filter_overlong_prompts
+        truncation = self.truncation
         bad_examples: list[str] = []
         offset = 0
-        for path in self.files:
+        for path, source in sources:
             rows, where, n_rows = [], [], 0
-            for i, row in read_rows(path, on_bad_row):
+            for i, row in source:
                 n_rows = i + 1
                 try:
                     if isinstance(row, BadRowError):
