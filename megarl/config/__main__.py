@@ -71,7 +71,7 @@ def _check(name: str, resolved, problems: list[str]) -> int:
               f"({resolved.demo_reason})")
         notices = list(resolved.notices)
         try:
-            notices += startup_notices(resolved.config)
+            notices += startup_notices(resolved.config, resolved.sources)
         except Exception:  # noqa: BLE001 - a config with problems may not fill every notice
             pass
         for line in notices:

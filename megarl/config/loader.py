@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megarl.config.aliases import canonical_keys, set_path
 from megarl.config.errors import ConfigError
 from megarl.config.keys import canonical_path, schema_problem
-from megarl.config.provenance import Resolved, Sources, walk
+from megarl.config.provenance import Resolved, Sources, remember, walk
 from megarl.config.schema import Config
 from megarl.config.typecheck import build
 from megarl.config.validate import check, fill_derived
@@ -281,6 +281,8 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
     take_verl_only(over)
 
     prov = Sources()
+    if use_demo:
+        prov.demo_layers = {source for _, source, _ in overlays}
     raw: dict = {}
     for source, layer in files:
         prov.record(layer, source)
@@ -304,12 +306,17 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
     cfg, sync = fill_derived(cfg, explicit)
     problems += [f"{keys[0]}: {text}" for keys, text in sync]
     problems += check(cfg, bad)
-    notices, refused = verl_only_findings(verl_only, flatten(resolved))
+    flat = flatten(resolved)
+    _, refused = verl_only_findings(verl_only, flat)
     problems += refused
+    # notices only for the user's values: the demo overlay's are its own business
+    notices, _ = verl_only_findings(
+        {k: v for k, v in verl_only.items() if v[1] not in prov.demo_layers}, flat)
     layers = ["schema defaults", *(source for source, _ in files)]
     if overrides:
         layers.append("overrides")
     out = Resolved(cfg, prov, layers, use_demo, reason, name, notices)
+    remember(cfg, prov)
     if problems:
         err = ConfigError(problems)
         err.resolved = out  # the config as far as it resolved: `config show` prints it

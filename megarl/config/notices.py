@@ -7,21 +7,29 @@ may expect of it: asynchronous rollout with nothing correcting for the behaviour
 A key appears only when its value is not the schema default (or when another setting makes it
 inert, e.g. a micro-batch size under ``use_dynamic_bsz: true``), or in the combination that
 has the effect named; the trainer prints the lines at start. Keys that do have their effect
-are never listed as inert.
+are never listed as inert. An inert key is named only when the user set its value (a recipe
+file, the user's own file, an override: ``Sources.user_set``), never for a value that came from
+the embedded demo's overlay, a schema default or a derived fill.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from megarl.config.provenance import Sources, sources_of
 from megarl.config.schema import Config, PureConfig
 
 _ALL_CONTENTS = ["model", "optimizer", "extra"]
 _DEFAULT_EPOCHS = 30
 
 
+_INERT = ": accepted without effect: "
+_SUBJECT = re.compile(r"[\w.]+")
+
+
 def _line(key: str, value: Any, why: str) -> str:
-    return f"{key}={value!r}: accepted without effect: {why}"
+    return f"{key}={value!r}{_INERT}{why}"
 
 
 def _caveat(key: str, value: Any, why: str) -> str:
@@ -105,9 +113,21 @@ def _micro_notices(cfg: Config) -> list[str]:
     return out
 
 
-def startup_notices(cfg: Config) -> list[str]:
+def startup_notices(cfg: Config, sources: Sources | None = None) -> list[str]:
     """One line per key of ``cfg`` (a loaded, filled Config) accepted without effect, or set
-    in a combination that leaves something uncorrected (module doc)."""
+    in a combination that leaves something uncorrected (module doc). ``sources``: where each
+    value came from; None = what the loader recorded for this Config object (``sources_of``).
+    An inert key whose value the user did not set is left out; with no provenance at all (a
+    Config built or copied outside the loader) every line is given."""
+    sources = sources if sources is not None else sources_of(cfg)
+    lines = _all_notices(cfg)
+    if sources is None:
+        return lines
+    return [line for line in lines
+            if _INERT not in line or sources.user_set(_SUBJECT.match(line).group(0))]
+
+
+def _all_notices(cfg: Config) -> list[str]:
     out = _micro_notices(cfg)
     arr, t = cfg.actor_rollout_ref, cfg.trainer
     ckpt = arr.actor.checkpoint

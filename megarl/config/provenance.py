@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ class Sources:
     def __init__(self) -> None:
         self.source: dict[str, str] = {}  # every node a layer wrote, mappings included
         self.leaf: dict[str, str] = {}  # values a layer wrote (not a mapping merged into)
+        self.demo_layers: set[str] = set()  # names of the demo overlay's layers, when applied
 
     def record(self, layer: dict, source: str) -> None:
         for path, value in walk(layer):
@@ -62,6 +64,12 @@ class Sources:
                 return self.leaf[key]
             key = key.rpartition(".")[0]
         return None
+
+    def user_set(self, key: str) -> bool:
+        """Whether the value of ``key`` is the user's: written by a recipe file, the user's own
+        file or an override (not a schema default, a derived fill or the demo overlay)."""
+        src = self.written(key)
+        return src is not None and src not in self.demo_layers
 
     def of(self, key: str) -> str | None:
         """The layer that set ``key`` or its closest enclosing mapping; None if none did."""
@@ -133,6 +141,26 @@ class Resolved:
 
 
 _MISSING = object()
+
+# id(config) -> (a weak reference to it, its Sources): the provenance of the Config objects the
+# loader returned, for code that is handed the Config alone (the trainer's startup notices)
+_KNOWN: dict[int, tuple[weakref.ref, Sources]] = {}
+
+
+def remember(config: Any, sources: Sources) -> None:
+    """Record ``sources`` as the provenance of the Config object ``config`` (while it lives)."""
+    key = id(config)
+    _KNOWN[key] = (weakref.ref(config), sources)
+    weakref.finalize(config, _KNOWN.pop, key, None)
+
+
+def sources_of(config: Any) -> Sources | None:
+    """The provenance recorded for this very Config object by the loader; None for a Config
+    built or copied elsewhere."""
+    entry = _KNOWN.get(id(config))
+    if entry is None or entry[0]() is not config:
+        return None
+    return entry[1]
 
 
 def _fmt(value: Any) -> str:
