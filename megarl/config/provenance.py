@@ -126,20 +126,37 @@ class Resolved:
 
     def report(self) -> str:
         """The startup report: the layers, whether the demo overlay applies, and every value that
-        differs from the schema default with the layer it came from."""
-        rows = self.non_defaults()
+        differs from the schema default with the layer it came from. Values of keys this run
+        does not read (``megarl.config.unused``: a critic's settings without a critic, ...) are
+        named together on one line, with why, after the rest."""
+        from megarl.config.unused import unused_reason, unused_reasons
+
+        reasons = unused_reasons(self.config)
+        rows, unused = [], {}  # unused: why -> keys
+        for key, value, src in self.non_defaults():
+            why = unused_reason(reasons, key)
+            if why is None:
+                rows.append((key, value, src))
+            else:
+                unused.setdefault(why, []).append(key)
         width = min(max((len(k) for k, _, _ in rows), default=0), 60)
         lines = [
             f"config {self.name}: layers, later wins: " + " < ".join(self.layers),
             f"demo overlay: {'applied' if self.demo else 'not applied'} ({self.demo_reason})",
-            f"{len(rows)} values differ from the schema defaults (key = value  <- source):",
+            f"{len(rows)} values this run reads differ from the schema defaults "
+            "(key = value  <- source):",
         ]
         for key, value, src in rows:
             lines.append(f"  {key.ljust(width)} = {_fmt(value)}  <- {src}")
+        if unused:
+            count = sum(map(len, unused.values()))
+            lines.append(f"  {UNUSED} ({count}): " + "; ".join(
+                f"{', '.join(keys)} ({why})" for why, keys in unused.items()))
         lines += [f"notice: {text}" for text in self.notices]
         return "\n".join(lines)
 
 
+UNUSED = "set but not read by this run"
 _MISSING = object()
 
 # id(config) -> (a weak reference to it, its Sources): the provenance of the Config objects the
