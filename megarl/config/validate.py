@@ -150,7 +150,9 @@ def check(cfg: Config, bad_keys: set[str]) -> list[str]:
 
 def _check_multi_turn(cfg: Config, c: _Checker) -> None:
     """Multi-turn rollouts with tools: what the trainer runs them with, and what it refuses.
-    A process reward model scores each model turn as one step (`megarl.trainer.prm`)."""
+    A process reward model scores each model turn as one step (`megarl.trainer.prm`);
+    asynchronous rollout runs the agent loop in the engine process (one weight version per
+    trajectory, `megarl.rollout.agent.remote`)."""
     arr = cfg.actor_rollout_ref
     mt, key = arr.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn.enable"
     if not mt.enable:
@@ -167,10 +169,6 @@ def _check_multi_turn(cfg: Config, c: _Checker) -> None:
                "tensor-parallel engine would each run the agent loop and its tools; they are not "
                "driven from one rank yet); set "
                "actor_rollout_ref.rollout.tensor_model_parallel_size=1")
-    if cfg.async_training.staleness_threshold > 0:
-        c.fail((key, "async_training.staleness_threshold"),
-               "multi-turn rollouts are not run asynchronously yet (the engine process does not "
-               "run the agent loop); set async_training.staleness_threshold=0")
     if arr.actor.router_replay.mode != "disabled":
         c.fail((key, "actor_rollout_ref.actor.router_replay.mode"),
                "routing replay does not record the experts across turns yet; set "

@@ -2,7 +2,8 @@
 GPU, a world of its own, pinned cores) and the loop that serves the trainer's requests.
 
     engine_main(spec, requests, results)   the child's entry point: build the engine, serve
-                                           until "close"
+                                           until "close" (generations, and whole multi-turn
+                                           requests run by the agent loop here)
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def engine_main(spec: EngineSpec, requests: Any, results: Any) -> None:
         results.send(("ready", os.getpid()))
         ring: WeightRing | None = None
         loaded: int | None = None  # serial of the publish in the engine's model
+        worker = None  # the agent loop's tools (multi-turn requests)
         while True:
             msg = inbox.get()
             kind = msg[0]
@@ -118,13 +120,26 @@ def engine_main(spec: EngineSpec, requests: Any, results: Any) -> None:
                 ring = WeightRing.attach(msg[1], msg[2])
                 results.send(("attached",))
                 continue
-            _, rid, version, slot, serial, prompts, sampling, keys = msg
+            if kind == "agent_setup":
+                from megarl.rollout.agent.remote import AgentWorker
+
+                worker = AgentWorker(msg[1])
+                continue
+            if kind == "agent":  # a whole multi-turn request: every turn on one version
+                _, rid, version, slot, serial, request, sampling = msg
+            else:
+                _, rid, version, slot, serial, prompts, sampling, keys = msg
             start = time.perf_counter()
             if serial != loaded:  # the pickup point: weights change only here
                 engine.update_weights(ring.slot(slot).items())
                 loaded = serial
             results.send(("loaded", rid))
             generate = time.perf_counter()
+            if kind == "agent":
+                trajectories = worker.run(engine, version, request, sampling)
+                results.send(("agent_done", rid, trajectories,
+                              (start, generate, time.perf_counter())))
+                continue
             comps = engine.generate(unpack_prompts(prompts), sampling, prompt_keys=keys)
             for c in comps:
                 c.policy_version = version

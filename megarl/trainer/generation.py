@@ -113,26 +113,45 @@ def generate(
     return [s for _, _, s in gathered]
 
 
+def agent_request(items: list[Any], mine: list[int], sampling: SamplingParams,
+                  group_offset: int, agent: AgentRollout) -> Any:
+    """The `AgentRequest` of this rank's share ``mine`` of ``items`` (what `generate` runs,
+    and what asynchronous rollout prefetches)."""
+    from megarl.rollout.agent.remote import AgentRequest
+
+    chosen = [items[k] for k in mine]
+    raw = [getattr(it, "raw_prompt", None) for it in chosen]
+    talks = bool(agent.interactions) or bool(agent.settings.interaction_config_path)
+    return AgentRequest(
+        prompts=[list(it.prompt_ids) for it in chosen],
+        prompt_keys=[group_offset + k for k in mine],
+        prompt_messages=raw if all(r is not None for r in raw) else None,
+        tools_kwargs=[(it.extra_info or {}).get("tools_kwargs") for it in chosen],
+        interaction_kwargs=[(it.extra_info or {}).get("interaction_kwargs") for it in chosen]
+        if talks else None,
+        max_response_length=sampling.max_new_tokens)
+
+
 def _agent_share(engine: RolloutEngine, items: list[Any], mine: list[int],
                  sampling: SamplingParams, group_offset: int,
                  agent: AgentRollout) -> list[tuple[int, int, RolloutSample]]:
     """This rank's trajectories (``sampling.n`` per item of ``mine``) as samples, keyed
-    (item position, sample index) like `generate`'s."""
+    (item position, sample index) like `generate`'s. An engine in a process of its own
+    (asynchronous rollout) runs the agent loop there (`megarl.rollout.agent.remote`), each
+    trajectory on one weight version (its samples carry it)."""
     from megarl.rollout.agent import run_agent_loop
+    from megarl.rollout.agent.remote import one_version, trajectory_from_plain
 
     if not mine:
         return []
-    chosen = [items[k] for k in mine]
-    raw = [getattr(it, "raw_prompt", None) for it in chosen]
-    trajs = run_agent_loop(
-        engine, [it.prompt_ids for it in chosen], sampling, agent.tokenizer, agent.tools,
-        agent.settings, max_response_length=sampling.max_new_tokens,
-        prompt_keys=[group_offset + k for k in mine],
-        prompt_messages=raw if all(r is not None for r in raw) else None,
-        tools_kwargs=[(it.extra_info or {}).get("tools_kwargs") for it in chosen],
-        interactions=agent.interactions or {},
-        interaction_kwargs=[(it.extra_info or {}).get("interaction_kwargs") for it in chosen]
-        if agent.interactions else None)
+    request = agent_request(items, mine, sampling, group_offset, agent)
+    if hasattr(engine, "generate_agent"):
+        trajs = [trajectory_from_plain(d)
+                 for d in engine.generate_agent(agent, request, sampling)]
+    else:
+        trajs = run_agent_loop(engine, request.prompts, sampling, agent.tokenizer, agent.tools,
+                               agent.settings, interactions=agent.interactions or {},
+                               **request.loop_kwargs())
     out = []
     for t in trajs:
         k = mine[t.prompt_index]
@@ -148,6 +167,7 @@ def _agent_share(engine: RolloutEngine, items: list[Any], mine: list[int],
             extra_info={**dict(item.extra_info or {}), **trajectory_info(t)},
             response_mask=list(t.response_mask),
             multi_turn=trajectory_stats(t),
+            policy_version=one_version(t),
         )))
     return out
 

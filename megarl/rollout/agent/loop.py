@@ -111,7 +111,8 @@ class Trajectory:
     ids, 0.0 elsewhere. finish_reason: stop | length | max_assistant_turns | max_user_turns.
     messages: the conversation after the prompt (assistant text as decoded, tool responses as
     sent). sanity_mismatch: the tokenization check's report, None when it matched (or did
-    not run: sanity_checked)."""
+    not run: sanity_checked). turn_versions: the ``policy_version`` the engine stamped on each
+turn's completion (None where it stamps none)."""
 
     prompt_index: int
     sample_index: int
@@ -134,6 +135,7 @@ class Trajectory:
     messages: list[dict[str, str]] = field(default_factory=list)
     sanity_checked: bool = False
     sanity_mismatch: str | None = None
+    turn_versions: list[int | None] = field(default_factory=list)  # each turn's weight version
     # internal: the end of the assistant turn the loop did not append (for the sanity check)
     _open_tail: str = ""
     _instances: dict[str, str] = field(default_factory=dict)
@@ -482,6 +484,7 @@ def run_agent_loop(
                 t.logprobs += lps
                 t.num_generated += len(ids)
                 t.turns += 1
+                t.turn_versions.append(getattr(c, "policy_version", None))
                 t.messages.append({"role": "assistant",
                                    "content": chat.assistant_content(ids, stopped)})
                 t._open_tail = chat.open_tail(ids, stopped)
