@@ -53,6 +53,7 @@ class ConfigInfo:
     layout: Layout
     run_dir: str | None  # trainer.default_local_dir when known (resolved), else None
     source: str  # "megarl.config" | "yaml"
+    demo: str | None = None  # why the embedded demo's overlay applies; None when it does not
 
 
 def _megarl_config():
@@ -211,13 +212,17 @@ def load(name: str, base: Path, overrides: list[str], nnodes: int, nproc: int) -
         check_layout(layout)
         return ConfigInfo(path, layout, run_dir, "yaml")
     launch_keys = [f"launch.nnodes={nnodes}", f"launch.nproc_per_node={nproc}"]
+    from megarl.config.loader import resolve_config
+
     try:
-        cfg = mc.load_config(path, [*overrides, *launch_keys])
+        resolved = resolve_config(path, [*overrides, *launch_keys])
     except mc.ConfigError as e:
         check_layout(layout)  # the clearer message when the layout is the problem
         raise LaunchError(f"config {name!r} is invalid for {nnodes} node(s) x {nproc} proc(s): "
                           + "; ".join(e.problems)) from None
+    cfg = resolved.config
     par = cfg.actor_rollout_ref.actor.parallel
     layout = Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, nnodes, nproc)
     check_layout(layout)
-    return ConfigInfo(path, layout, cfg.trainer.default_local_dir, "megarl.config")
+    return ConfigInfo(path, layout, cfg.trainer.default_local_dir, "megarl.config",
+                      resolved.demo_reason if resolved.demo else None)

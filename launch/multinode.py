@@ -23,6 +23,12 @@ runs ``ssh HOST 'cd WORKDIR && env ... torchrun ...'``; ``--mode srun`` runs one
 each node's output goes to ``<log-dir>/node{i}.log`` on the machine running the launcher, and
 ``--dry-run`` prints exactly the shell line that would run, one per node.
 
+The launcher says which world it starts and where each size came from (``--hosts``,
+``--hostfile``, the SLURM allocation, ``--nnodes``, ``--nproc-per-node`` or the defaults). A
+config that runs the embedded CPU demo (no model named: ``configs/demo/`` applies) is started,
+when no size is given, as ``make demo`` runs it: one node of ``DEMO_NPROC`` ranks; with sizes
+given the launcher says that the tiny demo runs on that world.
+
 Exit status: 2 for a problem found before starting (one line naming it and the fix), otherwise
 the first non-zero exit status of a node (the other nodes are then stopped), else 0.
 """
@@ -51,6 +57,7 @@ from launch.hosts import LaunchError, expand_nodelist, is_this_machine, parse_ho
 
 REPO = Path(__file__).resolve().parents[1]
 PROG = "megarl-launch"
+DEMO_NPROC = 2  # the embedded demo's world: one node of 2 CPU ranks (python -m megarl.demo.run)
 MODES = ("auto", "local", "ssh", "srun")
 
 
@@ -83,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--hostfile", help="file with one host per line (# comments)")
     nodes.add_argument("--nnodes", type=int, help="node count; with --mode local and no hosts: that "
                        "many local nodes; in SLURM: the first N nodes of the allocation")
-    nodes.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (one per GPU)")
+    nodes.add_argument("--nproc-per-node", type=int, help="ranks per node (one per GPU; default 1, "
+                       f"or {DEMO_NPROC} for a config that runs the embedded CPU demo)")
     p.add_argument("--mode", choices=MODES, default="auto",
                    help="auto: srun inside SLURM, ssh for --hosts/--hostfile, local otherwise")
     p.add_argument("--config", required=True, help="recipe name in configs/ or a YAML path")
@@ -344,14 +352,21 @@ def plan(argv: list[str] | None = None, environ: dict[str, str] | None = None
     """Parse ``argv`` and build every node's command (raises LaunchError)."""
     environ = dict(os.environ if environ is None else environ)
     args = build_parser().parse_intermixed_args(argv)
-    if args.nproc_per_node < 1:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if not 1 <= args.rdzv_port <= 65535:
         raise LaunchError(f"--rdzv-port must be a TCP port in 1..65535, got {args.rdzv_port}")
     hosts, source = resolve_hosts(args, environ)
     mode = resolve_mode(args.mode, source, hosts)
     args.workdir = os.path.abspath(args.workdir)
-    info = config_probe.load(args.config, Path.cwd(), args.overrides, len(hosts), args.nproc_per_node)
+    sized = args.nproc_per_node is not None
+    info = config_probe.load(args.config, Path.cwd(), args.overrides, len(hosts),
+                             args.nproc_per_node or 1)
+    demo_world = info.demo is not None and not sized and source == "local" and args.nnodes is None
+    if demo_world:  # no size given: the world make demo runs the embedded demo on
+        info = config_probe.load(args.config, Path.cwd(), args.overrides, 1, DEMO_NPROC)
+    args.nproc_per_node = DEMO_NPROC if demo_world else args.nproc_per_node or 1
+    args.world_why = world_reasons(args, source, len(hosts), sized, demo_world, info.demo)
 
     # The trainer runs in --workdir: name the config as given when it finds the same file there.
     found_there = config_probe.find_config(args.config, Path(args.workdir))
@@ -374,6 +389,38 @@ def plan(argv: list[str] | None = None, environ: dict[str, str] | None = None
     return args, commands, info.layout
 
 
+_NODES_FROM = {"hosts": "--hosts", "hostfile": "--hostfile",
+               "slurm": "the SLURM allocation (SLURM_JOB_NODELIST)"}
+
+
+def world_reasons(args: argparse.Namespace, source: str, nnodes: int, sized: bool,
+                  demo_world: bool, demo: str | None) -> list[str]:
+    """Lines that say where the world's sizes came from and, for the embedded demo's config,
+    what runs (module doc)."""
+    if source in _NODES_FROM:
+        nodes = f"{nnodes} node(s) from {_NODES_FROM[source]}"
+    elif args.nnodes is not None:
+        nodes = f"{nnodes} local node(s) from --nnodes"
+    else:
+        nodes = "1 local node (no --hosts, --hostfile, --nnodes or SLURM allocation)"
+    if sized:
+        ranks = f"{args.nproc_per_node} rank(s) per node from --nproc-per-node"
+    elif demo_world:
+        ranks = f"{DEMO_NPROC} ranks per node, the embedded demo's world (as make demo runs it)"
+    else:
+        ranks = "1 rank per node (the default; --nproc-per-node sets it, one per GPU)"
+    out = [f"world of {nnodes * args.nproc_per_node} rank(s): {nodes}, {ranks}"]
+    if demo is not None:
+        why = demo.removesuffix(": the embedded CPU demo")
+        what = (f"config {args.config!r} runs the embedded CPU demo ({why}): a tiny policy "
+                f"made for 1 node x {DEMO_NPROC} CPU ranks")
+        if not demo_world:
+            what += (f"; this job runs it on {nnodes} node(s) x {args.nproc_per_node} rank(s) "
+                     "as given; name a model (actor_rollout_ref.model.path=...) to train a real one")
+        out.append(what)
+    return out
+
+
 def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
     """The ``megarl-launch`` command; ``environ`` (default ``os.environ``) is what SLURM_* and
     NCCL_* defaults are read from."""
@@ -384,6 +431,8 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         rdzv = "standalone" if n == 1 else _endpoint(args.rdzv_host or commands[0].host, args.rdzv_port)
         _log(f"{n} node(s), mode {args.resolved_mode}, {layout.describe()}, rendezvous {rdzv}, "
              f"run id {args.run_id}")
+        for line in args.world_why:
+            _log(line)
         if args.dry_run:
             for c in commands:
                 print(c.shell_line())
