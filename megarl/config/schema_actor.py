@@ -47,6 +47,19 @@ class ModelConfig:
     use_fused_kernels: bool = True  # lm_head -> logprob/entropy without materialising [T, V]
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     trust_remote_code: bool = False
+    # LoRA (verl's keys; torch backend): the actor trains rank-``lora_rank`` adapters on the
+    # ``target_modules`` and nothing else (the base weights are frozen and hold no optimizer
+    # state); the reference is the same model with the adapters off (no second copy); the
+    # engine receives the merged weights; the run also writes a PEFT adapter. 0 = off.
+    lora_rank: int = 0
+    lora_alpha: float = 16  # the update is scaled by lora_alpha / lora_rank
+    # "all-linear" (every linear layer but the output head), a list of module names or name
+    # suffixes ([q_proj, v_proj]), or a string: a regular expression over full module names
+    target_modules: str | list[str] = "all-linear"
+    exclude_modules: str | list[str] | None = None  # same forms; checked before target_modules
+    # verl: copy the model into /dev/shm before loading it (faster loads of big checkpoints).
+    # Accepted and inert here: megarl reads the safetensors in place.
+    use_shm: bool = False
 
 
 @dataclass
@@ -220,6 +233,10 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # stop strings
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to EOS
     update_weights_bucket_megabytes: int = 512  # weight-sync bucket size, MiB
+    # verl (LoRA): gather the FSDP shards one layer at a time when the merged weights go to the
+    # engine (less peak memory). Accepted and inert here: the torch backend already streams one
+    # full tensor at a time (megarl.backends.torch.weights).
+    layered_summon: bool = False
     seed: int | None = None  # sampling seed; None = trainer.seed
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

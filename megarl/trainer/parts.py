@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
     """A Backend for ``role`` with the strategy of the actor (critic: its own strategy)."""
     strategy = cfg.critic.strategy if role == "critic" else cfg.actor_rollout_ref.actor.strategy
+    if strategy == "megatron" and role in ("actor", "ref") and lora_rank(cfg):
+        raise UserInputError(
+            "actor_rollout_ref.model.lora_rank > 0 with actor_rollout_ref.actor.strategy="
+            "megatron: LoRA is implemented on the torch backend only; set "
+            "actor_rollout_ref.actor.strategy=torch (fsdp) or lora_rank=0")
     if strategy == "torch":
         from megarl.backends.torch import TorchBackend
 
@@ -42,6 +47,21 @@ def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
         return MegatronBackend.from_config(role, cfg, model_path)
     raise ValueError(f"actor_rollout_ref.actor.strategy: unknown {strategy!r}; expected torch "
                      "or megatron")
+
+
+def lora_rank(cfg: Any) -> int:
+    """``actor_rollout_ref.model.lora_rank`` (0: the actor trains all its parameters)."""
+    return int(getattr(cfg.actor_rollout_ref.model, "lora_rank", 0) or 0)
+
+
+def build_reference(cfg: Any, actor: Backend, model_path: str) -> Backend:
+    """The reference policy: with LoRA the actor's own module with its adapters off (no second
+    copy of the model), else a frozen backend of its own loaded from ``model_path``."""
+    if lora_rank(cfg):
+        from megarl.backends.torch.lora_ref import AdapterOffReference
+
+        return AdapterOffReference.from_config(actor, cfg)
+    return build_backend("ref", cfg, model_path)
 
 
 def async_settings(cfg: Any) -> tuple[int, bool, list[int]]:
@@ -122,17 +142,27 @@ class RunParts:
                             config=dataclasses.asdict(self.cfg))
 
     def export_actor_hf(self) -> str | None:
-        """Write the actor as an HF folder under run_dir/hf_actor (collective)."""
+        """Write the actor as an HF folder under run_dir/hf_actor (collective). With LoRA the
+        folder holds the merged weights, and run_dir/lora_adapter the adapters as a PEFT
+        folder (``peft.PeftModel.from_pretrained(base, run_dir/"lora_adapter")``)."""
         from megarl.models import read_hf_config, save_hf_checkpoint
 
         out = self.run_dir / "hf_actor"
+        src = self.model_paths["actor"]
         stream = self.actor.export_weights()
         if mdist.rank() == 0:
-            src = self.model_paths["actor"]
             save_hf_checkpoint(out, stream, read_hf_config(src), source_dir=src, overwrite=True)
         else:
             for _ in stream:  # every rank takes part in the gathers
                 pass
+        settings = getattr(self.actor, "lora", None)
+        if settings is not None:
+            from megarl.models.lora import save_peft_adapter
+
+            adapter = dict(self.actor.export_adapter())
+            if mdist.rank() == 0:
+                save_peft_adapter(self.run_dir / "lora_adapter", adapter, settings,
+                                  base_model_name_or_path=src)
         mdist.barrier()
         return str(out)
 
@@ -239,7 +269,7 @@ def _build_parts(cfg: Any) -> RunParts:
     actor = build_backend("actor", cfg, paths["actor"])
     a = cfg.actor_rollout_ref.actor
     need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref = build_backend("ref", cfg, paths["actor"]) if need_ref else None
+    ref = build_reference(cfg, actor, paths["actor"]) if need_ref else None
     critic = build_backend("critic", cfg, paths["critic"]) if cfg.critic.enable else None
     prm = build_backend("prm", cfg, paths["prm"]) if cfg.reward_model.enable else None
     engine.update_weights(actor.export_weights())

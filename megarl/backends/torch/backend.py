@@ -27,6 +27,8 @@ per-rank grouping (pass the trainer's split through `interleave_rank_splits`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -63,10 +65,11 @@ from megarl.backends.torch.packing import (
 )
 from megarl.backends.torch.pipeline import StageRunner, common_length
 from megarl.backends.torch.ulysses import SeqShard, sum_over_group
-from megarl.backends.torch.weights import iter_full_weights, weight_specs
+from megarl.backends.torch.weights import adapter_specs, iter_full_weights, weight_specs
 from megarl.errors import UserInputError
 from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
+from megarl.models.lora import LoraSettings, adapters_disabled, apply_lora, lora_modules
 from megarl.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -101,7 +104,13 @@ class TorchBackend:
                  ``routed_experts`` tensor (recorded by the rollout engine) instead of the
                  routers' top-k (`moe.replay_routing`); batches without it route as usual.
                  LM roles of MoE models, every layout (FSDP2, TP, PP, Ulysses).
-    seed:        initialisation of a fresh head. device: default CUDA (current) else CPU.
+    lora:        actor only: LoRA adapters (`megarl.models.lora`) on the loaded model; the
+                 base is frozen and outside the optimizer, checkpoints hold the adapters (and
+                 their optimizer state) only, `export_weights` sends the merged weights,
+                 `export_adapter` the adapters, `adapters_off` runs the base model (the
+                 reference). Tensor parallelism is refused with it.
+    seed:        initialisation of a fresh head (and of the LoRA A matrices).
+                 device: default CUDA (current) else CPU.
     With a world of one, fp32 and no parallelism, the model is not wrapped at all.
     """
 
@@ -134,11 +143,15 @@ class TorchBackend:
         forward_micro_batch_size: int | None = None,
         num_labels: int | None = None,
         router_replay: bool = False,
+        lora: LoraSettings | None = None,
         seed: int = 0,
         device: torch.device | str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if lora is not None and role != "actor":
+            raise ValueError(f"LoRA adapters train on the actor only, not on the {role}")
+        self.lora = lora
         self.compute_dtype = torch_dtype(dtype)
         self.role = role
         self.model_path = str(model_path)
@@ -198,6 +211,10 @@ class TorchBackend:
             device="cpu", allow_new_head=self.role == "critic",
             activation_checkpointing=ac and self.trainable, seed=seed,
         )
+        if self.lora is not None:
+            from megarl.backends.torch.lora import apply_actor_lora
+
+            apply_actor_lora(model, self.lora, self.layout, seed)
         with torch.device("meta"):
             full = Transformer(self.args, head=self.head, num_labels=self.num_labels or 2,
                                dtype=self.param_dtype)
@@ -207,6 +224,11 @@ class TorchBackend:
             for i in par.stage_layers(self.args.num_hidden_layers, s, lay.pp)
         }
         self._specs = weight_specs(full, layer_stage, lay.pp, self.param_dtype)
+        self._adapter_specs = []
+        if self.lora is not None:
+            lo = self.lora
+            apply_lora(full, lo.rank, lo.alpha, lo.target_modules, lo.exclude_modules)
+            self._adapter_specs = adapter_specs(full, layer_stage, lay.pp, self.param_dtype)
         par.split_stage(model, self.pp_stage, lay.pp)
         model.to(self.device)
         if lay.tp > 1:
@@ -221,6 +243,8 @@ class TorchBackend:
                 # gradient: sum over them, average over data parallel
                 gradient_divide_factor=lay.dp_shard if lay.ulysses > 1 else None,
             )
+        # adapted weight name -> its LoRALinear (this stage's), folded in by export_weights
+        self._merge = {f"{n}.weight": m for n, m in lora_modules(model).items()}
         self._runner = None
         if lay.pp > 1:
             self._runner = StageRunner(
@@ -231,6 +255,13 @@ class TorchBackend:
                 out_kind=self._out_kind,
             )
         return model
+
+    @contextlib.contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """Inside: the model computes without its LoRA adapters (the base model; a no-op
+        without LoRA)."""
+        with adapters_disabled(self.model):
+            yield
 
     # ------------------------------------------------------------------ layout
 
@@ -443,6 +474,17 @@ class TorchBackend:
         yield from iter_full_weights(
             self.model, self._specs, stage=self.pp_stage,
             pp_group=self.pp_group if self.layout.pp > 1 else None, device=self.device,
+            merge=self._merge,
+        )
+
+    def export_adapter(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: (``<module>.lora_{A,B}.weight``, full tensor) of every adapter (A [r, in],
+        B [out, r]), for `megarl.models.lora.save_peft_adapter`; nothing without LoRA.
+        Collective."""
+        self._reshard()
+        yield from iter_full_weights(
+            self.model, self._adapter_specs, stage=self.pp_stage,
+            pp_group=self.pp_group if self.layout.pp > 1 else None, device=self.device,
         )
 
     def hf_export_config(self) -> dict[str, Any]:
@@ -460,12 +502,16 @@ class TorchBackend:
         )
 
     def save(self, directory: str) -> None:
-        """Collective: model (+ optimizer, step) via DCP; loadable at any other layout."""
+        """Collective: model (+ optimizer, step) via DCP; loadable at any other layout. With
+        LoRA only the adapters and their optimizer state (the base is ``model_path``)."""
         self._reshard()
         lay = self.layout
         meta = {"role": self.role, "tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
                 "sp": lay.sp, "ulysses": lay.ulysses, "source": self.model_path}
-        ckpt.save(directory, self.model, self.optimizer, self.step, meta)
+        if self.lora is not None:
+            meta["lora"] = dataclasses.asdict(self.lora)
+        ckpt.save(directory, self.model, self.optimizer, self.step, meta,
+                  trainable_only=self.lora is not None)
 
     def load(self, directory: str) -> None:
         """Collective: inverse of `save` (at this backend's layout)."""
@@ -477,7 +523,8 @@ class TorchBackend:
                 f"{self.role}"
             )
         self._reshard()
-        _, step = ckpt.load(directory, self.model, self.optimizer)
+        _, step = ckpt.load(directory, self.model, self.optimizer,
+                            trainable_only=self.lora is not None)
         if step is not None:
             self.step = step
 

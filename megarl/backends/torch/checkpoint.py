@@ -6,6 +6,9 @@ layout) and ``extra`` (``step``: optimizer updates applied, which is all the LR 
 plus ``megarl_meta.json`` (role, layout it was written from, step, whether the optimizer state is
 inside). DCP reshards on load, so a checkpoint written at one TP / PP / FSDP layout loads at
 another (or in a single process).
+
+``trainable_only`` (LoRA): ``model`` holds only the parameters that require gradients (the
+adapters; the frozen base is read again from the model folder) and ``megarl_meta.json`` says so.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -26,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from megarl.backends import checkpoint_meta
+from megarl.errors import UserInputError
 
 FORMAT = "megarl-torch-dcp-v1"
 
@@ -35,10 +40,16 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
                                      how_to_write="TorchBackend.save")
 
 
-def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _options(trainable_only: bool) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+            trainable_only: bool = False) -> dict[str, Any]:
+    opts = _options(trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=opts)}
+    msd, osd = get_state_dict(model, optimizer, options=opts)
     return {"model": msd, "optim": osd}
 
 
@@ -48,6 +59,8 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     step: int,
     meta: dict[str, Any],
+    *,
+    trainable_only: bool = False,
 ) -> None:
     """Collective over the world: write model (+ optimizer) state, the step counter and
     ``meta`` (rank 0) to ``directory`` (must be empty or absent)."""
@@ -57,11 +70,12 @@ def save(
         if any(directory.iterdir()):
             raise FileExistsError(f"checkpoint directory {directory} is not empty")
     dist.barrier()
-    state = _states(model, optimizer)
+    state = _states(model, optimizer, trainable_only)
     state["extra"] = {"step": torch.tensor(step, dtype=torch.int64)}
     dcp.save(state, checkpoint_id=str(directory))
     if dist.get_rank() == 0:
-        meta = {"format": FORMAT, **meta, "step": step, "has_optimizer": optimizer is not None}
+        meta = {"format": FORMAT, **meta, "step": step, "has_optimizer": optimizer is not None,
+                "trainable_only": trainable_only}
         checkpoint_meta.write_meta(directory, meta)
     dist.barrier()
 
@@ -70,18 +84,29 @@ def load(
     directory: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    *,
+    trainable_only: bool = False,
 ) -> tuple[dict[str, Any], int | None]:
     """Collective: load model state, and optimizer state + step when the checkpoint has them
-    and ``optimizer`` is given. Returns (meta, step or None)."""
+    and ``optimizer`` is given. Returns (meta, step or None). ``trainable_only`` must match
+    the checkpoint's (a LoRA checkpoint holds the adapters only)."""
     meta = read_meta(directory)
+    if bool(meta.get("trainable_only", False)) != trainable_only:
+        held = "only LoRA adapters" if meta.get("trainable_only") else "a full model"
+        mine = "trains LoRA adapters" if trainable_only else "trains the full model"
+        raise UserInputError(
+            f"checkpoint {directory} holds {held} and this run {mine}: resume with the "
+            "actor_rollout_ref.model.lora_rank the checkpoint was written with")
     with_optim = optimizer is not None and meta.get("has_optimizer", False)
-    state = _states(model, optimizer if with_optim else None)
+    state = _states(model, optimizer if with_optim else None, trainable_only)
     state["extra"] = {"step": torch.tensor(0, dtype=torch.int64)}
     dcp.load(state, checkpoint_id=str(directory))
+    opts = _options(trainable_only)
     if with_optim:
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            options=opts,
         )
         return meta, int(state["extra"]["step"])
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=opts)
     return meta, None

@@ -1,0 +1,37 @@
+"""LoRA on the torch backend: the actor's adapters (`apply_actor_lora`); the reference role of
+a LoRA run is `megarl.backends.torch.lora_ref`."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from megarl.errors import UserInputError
+from megarl.models.lora import LoraSettings, apply_lora
+from megarl.models.model import Transformer
+
+if TYPE_CHECKING:
+    from megarl.backends.torch.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+
+def apply_actor_lora(model: Transformer, lora: LoraSettings, layout: Layout, seed: int) -> None:
+    """`apply_lora` on the actor's loaded (not yet parallelised) model: A drawn from ``seed``
+    (the same on every rank), the base frozen. Tensor parallelism is refused (its plan shards
+    the base linears, not the adapters)."""
+    if layout.tp > 1:
+        raise UserInputError(
+            "actor_rollout_ref.model.lora_rank > 0 with actor_rollout_ref.actor.parallel."
+            f"tensor_model_parallel_size={layout.tp}: LoRA on the torch backend runs with FSDP, "
+            "pipeline and Ulysses parallelism, not tensor parallelism; set "
+            "tensor_model_parallel_size=1")
+    gen = torch.Generator().manual_seed(seed)
+    names = apply_lora(model, lora.rank, lora.alpha, lora.target_modules, lora.exclude_modules,
+                       lora.dropout, generator=gen)
+    adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("LoRA rank %d on %d modules: %d trainable parameters of %d (%.3f%%)",
+                lora.rank, len(names), adapter, total, 100.0 * adapter / total)
