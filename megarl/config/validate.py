@@ -152,7 +152,8 @@ def _check_multi_turn(cfg: Config, c: _Checker) -> None:
     """Multi-turn rollouts with tools: what the trainer runs them with, and what it refuses.
     A process reward model scores each model turn as one step (`megarl.trainer.prm`);
     asynchronous rollout runs the agent loop in the engine process (one weight version per
-    trajectory, `megarl.rollout.agent.remote`)."""
+    trajectory, `megarl.rollout.agent.remote`); a tensor-parallel engine's first rank runs it
+    and broadcasts each turn's prompts to the group (`megarl.rollout.agent.group`)."""
     arr = cfg.actor_rollout_ref
     mt, key = arr.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn.enable"
     if not mt.enable:
@@ -163,12 +164,6 @@ def _check_multi_turn(cfg: Config, c: _Checker) -> None:
                "tool YAML: tools: [{class_name, config, tool_schema}]) and/or "
                "actor_rollout_ref.rollout.multi_turn.interaction_config_path (interaction: "
                "[{name, class_name, config}])")
-    if arr.rollout.tensor_model_parallel_size > 1:
-        c.fail((key, "actor_rollout_ref.rollout.tensor_model_parallel_size"),
-               "multi-turn rollouts need one rank per engine for now (the ranks of a "
-               "tensor-parallel engine would each run the agent loop and its tools; they are not "
-               "driven from one rank yet); set "
-               "actor_rollout_ref.rollout.tensor_model_parallel_size=1")
     if arr.actor.router_replay.mode != "disabled":
         c.fail((key, "actor_rollout_ref.actor.router_replay.mode"),
                "routing replay does not record the experts across turns yet; set "

@@ -7,9 +7,10 @@ all-gathered so every rank holds the same ordered list, rank 0 scores them throu
 manager's bounded pool, and the scores and reward metrics (`megarl.metrics.Metric` values, their
 reduction over generation rounds declared here) are broadcast.
 
-With ``rollout.multi_turn.enable`` (an `AgentRollout` passed to `generate`) each rank runs the
+With ``rollout.multi_turn.enable`` (an `AgentRollout` passed to `generate`) each engine runs the
 agent loop (`megarl.rollout.agent.run_agent_loop`) on its share instead of one
-``engine.generate`` call: each sample is then a whole trajectory (the model's turns, tool
+``engine.generate`` call (a tensor-parallel engine's first rank runs it and broadcasts each
+turn's prompts to the group's other ranks; an engine in a process of its own runs it there): each sample is then a whole trajectory (the model's turns, tool
 responses and template glue), with its per-token ``response_mask`` (1 = the model's token),
 the engine's logprobs (0 on appended tokens) and what the reward and the metrics read about it
 in ``extra_info`` (`trajectory_info`) and ``RolloutSample.multi_turn``.
@@ -82,9 +83,11 @@ def generate(
     """
     mine, member = local_share(len(items), tp_size)
     if agent is not None:
-        if tp_size != 1:  # the config check refuses it (multi-turn runs on the torch engine)
-            raise ValueError("multi-turn rollouts need one rank per engine (tp_size=1)")
-        local = _agent_share(engine, items, mine, sampling, group_offset, agent)
+        if tp_size == 1:
+            local = _agent_share(engine, items, mine, sampling, group_offset, agent)
+        else:
+            local = _agent_share_in_group(engine, items, mine, sampling, group_offset, agent,
+                                          tp_size, member)
         gathered = [x for part in mdist.all_gather_objects(local) for x in part]
         gathered.sort(key=lambda x: (x[0], x[1]))
         return [s for _, _, s in gathered]
@@ -169,6 +172,31 @@ def _agent_share(engine: RolloutEngine, items: list[Any], mine: list[int],
             multi_turn=trajectory_stats(t),
             policy_version=one_version(t),
         )))
+    return out
+
+
+def _agent_share_in_group(engine: RolloutEngine, items: list[Any], mine: list[int],
+                          sampling: SamplingParams, group_offset: int, agent: AgentRollout,
+                          tp_size: int, member: int) -> list[tuple[int, int, RolloutSample]]:
+    """`_agent_share` on an engine spread over ``tp_size`` ranks: the group's first rank runs
+    the agent loop (tools once per trajectory) and broadcasts each turn's request to the
+    others, which generate it with the group (`megarl.rollout.agent.group`); only the first
+    rank returns samples."""
+    from megarl.rollout.agent.group import GroupLeader, engine_group, follow_group
+
+    group, leader = engine_group(tp_size)  # collective the first time: before any return
+    if not mine:
+        return []
+    if member != 0:
+        follow_group(engine, group, leader)
+        return []
+    lead = GroupLeader(engine, group, leader)
+    ok = False
+    try:
+        out = _agent_share(lead, items, mine, sampling, group_offset, agent)
+        ok = True
+    finally:
+        lead.end(ok)
     return out
 
 

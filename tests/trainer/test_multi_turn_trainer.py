@@ -290,8 +290,6 @@ def test_batch_mask_logprobs_and_loss_on_model_tokens(trajectories):
 
 
 @pytest.mark.parametrize("extra, keys", [
-    ([f"{A}.rollout.name=vllm", f"{A}.rollout.tensor_model_parallel_size=2"],
-     [f"{MT}.enable", f"{A}.rollout.tensor_model_parallel_size"]),
     (["data.apply_chat_template=false"], [f"{MT}.enable", "data.apply_chat_template"]),
 ])
 def test_unsupported_combinations_are_refused(tmp_path, extra, keys):
