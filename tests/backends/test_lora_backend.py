@@ -122,16 +122,37 @@ def test_reference_is_the_base_model(folder):
     assert a.forward_max_tokens == 16384  # the actor's own micro-batching is restored
 
 
-def test_checkpoint_holds_adapters_only_and_resumes_exactly(folder, tmp_path):
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory):
+    from megarl.models.testing import make_tiny_hf_model
+
+    return make_tiny_hf_model(tmp_path_factory.mktemp("lora_tied") / "m", "llama",
+                              tokenizer=False, tie_word_embeddings=True)
+
+
+def checkpoint_model_keys(directory) -> set[str]:
     import torch.distributed.checkpoint as dcp
 
+    keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+
+
+def test_checkpoint_of_tied_model_holds_adapters_only(tied_folder, tmp_path):
+    a = actor(tied_folder)
+    train(a, 1)
+    a.save(str(tmp_path / "ck"))
+    assert checkpoint_model_keys(tmp_path / "ck") == set(adapters(a))  # no lm_head alias
+    b = actor(tied_folder)
+    b.load(str(tmp_path / "ck"))
+    assert all(torch.equal(adapters(b)[n], t) for n, t in adapters(a).items())
+
+
+def test_checkpoint_holds_adapters_only_and_resumes_exactly(folder, tmp_path):
     a = actor(folder)
     train(a, 2)
     a.save(str(tmp_path / "ck"))
-    keys = dcp.FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
-    model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
-    assert model_keys == set(adapters(a))
-    b = actor(folder, )
+    assert checkpoint_model_keys(tmp_path / "ck") == set(adapters(a))
+    b = actor(folder)
     b.load(str(tmp_path / "ck"))
     assert b.step == a.step == 2
     for n, t in adapters(a).items():

@@ -48,9 +48,13 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             trainable_only: bool = False) -> dict[str, Any]:
     opts = _options(trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=opts)}
-    msd, osd = get_state_dict(model, optimizer, options=opts)
-    return {"model": msd, "optim": osd}
+        msd, osd = get_model_state_dict(model, options=opts), None
+    else:
+        msd, osd = get_state_dict(model, optimizer, options=opts)
+    if trainable_only:  # torch keeps a frozen parameter's tied alias (lm_head = embedding)
+        keep = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in keep}
+    return {"model": msd} if osd is None else {"model": msd, "optim": osd}
 
 
 def save(

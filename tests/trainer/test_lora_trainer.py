@@ -1,0 +1,81 @@
+"""GRPO with LoRA on the embedded demo policy (torch backend, 2 steps): the run's outputs read
+back with independent tools. PEFT loads the run's adapter folder onto the demo policy read by
+transformers, and its merged model is the run's ``hf_actor`` (so the base weights the run
+trained on are the folder's: every tensor no adapter touches is bit for bit the folder's);
+the adapters moved; the checkpoint holds the adapters only; the reference is the base model
+(KL 0 before the first update, > 0 after it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import metrics, train
+
+from megarl.errors import UserInputError
+
+M = "actor_rollout_ref.model"
+
+
+@pytest.mark.e2e
+def test_grpo_lora_two_steps(tmp_path):
+    import peft
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from safetensors.torch import load_file
+
+    from megarl.data import resolve_path
+
+    run = tmp_path / "run"
+    train(run, "grpo", f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear",
+          "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.export_hf=true")
+    base_dir = Path(resolve_path("embedded://policy"))
+    base = load_file(str(next(base_dir.glob("*.safetensors"))))
+    exported = load_file(str(run / "hf_actor" / "model.safetensors"))
+    adapter = load_file(str(run / "lora_adapter" / "adapter_model.safetensors"))
+    config = json.loads((run / "lora_adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16
+
+    adapted = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in adapter}
+    n_layers = 1 + max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
+    assert len(adapted) == 7 * n_layers  # all-linear: q k v o gate up down, not the head
+    # the adapters trained: B starts at zero
+    b_norm = sum(float(t.float().norm()) for k, t in adapter.items() if ".lora_B." in k)
+    assert b_norm > 0
+    # untouched tensors: bit for bit the folder's; adapted ones: base + (alpha / r) B A
+    for name, t in base.items():
+        module, kind = name.rsplit(".", 1)
+        if module not in adapted or kind != "weight":  # biases are not adapted
+            assert torch.equal(exported[name], t.to(exported[name].dtype)), name
+        else:
+            a = adapter[f"base_model.model.{module}.lora_A.weight"].double()
+            b = adapter[f"base_model.model.{module}.lora_B.weight"].double()
+            want = t.double() + 2.0 * (b @ a)
+            assert (exported[name].double() - want).abs().max() <= 1e-6, name
+
+    # PEFT's own merge of the run's adapter onto transformers' base = the run's merged actor
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(hf, run / "lora_adapter").merge_and_unload()
+    for name, t in merged.state_dict().items():
+        if name in exported:
+            assert (t - exported[name].float()).abs().max() <= 1e-6, name
+
+    meta = dcp.FileSystemReader(str(run / "checkpoints" / "global_step_2" / "actor")).read_metadata()
+    model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    assert len(model_keys) == 2 * len(adapted)
+
+    rows = {r["step"]: r for r in metrics(run)}
+    assert rows[1]["actor/kl_loss"] == 0.0  # actor = base before the first update
+    assert rows[2]["actor/kl_loss"] > 0.0  # the reference stayed the base
+
+
+def test_megatron_lora_is_refused():
+    from megarl.config import load_config
+    from megarl.trainer.parts import build_backend
+
+    cfg = load_config("grpo", [f"{M}.lora_rank=8", "actor_rollout_ref.actor.strategy=megatron"])
+    with pytest.raises(UserInputError, match="strategy=torch"):
+        build_backend("actor", cfg, "/nonexistent")
