@@ -27,6 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megarl.config import global_micro
 from megarl.config.aliases import canonical_keys, set_path
 from megarl.config.errors import ConfigError
 from megarl.config.keys import canonical_path, schema_problem
@@ -300,6 +301,8 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
 
     defaults = dataclasses.asdict(Config())
     resolved = _resolve(_merge(defaults, raw))
+    micro_notices, micro_problems = global_micro.convert(verl_only, resolved, raw, prov)
+    problems += micro_problems
     cfg = build(Config, resolved, "", problems, prov)
     bad = {p.split(":", 1)[0].split("[", 1)[0] for p in problems}
     explicit = {path for path, _ in walk(raw)}
@@ -312,6 +315,7 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
     # notices only for the user's values: the demo overlay's are its own business
     notices, _ = verl_only_findings(
         {k: v for k, v in verl_only.items() if v[1] not in prov.demo_layers}, flat)
+    notices += micro_notices
     layers = ["schema defaults", *(source for source, _ in files)]
     if overrides:
         layers.append("overrides")

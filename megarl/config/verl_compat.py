@@ -1,10 +1,12 @@
 """verl's configuration surface, key by key: how megarl reads each key of a pinned verl release.
 
 Every key of verl's trainer configs (``_generated_ppo_trainer.yaml`` and
-``_generated_ppo_megatron_trainer.yaml`` of the wheel) has one of four statuses:
+``_generated_ppo_megatron_trainer.yaml`` of the wheel) has one of five statuses:
 
 - ``implemented``: a megarl key of the same name and meaning;
 - ``mapped``: read as another megarl key (``note`` names it);
+- ``converted``: read into another megarl key with its value converted (``note`` says how: verl's
+  deprecated global micro-batch sizes, ``megarl.config.global_micro``);
 - ``inert``: accepted without effect, because it has no meaning for megarl's results (a Ray,
   profiler or memory option, a key only read by a feature that is off); set to anything but
   verl's default, the run prints one notice line saying so;
@@ -30,6 +32,7 @@ from typing import Any, Literal
 import yaml
 
 from megarl.config.errors import ConfigError
+from megarl.config.global_micro import GLOBAL_MICRO
 from megarl.config.keys import canonical_path, schema_problem
 
 VERL_RELEASE = "0.9.1"
@@ -49,13 +52,14 @@ OLDER_KEYS: dict[str, Any] = {
     "reward_model.use_reward_loop": True,
     "reward_model.model.use_remove_padding": False,
     "reward_model.model.fsdp_config.param_offload": False,
+    "reward_model.micro_batch_size": None,
 }
 
 # verl sections whose keys are free-form (passed on to megatron-core's TransformerConfig)
 OPEN_SECTIONS = ("*.megatron.override_transformer_config",)
 
-Status = Literal["implemented", "mapped", "inert", "rejected"]
-STATUSES: tuple[Status, ...] = ("implemented", "mapped", "inert", "rejected")
+Status = Literal["implemented", "mapped", "converted", "inert", "rejected"]
+STATUSES: tuple[Status, ...] = ("implemented", "mapped", "converted", "inert", "rejected")
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,8 @@ _MEMORY = "a memory/speed option of verl's workers; megarl's results do not depe
 _TEXT = "megarl trains text-only language models"
 _OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer states stay on the "
             "device (memory differs, results do not)")
-_LORA = "LoRA is not implemented: megarl trains all parameters; drop the LoRA keys"
+_LORA = ("LoRA trains the actor only (actor_rollout_ref.model.lora_rank, lora_alpha, "
+         "target_modules, exclude_modules); the critic trains all parameters")
 _ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
 _ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
@@ -154,17 +159,17 @@ RULES: tuple[Rule, ...] = (
     *_each(_MODELS, "hf_config_path", "rejected", "the HF config is read from model.path"),
     *_each(_MODELS, "override_config*", "rejected", "HF config overrides are not applied; edit "
            "config.json of a copy of the model"),
-    *_each(_MODELS, "lora_rank", "rejected", _LORA),
+    Rule("critic.model.lora_rank", "rejected", _LORA),
     *_each(_MODELS, "lora.rank", "rejected", _LORA),
     *_each(_MODELS, "lora*", "inert", _ONLY_WHEN.format(what="LoRA (lora_rank / lora.rank)")),
-    *_each(_MODELS, "exclude_modules", "inert", _ONLY_WHEN.format(what="LoRA")),
-    *_each(_MODELS, "target_modules", "inert", _ONLY_WHEN.format(what="LoRA")),
+    *[Rule(f"critic.model.{k}", "inert", _ONLY_WHEN.format(what="LoRA (the actor's)"))
+      for k in ("exclude_modules", "target_modules")],
     *_each(_MODELS, "mtp.enable*", "rejected", "multi-token prediction is not implemented"),
     *_each(_MODELS, "mtp*", "inert", _ONLY_WHEN.format(what="mtp.enable")),
     *_each(_MODELS, "tiled_mlp.*", "inert", _MEMORY),
     *_each(_MODELS, "use_liger", "inert", "megarl's fused kernels compute logprobs and entropy "
            "without the full logits (model.use_fused_kernels)"),
-    *_each(_MODELS, "use_shm", "inert", _MEMORY),
+    Rule("critic.model.use_shm", "inert", _MEMORY),
     Rule("critic.model.fused_kernel_options.impl_backend", "inert", "the critic's value head "
          "reads hidden states; no vocabulary projection to fuse"),
     Rule("critic.model.trust_remote_code", "mapped", f"{_ARR}.model.trust_remote_code"),
@@ -281,12 +286,10 @@ RULES: tuple[Rule, ...] = (
     *_each(_ROLES, "checkpoint.mbridge_config", "inert", "megarl maps HF weights itself"),
     *_each(_ROLES, "data_loader_seed", "inert", "mini-batch shuffling is seeded by trainer.seed"),
     *_each(_ROLES, "loss_scale_factor", "rejected", "loss scaling follows loss_agg_mode"),
-    *_each(_ROLES, "ppo_micro_batch_size", "rejected", "set ppo_micro_batch_size_per_gpu "
-           "(verl deprecated the global size)"),
-    *_each((*_ROLES, _ROLLOUT), "log_prob_micro_batch_size", "rejected", "set log_prob_micro_batch_size_per_gpu "
-           "(verl deprecated the global size)"),
-    *_each(_ROLES, "forward_micro_batch_size", "rejected", "set forward_micro_batch_size_per_gpu "
-           "(verl deprecated the global size)"),
+    # verl's deprecated global micro sizes: divided over the data-parallel ranks, as verl's
+    # workers do (megarl.config.global_micro)
+    *[Rule(k, "converted", f"{per} = {k} // the data-parallel size (verl's rule)")
+      for k, (per, _) in GLOBAL_MICRO.items()],
     Rule("critic.forward_micro_batch_size_per_gpu", "mapped", "critic.ppo_micro_batch_size_per_gpu"),
     Rule("critic.forward_max_token_len_per_gpu", "mapped", "critic.ppo_max_token_len_per_gpu"),
     Rule("critic.checkpoint.*", "inert", "the critic saves what the actor's checkpoint.* says"),
@@ -354,7 +357,7 @@ RULES: tuple[Rule, ...] = (
     *[Rule(f"{_ROLLOUT}.{k}", "inert", "a serving detail of verl's engine servers; megarl "
            "drives the engine in process") for k in (
         "cudagraph_capture_sizes", "disable_log_stats", "enable_prefix_caching",
-        "full_determinism", "layered_summon", "load_format", "multi_stage_wake_up",
+        "full_determinism", "load_format", "multi_stage_wake_up",
         "router_config_path", "scheduling_policy", "skip_tokenizer_init", "prometheus.*",
         "trace.*")],
     # algorithm
@@ -495,7 +498,8 @@ def take_verl_only(layer: dict) -> dict[str, Any]:
     for dotted, value in flatten(layer).items():
         if _schema_key(dotted) is not None or verl_key_of(dotted) is None:
             continue
-        if (classify(dotted) or classify(verl_key_of(dotted))).status in ("inert", "rejected"):
+        if (classify(dotted) or classify(verl_key_of(dotted))).status in (
+                "converted", "inert", "rejected"):
             taken[dotted] = value
             _pop_leaf(layer, dotted)
     return taken

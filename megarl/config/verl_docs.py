@@ -75,6 +75,8 @@ def render_doc(keys: dict[str, Any]) -> str:
         "",
         "- **implemented**: a megarl key of the same name and meaning;",
         "- **mapped**: read as the megarl key named;",
+        "- **converted**: read into the megarl key named, its value converted as said (verl's "
+        "deprecated global micro-batch sizes; the run's notice names the per-rank size chosen);",
         "- **inert**: accepted without effect on the results, for the reason given; set to "
         "anything but verl's default, the run prints a one-line notice;",
         "- **rejected**: a feature megarl does not have; verl's default is accepted, any other "

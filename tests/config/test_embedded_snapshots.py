@@ -43,6 +43,10 @@ ADDED: dict[str, object] = {
     **{f"{role}.megatron.{key}": value for role in ("actor_rollout_ref.actor", "critic")
        for key, value in (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None),
                           ("moe_aux_loss_coeff", 0.0))},
+    **{f"actor_rollout_ref.model.{key}": value for key, value in (
+        ("lora_rank", 0), ("lora_alpha", 16.0), ("target_modules", "all-linear"),
+        ("exclude_modules", None), ("use_shm", False))},
+    "actor_rollout_ref.rollout.layered_summon": False,
 }
 
 
