@@ -129,6 +129,48 @@ def engine_kwargs(cfg: Any, local_rank: int, local_world_size: int | None = None
     }
 
 
+EXTRA_PREFIX = "actor_rollout_ref.rollout.engine_kwargs.sglang"
+# the sglang.Engine arguments megarl sets, and the config key each one comes from
+OWNED: dict[str, str] = {
+    "model_path": "actor_rollout_ref.model.path",
+    "tokenizer_path": "actor_rollout_ref.model.tokenizer_path",
+    "dtype": "actor_rollout_ref.model.dtype",
+    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+    "tp_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "base_gpu_id": "the rank's LOCAL_RANK (one engine per tensor-parallel group)",
+    "gpu_id_step": "the engine's placement (one GPU per tensor-parallel rank)",
+    "mem_fraction_static": "actor_rollout_ref.rollout.gpu_memory_utilization",
+    "max_running_requests": "actor_rollout_ref.rollout.max_num_seqs",
+    "context_length": "data.max_prompt_length + data.max_response_length",
+    "random_seed": "actor_rollout_ref.rollout.seed (else trainer.seed)",
+    "enable_memory_saver": "actor_rollout_ref.rollout.free_cache_engine (sleep and wake)",
+}
+
+
+def user_engine_kwargs(cfg: Any) -> dict[str, Any]:
+    """``actor_rollout_ref.rollout.engine_kwargs.sglang``: verl's extra ``sglang.Engine``
+    arguments. One megarl sets itself (`OWNED`) is a UserInputError naming the key to set
+    instead; names are checked against SGLang's ``ServerArgs`` when the engine is built.
+    ``enable_deterministic_inference`` may be given (see the module docstring on seeds)."""
+    from megarl.rollout.vllm.engine_args import check_extra, configured
+
+    return check_extra(configured(cfg.actor_rollout_ref.rollout, "sglang"), OWNED, None,
+                       EXTRA_PREFIX, "SGLang's engine")
+
+
+def server_arg_names(sglang: Any) -> set[str] | None:
+    """The fields of the installed SGLang's ``ServerArgs`` (what ``sglang.Engine`` accepts);
+    None when that module cannot be read."""
+    import dataclasses
+
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError:
+        return None
+    return {f.name for f in dataclasses.fields(ServerArgs)} if dataclasses.is_dataclass(
+        ServerArgs) else None
+
+
 def to_sglang_params(sampling: SamplingParams, seed: int | None = None) -> dict[str, Any]:
     """SGLang ``sampling_params`` dict of ONE request (one sample)."""
     greedy = sampling.is_greedy
@@ -213,6 +255,7 @@ class SGLangEngine:
         local_rank = int(env.get("LOCAL_RANK", "0"))
         local_world = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
         kwargs = engine_kwargs(cfg, local_rank, local_world)
+        kwargs.update(user_engine_kwargs(cfg))
         kwargs.update(overrides)
         bucket_bytes = bucket_bytes_from_config(cfg)
         if not hosts_engine(local_rank, kwargs["tp_size"]):
@@ -347,6 +390,12 @@ def _build_engine(
             f"{ORIGINAL_LOGPROB_ENV} is set: SGLang would return logprobs before "
             "temperature, not of the sampled distribution; unset it"
         )
+    known = server_arg_names(sglang)
+    if known is not None:  # every argument, megarl's and the user's, is a ServerArgs field
+        from megarl.rollout.vllm.engine_args import check_extra
+
+        check_extra(kwargs, {}, known, EXTRA_PREFIX,
+                    f"SGLang {sglang.__version__}'s engine (sglang.srt.server_args.ServerArgs)")
     return sglang.Engine(model_path=str(model_path), tokenizer_path=tokenizer or str(model_path),
                          enable_memory_saver=True, enable_deterministic_inference=deterministic,
                          **kwargs)

@@ -41,7 +41,7 @@ from megarl.rollout._adapter import (
     missing_engine,
 )
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
-from megarl.rollout.vllm import launch
+from megarl.rollout.vllm import engine_args, launch
 
 log = logging.getLogger(__name__)
 
@@ -156,15 +156,19 @@ class VLLMEngine:
         replace any of them). Reads actor_rollout_ref.model.{dtype, tokenizer_path,
         trust_remote_code}, actor_rollout_ref.rollout.{tensor_model_parallel_size,
         gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-        enforce_eager, free_cache_engine, seed}, data.{max_prompt_length,
+        enforce_eager, free_cache_engine, seed, engine_kwargs.vllm}, data.{max_prompt_length,
         max_response_length} and trainer.{seed, device}; see `megarl.rollout.vllm.launch` for
-        the process model and memory sizing."""
+        the process model and memory sizing. ``engine_kwargs.vllm`` (verl's extra engine
+        arguments) is checked by `megarl.rollout.vllm.engine_args`: an argument megarl sets
+        itself, or one vLLM's EngineArgs does not have, is a UserInputError."""
         from megarl.data.locations import resolve_path
         from megarl.models import read_hf_config
         from megarl.utils.dist import resolve_device
 
-        import_vllm()
+        vllm = import_vllm()
         arr, ro = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
+        extra = engine_args.check_engine_kwargs(engine_args.configured(ro, "vllm"),
+                                                version=vllm.__version__)
         path = resolve_path(model_path)
         max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         dtype = DTYPE_NAMES[arr.model.dtype]
@@ -186,6 +190,7 @@ class VLLMEngine:
             "seed": ro.seed if ro.seed is not None else cfg.trainer.seed,
             "trust_remote_code": arr.model.trust_remote_code,
             **memory,
+            **extra,
             **overrides,
         }
         tokenizer = arr.model.tokenizer_path
