@@ -107,10 +107,23 @@ def load(
     dcp.load(state, checkpoint_id=str(directory))
     opts = _options(trainable_only)
     if with_optim:
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
             options=opts,
         )
+        _fill_group_settings(optimizer, settings)
         return meta, int(state["extra"]["step"])
     set_model_state_dict(model, state["model"], options=opts)
     return meta, None
+
+
+def _fill_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    """Give each param group back the settings (lr, betas, eps, ...) the load left out. DCP
+    stores one copy of the replicated param-group entries, whose parameter list is one
+    pipeline stage's: on the other stages the loader matches no saved group and keeps only
+    the defaults torch fills in. The settings are the run's own (the LR is set every step;
+    a resume with changed optimizer settings is refused before this)."""
+    for group, own in zip(optimizer.param_groups, settings):
+        for key, value in own.items():
+            group.setdefault(key, value)
