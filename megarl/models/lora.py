@@ -17,6 +17,10 @@ Which modules (``target_modules``, ``exclude_modules``: verl's keys, PEFT's rule
 - ``exclude_modules`` (checked first): a string is a full-match regular expression, a list is
   matched like ``target_modules``'s list.
 
+Mixture-of-experts layers: the selection is the same rule over megarl's per-expert linears,
+which PEFT does not see (transformers fuses the experts into tensors), so the PEFT file format
+and equivalence hold for dense models; the training backend refuses LoRA on MoE policies.
+
 Files: `save_peft_adapter` writes PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``
 (keys ``base_model.model.<module>.lora_{A,B}.weight``), which ``peft.PeftModel.from_pretrained``
 loads onto the transformers model of the same folder; `merged_state_dict` gives the HF tensors

@@ -167,6 +167,18 @@ def test_checkpoint_holds_adapters_only_and_resumes_exactly(folder, tmp_path):
     full = TorchBackend("actor", str(folder), device="cpu", use_fused_kernels=False)
     with pytest.raises(UserInputError, match="lora_rank"):
         full.load(str(tmp_path / "ck"))
+    other = TorchBackend("actor", str(folder), device="cpu", use_fused_kernels=False,
+                         lora=LoraSettings(rank=8, alpha=8.0))
+    with pytest.raises(UserInputError, match="holds LoRA adapters.*lora_rank"):
+        other.load(str(tmp_path / "ck"))
+
+
+def test_moe_lora_is_refused(tmp_path):
+    from megarl.models.testing import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path / "moe", "qwen3_moe", tokenizer=False)
+    with pytest.raises(UserInputError, match="mixture-of-experts"):
+        actor(path)
 
 
 def test_tensor_parallel_lora_is_refused(folder):

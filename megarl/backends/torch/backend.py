@@ -522,6 +522,12 @@ class TorchBackend:
                 f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
                 f"{self.role}"
             )
+        mine = dataclasses.asdict(self.lora) if self.lora is not None else None
+        if meta.get("lora", mine) != mine:
+            raise UserInputError(
+                f"checkpoint {directory} holds LoRA adapters {meta['lora']}; this run's are "
+                f"{mine}: resume with the checkpoint's actor_rollout_ref.model.lora_rank, "
+                "lora_alpha, target_modules and exclude_modules")
         self._reshard()
         _, step = ckpt.load(directory, self.model, self.optimizer,
                             trainable_only=self.lora is not None)

@@ -20,14 +20,20 @@ logger = logging.getLogger(__name__)
 
 def apply_actor_lora(model: Transformer, lora: LoraSettings, layout: Layout, seed: int) -> None:
     """`apply_lora` on the actor's loaded (not yet parallelised) model: A drawn from ``seed``
-    (the same on every rank), the base frozen. Tensor parallelism is refused (its plan shards
-    the base linears, not the adapters)."""
+    (the same on every rank), the base frozen. Refused: tensor parallelism (its plan shards the
+    base linears, not the adapters) and mixture-of-experts models."""
     if layout.tp > 1:
         raise UserInputError(
             "actor_rollout_ref.model.lora_rank > 0 with actor_rollout_ref.actor.parallel."
             f"tensor_model_parallel_size={layout.tp}: LoRA on the torch backend runs with FSDP, "
             "pipeline and Ulysses parallelism, not tensor parallelism; set "
             "tensor_model_parallel_size=1")
+    if model.args.is_moe:
+        raise UserInputError(
+            "actor_rollout_ref.model.lora_rank > 0 with a mixture-of-experts policy "
+            f"({model.args.model_type}): LoRA is implemented for dense models only (PEFT adapts "
+            "transformers' fused expert tensors, which megarl's per-expert layers do not "
+            "match); set lora_rank=0 or use a dense model")
     gen = torch.Generator().manual_seed(seed)
     names = apply_lora(model, lora.rank, lora.alpha, lora.target_modules, lora.exclude_modules,
                        lora.dropout, generator=gen)
