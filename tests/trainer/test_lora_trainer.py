@@ -3,7 +3,8 @@ back with independent tools. PEFT loads the run's adapter folder onto the demo p
 transformers, and its merged model is the run's ``hf_actor`` (so the base weights the run
 trained on are the folder's: every tensor no adapter touches is bit for bit the folder's);
 the adapters moved; the checkpoint holds the adapters only; the reference is the base model
-(KL 0 before the first update, > 0 after it)."""
+(KL 0 before the first update, > 0 after it); a resume from the adapters-only checkpoint
+continues bit for bit."""
 
 from __future__ import annotations
 
@@ -17,10 +18,23 @@ from trainer_helpers import metrics, train
 from megarl.errors import UserInputError
 
 M = "actor_rollout_ref.model"
+LORA = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear",
+        "trainer.save_freq=1", "trainer.export_hf=true"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(2 steps straight, 1 step then a resume to 2) run directories."""
+    straight, resumed = tmp_path_factory.mktemp("lora_straight"), tmp_path_factory.mktemp("lora_resumed")
+    train(straight, "grpo", *LORA, "trainer.total_training_steps=2")
+    train(resumed, "grpo", *LORA, "trainer.total_training_steps=1")
+    proc = train(resumed, "grpo", *LORA, "trainer.total_training_steps=2", "trainer.resume=auto")
+    assert "resumed from step 1" in proc.stdout
+    return straight, resumed
 
 
 @pytest.mark.e2e
-def test_grpo_lora_two_steps(tmp_path):
+def test_grpo_lora_two_steps(runs):
     import peft
     import torch.distributed.checkpoint as dcp
     import transformers
@@ -28,9 +42,7 @@ def test_grpo_lora_two_steps(tmp_path):
 
     from megarl.data import resolve_path
 
-    run = tmp_path / "run"
-    train(run, "grpo", f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear",
-          "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.export_hf=true")
+    run = runs[0]
     base_dir = Path(resolve_path("embedded://policy"))
     base = load_file(str(next(base_dir.glob("*.safetensors"))))
     exported = load_file(str(run / "hf_actor" / "model.safetensors"))
@@ -62,7 +74,8 @@ def test_grpo_lora_two_steps(tmp_path):
         if name in exported:
             assert (t - exported[name].float()).abs().max() <= 1e-6, name
 
-    meta = dcp.FileSystemReader(str(run / "checkpoints" / "global_step_2" / "actor")).read_metadata()
+    ckpt = run / "checkpoints" / "global_step_2" / "actor"
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
     model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
     assert len(model_keys) == 2 * len(adapted)
@@ -70,6 +83,22 @@ def test_grpo_lora_two_steps(tmp_path):
     rows = {r["step"]: r for r in metrics(run)}
     assert rows[1]["actor/kl_loss"] == 0.0  # actor = base before the first update
     assert rows[2]["actor/kl_loss"] > 0.0  # the reference stayed the base
+
+
+@pytest.mark.e2e
+def test_grpo_lora_resume_is_exact(runs):
+    """1 step, a checkpoint (adapters only) and a resume = 2 steps straight: the same metrics
+    (timings aside), adapters and merged weights, bit for bit."""
+    from safetensors.torch import load_file
+    from trainer_helpers import strip_timing, train_rows
+
+    straight, resumed = runs
+    a, b = train_rows(straight), train_rows(resumed)
+    assert [r["step"] for r in a] == [1, 2] == [r["step"] for r in b]
+    assert [strip_timing(r) for r in a] == [strip_timing(r) for r in b]
+    for name in ("lora_adapter/adapter_model.safetensors", "hf_actor/model.safetensors"):
+        wa, wb = load_file(str(straight / name)), load_file(str(resumed / name))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), name
 
 
 def test_megatron_lora_is_refused():
