@@ -1,4 +1,4 @@
-"""The LoRA actor on 2 ranks (FSDP2 over both; a 2-stage pipeline), fp32: the weights it sends
+"""The LoRA actor on 2 ranks (FSDP2 over both; a 2-stage pipeline; Ulysses over 2), fp32: the weights it sends
 are PEFT's merge of the adapters it exports (gathered from shards or stages) onto the folder's
 base, the base never moves, the reference (adapters off) is a plain single-process ``ref``
 backend of the folder, and a checkpoint written by the world resumes exactly in it.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYOUTS = {"fsdp2": {"dp_shard": 2}, "pp2": {"pp": 2}}
+LAYOUTS = {"fsdp2": {"dp_shard": 2}, "pp2": {"pp": 2}, "ulysses2": {"ulysses": 2}}
 RANK = 4
 
 
@@ -58,14 +58,15 @@ def _worker(model: str, out_dir: str) -> None:
     for name, kw in LAYOUTS.items():
         a = actor(kw)
         start = adapter_of(a)
+        dp = a.dp_rank  # the ranks of a sequence-parallel group take the same rows
         for k in range(2):
-            a.train_step([make_batch(10 * k + dist.get_rank())], loss_fn)
+            a.train_step([make_batch(10 * k + dp)], loss_fn)
         ck = os.path.join(out_dir, f"ck_{name}")
         a.save(ck)
-        a.train_step([make_batch(99 + dist.get_rank())], loss_fn)
+        a.train_step([make_batch(99 + dp)], loss_fn)
         b = actor(kw)
         b.load(ck)
-        b.train_step([make_batch(99 + dist.get_rank())], loss_fn)
+        b.train_step([make_batch(99 + dp)], loss_fn)
         ref = AdapterOffReference(a, forward_max_tokens=64, forward_micro_batch_size=None)
         batch = make_batch(7)
         res = {
