@@ -18,8 +18,21 @@ from trainer_helpers import metrics, train
 from megarl.errors import UserInputError
 
 M = "actor_rollout_ref.model"
+# a large learning rate moves the policy far from the base in one step (KL ~0.1), so the
+# engine's logprobs show whether it runs the merged adapters or the base
 LORA = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear",
+        "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.check_logprobs=true",
         "trainer.save_freq=1", "trainer.export_hf=true"]
+
+
+def assert_engine_runs_the_adapted_policy(run: Path) -> None:
+    """Step 1: actor = reference (KL 0). Step 2: the policy moved from the base (KL > 0.01)
+    while the engine's sampling logprobs equal the trainer's recomputation of the adapted
+    actor (an engine left on the base weights would differ by about the KL's scale)."""
+    rows = {r["step"]: r for r in metrics(run)}
+    assert rows[1]["actor/kl_loss"] == 0.0
+    assert rows[2]["actor/kl_loss"] > 1e-2
+    assert rows[2]["rollout/logprob_abs_diff_max"] < 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +93,7 @@ def test_grpo_lora_two_steps(runs):
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
     assert len(model_keys) == 2 * len(adapted)
 
-    rows = {r["step"]: r for r in metrics(run)}
-    assert rows[1]["actor/kl_loss"] == 0.0  # actor = base before the first update
-    assert rows[2]["actor/kl_loss"] > 0.0  # the reference stayed the base
+    assert_engine_runs_the_adapted_policy(run)
 
 
 @pytest.mark.e2e
@@ -108,3 +119,13 @@ def test_megatron_lora_is_refused():
     cfg = load_config("grpo", [f"{M}.lora_rank=8", "actor_rollout_ref.actor.strategy=megatron"])
     with pytest.raises(UserInputError, match="strategy=torch"):
         build_backend("actor", cfg, "/nonexistent")
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_grpo_lora_vllm_engine_gets_merged_weights(tmp_path):
+    """vLLM (in the rank's process) receives the merged weights after each update."""
+    run = tmp_path / "vllm"
+    train(run, "grpo", *LORA, "trainer.total_training_steps=2", "trainer.save_freq=-1",
+          "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true")
+    assert_engine_runs_the_adapted_policy(run)
