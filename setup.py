@@ -49,7 +49,9 @@ EXTRAS = {
     "ray": ["ray>=2.9"],  # tested with 2.60.0
     # trainer.logger wandb / mlflow (tested offline with these versions)
     "loggers": ["wandb>=0.31,<0.32", "mlflow-skinny>=3.17,<3.18"],
-    "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff"],
+    # peft: the reference LoRA implementation the tests compare against (pulls no torch)
+    "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff",
+            "peft==0.21.2"],
 }
 
 
