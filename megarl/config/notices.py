@@ -132,7 +132,8 @@ def _all_notices(cfg: Config) -> list[str]:
     arr, t = cfg.actor_rollout_ref, cfg.trainer
     ckpt = arr.actor.checkpoint
     for key, value in (("save_contents", ckpt.save_contents), ("load_contents", ckpt.load_contents)):
-        if value is not None and sorted(value) != sorted(_ALL_CONTENTS):
+        # "hf_model" has its effect (an HF folder in each checkpoint: megarl.trainer.checkpoint)
+        if value is not None and sorted(set(value) - {"hf_model"}) != sorted(_ALL_CONTENTS):
             out.append(_line(
                 f"actor_rollout_ref.actor.checkpoint.{key}", value,
                 "megarl always saves and loads model, optimizer and extra (RNG, LR schedule, "

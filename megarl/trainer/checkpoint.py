@@ -4,6 +4,8 @@ Layout under ``root`` (``<trainer.default_local_dir>/checkpoints``)::
 
     global_step_6/            a complete checkpoint (only complete ones carry this name)
         actor/ critic/ ...    each role's Backend.save() output (collective)
+        actor/huggingface/    with "hf_model" in actor.checkpoint.save_contents: the actor as
+                              a Hugging Face model folder (weights, config, tokenizer files)
         rng/rank{r}.pt        every rank's RNG states
         trainer_state.json    step, dataloader position, KL controller, ...
         config.yaml           the run directory's config.yaml when saved (what a resume compares)
@@ -38,6 +40,31 @@ from megarl.utils import dist as mdist
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)_global_step_\d+$")
 COMPLETE = "COMPLETE"
+HF_MODEL = "hf_model"  # the save_contents entry that adds the HF folder (verl's name)
+HF_FOLDER = "huggingface"  # under the actor's checkpoint folder, as in verl's checkpoints
+
+
+def wants_hf_model(save_contents: list[str] | None) -> bool:
+    """Whether ``actor_rollout_ref.actor.checkpoint.save_contents`` asks for the HF folder."""
+    return HF_MODEL in (save_contents or [])
+
+
+def write_hf_model(actor: Any, source_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Collective: the actor (a Backend) as a Hugging Face model folder at ``out``, the same
+    export as the run's final ``hf_actor/`` (``save_hf_checkpoint`` of ``export_weights()``:
+    merged weights under LoRA, config.json and the tokenizer files of ``source_dir``, the HF
+    folder the actor started from). Rank 0 writes; every rank takes part in the gathers."""
+    from megarl.models import read_hf_config, save_hf_checkpoint
+
+    stream = actor.export_weights()
+    if mdist.rank() == 0:
+        save_hf_checkpoint(out, stream, read_hf_config(source_dir), source_dir=source_dir,
+                           overwrite=True)
+    else:
+        for _ in stream:
+            pass
+    mdist.barrier()
+    return Path(out)
 
 
 def rng_state() -> dict[str, Any]:

@@ -30,7 +30,7 @@ from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import generation as R
 from megarl.trainer.algorithm import StepContext, build_algorithm
 from megarl.trainer.batch import RolloutBatch
-from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.checkpoint import HF_FOLDER, CheckpointManager, wants_hf_model, write_hf_model
 from megarl.trainer.correction import (
     add_rollout_is_weights,
     add_rollout_rejection,
@@ -359,9 +359,13 @@ class RLTrainer:
 
     def write_checkpoint(self, tmp: Path) -> None:
         """Write this step's state into the checkpoint folder ``tmp`` (collective; the folder
-        is marked complete after it returns): the trained roles' weights and optimizers."""
+        is marked complete after it returns): the trained roles' weights and optimizers, and
+        with "hf_model" in actor.checkpoint.save_contents the actor as an HF folder
+        (actor/huggingface, verl's place for it)."""
         p = self.parts
         p.actor.save(str(tmp / "actor"))
+        if wants_hf_model(self.cfg.actor_rollout_ref.actor.checkpoint.save_contents):
+            write_hf_model(p.actor, p.model_paths["actor"], tmp / "actor" / HF_FOLDER)
         if p.critic is not None:
             p.critic.save(str(tmp / "critic"))
 

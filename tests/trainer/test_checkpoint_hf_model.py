@@ -1,0 +1,74 @@
+"""``actor_rollout_ref.actor.checkpoint.save_contents`` with "hf_model" (verl's entry): every
+checkpoint holds the actor as a Hugging Face folder (``global_step_N/actor/huggingface``) that
+transformers loads. Reference: transformers itself, on that folder, on the run's final
+``hf_actor/`` export (the same weights at the last step) and on the initial policy (which a
+trained step must differ from)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from trainer_helpers import train
+
+from megarl.config import load_config
+from megarl.config.notices import startup_notices
+
+# the run with "hf_model" added to save_contents (the config's schema lists model, optimizer
+# and extra; the entry is added to the loaded config here, before the trainer starts)
+WITH_HF_MODEL = """
+import runpy, sys
+import megarl.trainer as trainer
+
+run = trainer.run
+
+def with_hf_model(cfg):
+    ckpt = cfg.actor_rollout_ref.actor.checkpoint
+    ckpt.save_contents = [*ckpt.save_contents, "hf_model"]
+    return run(cfg)
+
+trainer.run = with_hf_model
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _logits(folder, ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.e2e
+def test_every_checkpoint_holds_an_hf_model(tmp_path):
+    """Planted: the HF folder written from the initial weights (model_paths alone), or at the
+    wrong step, fails the step comparisons; no folder fails from_pretrained."""
+    import transformers
+
+    from megarl.data import resolve_path
+
+    run = tmp_path / "run"
+    train(run, "grpo", "trainer.total_training_steps=2", "trainer.save_freq=1",
+          "trainer.export_hf=true", python_args=("-c", WITH_HF_MODEL))
+    steps = {n: run / "checkpoints" / f"global_step_{n}" / "actor" / "huggingface" for n in (1, 2)}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(steps[2]))
+    ids = torch.tensor([tokenizer.encode("12 + 7 * 3 = ")])
+    last, first = _logits(steps[2], ids), _logits(steps[1], ids)
+    assert torch.equal(last, _logits(run / "hf_actor", ids))  # the final export, same weights
+    init = _logits(resolve_path("embedded://policy"), ids)
+    assert (first - init).abs().max() > 1e-4  # trained by step 1
+    assert (last - first).abs().max() > 1e-4  # and again by step 2
+
+
+def test_hf_model_entry_is_not_announced_as_inert():
+    cfg = load_config("grpo")
+    ckpt = cfg.actor_rollout_ref.actor.checkpoint
+    with_hf = dataclasses.replace(cfg)  # no provenance: every notice is given
+    ckpt.save_contents = ["model", "optimizer", "extra", "hf_model"]
+    assert not [n for n in startup_notices(with_hf) if "save_contents" in n]
+    ckpt.save_contents = ["model", "hf_model"]
+    assert [n for n in startup_notices(with_hf) if "save_contents" in n]
