@@ -52,8 +52,13 @@ def test_every_checkpoint_holds_an_hf_model(tmp_path):
     from megarl.data import resolve_path
 
     run = tmp_path / "run"
-    train(run, "grpo", "trainer.total_training_steps=2", "trainer.save_freq=1",
-          "trainer.export_hf=true", python_args=("-c", WITH_HF_MODEL))
+    proc = train(run, "grpo", "trainer.total_training_steps=2", "trainer.save_freq=1",
+                 "trainer.export_hf=true", python_args=("-c", WITH_HF_MODEL))
+    # the start-up listing of this demo run: no notice about the demo overlay's total_epochs
+    # (the override sets the step count, the overlay the epochs), the critic's values named
+    # once as not read by GRPO
+    assert "notice: trainer.total_epochs" not in proc.stdout
+    assert "set but not read by this run" in proc.stdout and "(critic.enable=false)" in proc.stdout
     steps = {n: run / "checkpoints" / f"global_step_{n}" / "actor" / "huggingface" for n in (1, 2)}
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(steps[2]))
     ids = torch.tensor([tokenizer.encode("12 + 7 * 3 = ")])
