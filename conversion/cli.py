@@ -41,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("hf-to-megatron", help="HF folder -> megatron dist checkpoint")
     a.add_argument("--hf", required=True, type=Path, help="HF model folder (config.json)")
-    a.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+    a.add_argument("--out", required=True, type=Path,
+                   help="checkpoint directory to write (a megatron dist checkpoint, read by "
+                        "megatron-to-hf --ckpt, verify and MegatronBackend.from_checkpoint; no "
+                        "run config key loads it: a training run starts from the HF folder at "
+                        "actor_rollout_ref.model.path, sharded at load for any TP/PP with "
+                        "actor_rollout_ref.actor.strategy=megatron)")
     a.add_argument("--tp", type=int, default=1, help="tensor parallel size the written checkpoint is sharded for")
     a.add_argument("--pp", type=int, default=1, help="pipeline parallel size the written checkpoint is sharded for")
     a.add_argument("--ep", type=int, default=1,

@@ -11,7 +11,7 @@ A value of ``None`` documented as "= X" is filled with X by ``load_config``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megarl.utils.dtypes import DTYPE_ALIASES, Dtype
 
@@ -112,10 +112,13 @@ class MegatronConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_contents: list[Literal["model", "optimizer", "extra"]] = field(
+    # extra = RNG + scheduler + dataloader state (needed for exact resume); hf_model = also a
+    # Hugging Face folder of the actor in each checkpoint (<checkpoint>/actor/huggingface)
+    save_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = field(
         default_factory=lambda: ["model", "optimizer", "extra"]
-    )  # extra = RNG + scheduler + dataloader state (needed for exact resume)
-    load_contents: list[Literal["model", "optimizer", "extra"]] | None = None  # None = save_contents
+    )
+    # None = save_contents
+    load_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] | None = None
 
 
 @dataclass
@@ -208,6 +211,16 @@ class MultiTurnConfig:
 
 
 @dataclass
+class RolloutEngineKwargs:
+    """``rollout.engine_kwargs``: extra arguments given to the engine's constructor as they are
+    (vLLM's ``LLM(...)`` / ``EngineArgs``, SGLang's ``Engine(...)`` / ``ServerArgs``). One that
+    megarl sets from its own key, or that the installed engine lacks, is refused at start-up."""
+
+    vllm: dict[str, Any] = field(default_factory=dict)
+    sglang: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RolloutConfig:
     """``actor_rollout_ref.rollout``: the generation engine and its sampling."""
 
@@ -240,6 +253,7 @@ class RolloutConfig:
     seed: int | None = None  # sampling seed; None = trainer.seed
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    engine_kwargs: RolloutEngineKwargs = field(default_factory=RolloutEngineKwargs)
 
 
 @dataclass

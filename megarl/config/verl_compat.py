@@ -91,6 +91,9 @@ _OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer sta
             "device (memory differs, results do not)")
 _LORA = ("LoRA trains the actor only (actor_rollout_ref.model.lora_rank, lora_alpha, "
          "target_modules, exclude_modules); the critic trains all parameters")
+_LORA_MEGATRON = ("verl's megatron LoRA block (model.lora.*, megatron module names) is not "
+                 f"implemented; LoRA is set with {_ARR}.model.lora_rank, lora_alpha, "
+                 "target_modules and exclude_modules (HF module names)")
 _ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
 _ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
@@ -160,8 +163,14 @@ RULES: tuple[Rule, ...] = (
     *_each(_MODELS, "override_config*", "rejected", "HF config overrides are not applied; edit "
            "config.json of a copy of the model"),
     Rule("critic.model.lora_rank", "rejected", _LORA),
-    *_each(_MODELS, "lora.rank", "rejected", _LORA),
-    *_each(_MODELS, "lora*", "inert", _ONLY_WHEN.format(what="LoRA (lora_rank / lora.rank)")),
+    Rule("critic.model.lora.rank", "rejected", _LORA),
+    Rule(f"{_ARR}.model.lora.rank", "rejected", _LORA_MEGATRON),
+    Rule(f"{_ARR}.model.lora_adapter_path", "rejected", "starting from a saved LoRA adapter is "
+         "not implemented: the adapters start fresh (merge a trained adapter into a copy of the "
+         "model, e.g. with peft's merge_and_unload, and set model.path to it)"),
+    *_each(_MODELS, "lora.*", "inert",
+           _ONLY_WHEN.format(what="verl's megatron LoRA block (model.lora.rank)")),
+    Rule("critic.model.lora*", "inert", _ONLY_WHEN.format(what="critic LoRA (lora_rank)")),
     *[Rule(f"critic.model.{k}", "inert", _ONLY_WHEN.format(what="LoRA (the actor's)"))
       for k in ("exclude_modules", "target_modules")],
     *_each(_MODELS, "mtp.enable*", "rejected", "multi-token prediction is not implemented"),
@@ -338,8 +347,8 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{_ROLLOUT}.moe_load_balance_metrics_interval", "inert",
          "an MoE actor's expert load, router entropy and load-balancing loss are logged on "
          "every check step (moe/*: the first step and with rollout.check_logprobs)"),
-    Rule(f"{_ROLLOUT}.engine_kwargs.*", "rejected", "extra engine arguments are not passed "
-         "through yet"),
+    Rule(f"{_ROLLOUT}.engine_kwargs.trtllm", "rejected", "the TensorRT-LLM engine is not "
+         "supported (rollout.name: torch, vllm, sglang)"),
     Rule(f"{_ROLLOUT}.ignore_eos", "rejected", "responses end at EOS"),
     Rule(f"{_ROLLOUT}.over_sample_rate", "rejected", "over-sampling with early abort is not "
          "implemented"),

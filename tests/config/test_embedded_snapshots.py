@@ -47,6 +47,8 @@ ADDED: dict[str, object] = {
         ("lora_rank", 0), ("lora_alpha", 16.0), ("target_modules", "all-linear"),
         ("exclude_modules", None), ("use_shm", False))},
     "actor_rollout_ref.rollout.layered_summon": False,
+    "actor_rollout_ref.rollout.engine_kwargs.vllm": {},
+    "actor_rollout_ref.rollout.engine_kwargs.sglang": {},
 }
 
 

@@ -17,10 +17,9 @@ KEY = "actor_rollout_ref.rollout.engine_kwargs"
 
 
 def _with_extra(engine: str, extra: dict):
-    """The demo config with ``engine_kwargs.<engine>`` set as the loader would hold it."""
-    cfg = load_config("grpo", ["actor_rollout_ref.rollout.name=vllm"])
-    cfg.actor_rollout_ref.rollout.engine_kwargs = {engine: extra}
-    return cfg
+    """The demo config with ``engine_kwargs.<engine>`` set by overrides."""
+    return load_config("grpo", ["actor_rollout_ref.rollout.name=vllm",
+                                *[f"{KEY}.{engine}.{k}={v}" for k, v in extra.items()]])
 
 
 def test_unknown_and_owned_vllm_arguments_are_refused():

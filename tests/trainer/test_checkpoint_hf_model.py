@@ -15,24 +15,6 @@ from trainer_helpers import train
 from megarl.config import load_config
 from megarl.config.notices import startup_notices
 
-# the run with "hf_model" added to save_contents (the config's schema lists model, optimizer
-# and extra; the entry is added to the loaded config here, before the trainer starts)
-WITH_HF_MODEL = """
-import runpy, sys
-import megarl.trainer as trainer
-
-run = trainer.run
-
-def with_hf_model(cfg):
-    ckpt = cfg.actor_rollout_ref.actor.checkpoint
-    ckpt.save_contents = [*ckpt.save_contents, "hf_model"]
-    return run(cfg)
-
-trainer.run = with_hf_model
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 
 def _logits(folder, ids: torch.Tensor) -> torch.Tensor:
     import transformers
@@ -53,7 +35,8 @@ def test_every_checkpoint_holds_an_hf_model(tmp_path):
 
     run = tmp_path / "run"
     proc = train(run, "grpo", "trainer.total_training_steps=2", "trainer.save_freq=1",
-                 "trainer.export_hf=true", python_args=("-c", WITH_HF_MODEL))
+                 "trainer.export_hf=true",
+                 "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
     # the start-up listing of this demo run: no notice about the demo overlay's total_epochs
     # (the override sets the step count, the overlay the epochs), the critic's values named
     # once as not read by GRPO
