@@ -41,6 +41,24 @@ from megarl.config.schema_reward import (
 
 
 @dataclass
+class CustomDatasetConfig:
+    """``data.custom_cls``: a user's ``torch.utils.data.Dataset`` class whose items are rows in
+    verl's format (megarl.data.extern), instead of reading ``train_files`` / ``val_files``."""
+
+    path: str | None = None  # pkg://<module> or a .py file; None = read the data files
+    name: str | None = None  # the class's name in that module
+
+
+@dataclass
+class DataSamplerConfig:
+    """``data.sampler``: a user's sampler class (verl's AbstractSampler; with ``update(batch)``
+    a curriculum sampler) that orders the training prompts (megarl.data.extern)."""
+
+    class_path: str | None = None  # pkg://<module> or a .py file; None = megarl's own shuffle
+    class_name: str | None = None
+
+
+@dataclass
 class DataConfig:
     """``data``: prompt datasets (parquet/jsonl rows in verl's format)."""
 
@@ -66,6 +84,8 @@ class DataConfig:
     # a malformed row: "error" stops at load naming file, row and field; "skip" drops it
     # (counted in data/num_bad_rows)
     on_bad_row: Literal["error", "skip"] = "error"
+    custom_cls: CustomDatasetConfig = field(default_factory=CustomDatasetConfig)
+    sampler: DataSamplerConfig = field(default_factory=DataSamplerConfig)
 
 
 @dataclass

@@ -134,8 +134,6 @@ RULES: tuple[Rule, ...] = (
     *[Rule(f"data.{k}", "inert", _TEXT) for k in (
         "audio_key", "image_key", "video_key", "image_patch_size", "mm_processor_kwargs",
         "return_multi_modal_inputs")],
-    Rule("data.custom_cls.*", "rejected", "custom dataset classes are not supported; write "
-         "verl-format parquet/jsonl rows"),
     Rule("data.filter_overlong_prompts_workers", "inert", "prompts are tokenized once at load"),
     Rule("data.function_tool_path", "inert", "tools from a Python file of functions are not "
          "implemented"),

@@ -17,14 +17,17 @@ The sampler runs on every rank and must draw the same indices everywhere: seed i
 ``data_config.seed``, not from the global random state.
 
 Resume: a sampler with ``state_dict()`` / ``load_state_dict()`` (torchdata's ``Stateful``)
-is restored from its own state. Any other is rebuilt and replayed to the saved position
+is restored from its own state, which must be JSON-serialisable (it is kept in the checkpoint's
+``trainer_state.json``). Any other is rebuilt and replayed to the saved position
 (epochs done, indices drawn), which continues exactly when its order depends only on its seed
 and epoch count; a curriculum sampler without its own state resumes without the updates it saw.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 from abc import abstractmethod
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from typing import Any
 from torch.utils.data import Dataset, Sampler
 
 from megarl.data.dataset import RLDataset
+from megarl.data.sampler import PromptSampler
 from megarl.errors import UserInputError
 from megarl.utils.extern import load_object
 
@@ -177,7 +181,14 @@ class ExternSampler:
         state: dict[str, Any] = {"kind": "extern", "epoch": self.epoch,
                                  "position": self.position, "n": self.n}
         if callable(getattr(self.sampler, "state_dict", None)):
-            state["sampler"] = self.sampler.state_dict()
+            own = self.sampler.state_dict()
+            try:
+                json.dumps(own)
+            except (TypeError, ValueError) as err:
+                raise UserInputError(f"{SAMPLER_KEY}: the sampler's state_dict() must be "
+                                     f"JSON-serialisable (the trainer state is JSON): {err}"
+                                     ) from err
+            state["sampler"] = own
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -204,3 +215,46 @@ class ExternSampler:
                 raise UserInputError(f"{SAMPLER_KEY}: replaying the sampler to the checkpoint's "
                                      f"position ({position} of epoch {epoch}) ran out of "
                                      "indices: its order is not reproducible from its seed")
+
+
+def data_section(data_cfg: Any) -> Any:
+    """The ``data`` config as the user's classes get it: a read-only OmegaConf mapping (verl
+    hands them a DictConfig: ``config.get("key", default)``, ``config.key``, ``config["key"]``)."""
+    from omegaconf import OmegaConf
+
+    plain = dataclasses.asdict(data_cfg) if dataclasses.is_dataclass(data_cfg) else data_cfg
+    section = OmegaConf.create(plain)
+    OmegaConf.set_readonly(section, True)
+    return section
+
+
+def _pair(path: str | None, name: str | None, path_key: str, name_key: str) -> bool:
+    if path and not name:
+        raise UserInputError(f"{name_key} is not set: name the class in {path_key}={path!r}")
+    if name and not path:
+        raise UserInputError(f"{path_key} is not set: give the module (pkg://<module> or a .py "
+                             f"file) that defines {name_key}={name!r}")
+    return bool(path)
+
+
+def prompt_dataset(data_cfg: Any, files: Any, **dataset_kwargs: Any) -> RLDataset:
+    """``data.custom_cls`` set: the user class's rows; else the rows of ``files``.
+    ``dataset_kwargs``: `RLDataset`'s (tokenizer included)."""
+    c = data_cfg.custom_cls
+    if not _pair(c.path, c.name, "data.custom_cls.path", DATASET_KEY):
+        return RLDataset(files, **dataset_kwargs)
+    tokenizer = dataset_kwargs.pop("tokenizer")
+    files = [files] if isinstance(files, str) else list(files or [])
+    return load_custom_dataset(c.path, c.name, files, tokenizer, data_section(data_cfg),
+                               **dataset_kwargs)
+
+
+def prompt_sampler(data_cfg: Any, dataset: Sized, batch_size: int) -> PromptSampler | ExternSampler:
+    """``data.sampler`` set: the user's sampler behind `ExternSampler`; else megarl's seeded
+    shuffle (`PromptSampler`, ``data.shuffle`` / ``data.seed``)."""
+    s = data_cfg.sampler
+    if not _pair(s.class_path, s.class_name, "data.sampler.class_path", SAMPLER_KEY):
+        return PromptSampler(len(dataset), batch_size, shuffle=data_cfg.shuffle,
+                             seed=data_cfg.seed)
+    user = load_user_sampler(s.class_path, s.class_name, dataset, data_section(data_cfg))
+    return ExternSampler(user, len(dataset), batch_size)

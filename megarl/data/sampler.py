@@ -79,6 +79,10 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position; the dataset size and shuffle mode must match the checkpoint."""
+        if state.get("kind") == "extern":
+            raise UserInputError("the checkpoint's prompts came from a user sampler "
+                                 "(data.sampler.class_path); resume with the same data.sampler "
+                                 "settings, or start a fresh run")
         for key in ("epoch", "position", "seed"):
             if key not in state:
                 raise KeyError(f"sampler state is missing {key!r} (got keys {sorted(state)})")

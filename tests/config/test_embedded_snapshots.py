@@ -49,6 +49,10 @@ ADDED: dict[str, object] = {
     "actor_rollout_ref.rollout.layered_summon": False,
     "actor_rollout_ref.rollout.engine_kwargs.vllm": {},
     "actor_rollout_ref.rollout.engine_kwargs.sglang": {},
+    "data.custom_cls.path": None,
+    "data.custom_cls.name": None,
+    "data.sampler.class_path": None,
+    "data.sampler.class_name": None,
 }
 
 

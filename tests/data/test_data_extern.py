@@ -1,8 +1,10 @@
 """verl's data extension points: user objects loaded by path, a user dataset class
 (data.custom_cls) and a user (curriculum) sampler (data.sampler), with exact resume."""
 
+import json
 import sys
 import textwrap
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -12,7 +14,10 @@ from megarl.data.extern import (
     ExternSampler,
     load_custom_dataset,
     load_user_sampler,
+    prompt_dataset,
+    prompt_sampler,
 )
+from megarl.data.sampler import PromptSampler
 from megarl.errors import UserInputError
 from megarl.utils.extern import load_object
 
@@ -42,24 +47,28 @@ SAMPLERS = textwrap.dedent('''
             return len(self.inner)
 
     class Hardest(AbstractCurriculumSampler):
-        """Yields the prompt with the lowest mean score so far, ties by index; stateful."""
+        """Yields the prompt with the lowest total score so far, ties by index; stateful."""
         def __init__(self, data_source, data_config):
             self.n = len(data_source)
-            self.scores = {}
+            self.totals = [0.0] * self.n
             self.updates = 0
         def __iter__(self):
             for _ in range(self.n):
-                yield min(range(self.n), key=lambda i: (self.scores.get(i, 0.0), i))
+                yield min(range(self.n), key=lambda i: (self.totals[i], i))
         def __len__(self):
             return self.n
         def update(self, batch):
             self.updates += 1
             for i, s in zip(batch.index, batch.score):
-                self.scores[i] = self.scores.get(i, 0.0) + s
+                self.totals[i] += s
         def state_dict(self):
-            return {"scores": dict(self.scores), "updates": self.updates}
+            return {"totals": list(self.totals), "updates": self.updates}
         def load_state_dict(self, state):
-            self.scores, self.updates = dict(state["scores"]), state["updates"]
+            self.totals, self.updates = list(state["totals"]), state["updates"]
+
+    class Unsaveable(Hardest):
+        def state_dict(self):
+            return {"totals": {0.5: object()}}
 
     class OutOfRange(AbstractSampler):
         def __init__(self, data_source, data_config):
@@ -208,8 +217,8 @@ def test_curriculum_sampler_sees_each_step_and_resumes_from_its_own_state(user_f
     assert s.next_batch() == [0, 0]  # no scores yet: the lowest index, twice
     s.update(CurriculumBatch(index=[0, 1, 2, 3], score=[1.0, 0.5, 0.0, 2.0], step=1))
     assert s.next_batch() == [2, 2]  # the lowest mean score now
-    state = s.state_dict()
-    assert state["sampler"] == {"scores": {0: 1.0, 1: 0.5, 2: 0.0, 3: 2.0}, "updates": 1}
+    state = json.loads(json.dumps(s.state_dict()))  # as trainer_state.json keeps it
+    assert state["sampler"] == {"totals": [1.0, 0.5, 0.0, 2.0], "updates": 1}
     s.update(CurriculumBatch(index=[2], score=[5.0], step=2))
     after = s.next_batch()
     resumed = make()
@@ -236,3 +245,54 @@ def test_tensor_indices_are_taken_as_ints(user_file):
     s = ExternSampler(load_user_sampler(user_file, "TensorIndices", list(range(4)), {}), 4, 4)
     batch = s.next_batch()
     assert batch == [3, 2, 1, 0] and all(type(i) is int for i in batch)
+
+
+def test_unserialisable_sampler_state_is_refused(user_file):
+    s = ExternSampler(load_user_sampler(user_file, "Unsaveable", [0, 1], {}), 2, 1)
+    with pytest.raises(UserInputError, match="state_dict\\(\\) must be JSON-serialisable"):
+        s.state_dict()
+
+
+@dataclass
+class _Pair:
+    path: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class _SamplerPair:
+    class_path: str | None = None
+    class_name: str | None = None
+
+
+@dataclass
+class _Data:
+    """The fields of the data config these functions read."""
+    custom_cls: _Pair = field(default_factory=_Pair)
+    sampler: _SamplerPair = field(default_factory=_SamplerPair)
+    shuffle: bool = True
+    seed: int = 5
+    n_rows: int = 6
+
+
+def test_config_picks_the_user_classes_or_megarl_own(user_file, tok, tmp_path):
+    path = str(tmp_path / "rows.jsonl")
+    write_rows(ROWS, path)
+    plain = prompt_dataset(_Data(), path, tokenizer=tok, max_prompt_length=64)
+    assert len(plain) == len(ROWS)
+    mine = prompt_sampler(_Data(), plain, 2)
+    assert isinstance(mine, PromptSampler) and mine.seed == 5
+    cfg = _Data(custom_cls=_Pair(user_file, "Rows"), sampler=_SamplerPair(user_file, "Seeded"))
+    ds = prompt_dataset(cfg, path, tokenizer=tok, max_prompt_length=64)
+    assert len(ds) == 6  # the class's rows (config n_rows), not the file's 7
+    sampler = prompt_sampler(cfg, ds, 2)
+    # the user's sampler got the data section as a read-only mapping: seed 5 as given
+    ref = passes(user_file, 6, 5, 1)[0]
+    assert isinstance(sampler, ExternSampler) and sampler.next_batch() == ref[:2]
+    with pytest.raises(UserInputError, match=r"data.custom_cls.name is not set"):
+        prompt_dataset(_Data(custom_cls=_Pair(user_file, None)), path, tokenizer=tok,
+                       max_prompt_length=64)
+    with pytest.raises(UserInputError, match=r"data.sampler.class_path is not set"):
+        prompt_sampler(_Data(sampler=_SamplerPair(None, "Seeded")), ds, 2)
+    with pytest.raises(UserInputError, match="came from a user sampler"):
+        mine.load_state_dict(sampler.state_dict())
