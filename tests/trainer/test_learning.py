@@ -46,6 +46,12 @@ RUN_TIMEOUT = 1080  # s: below pytest's --timeout=1200 (Makefile), which would k
                  id="pure_prm_vr-async1"),
     # a mixture-of-experts policy: the SFT policy upcycled to 4 experts, top-2 (policy_moe)
     pytest.param("grpo", ["actor_rollout_ref.model.path=embedded://policy_moe"], id="grpo-moe"),
+    # LoRA rank 8 (alpha 16) on every linear layer, lr 10x the full-tuning 3e-4: measured
+    # 24.0% -> 32.4% (step 10) -> 33.6% (step 20), 228 s alone on the 2-core box
+    pytest.param("grpo", ["actor_rollout_ref.model.lora_rank=8",
+                          "actor_rollout_ref.model.lora_alpha=16",
+                          "actor_rollout_ref.model.target_modules=all-linear",
+                          "actor_rollout_ref.actor.optim.lr=3e-3"], id="grpo-lora"),
 ])
 def test_recipe_learns(tmp_path, demo_assets, recipe, extra):
     train(tmp_path, recipe, f"trainer.total_training_steps={STEPS}", "trainer.test_freq=10",
