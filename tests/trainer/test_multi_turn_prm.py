@@ -21,6 +21,8 @@ the separator, or the tool tokens counted in the per-step token count each fail.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -194,3 +196,32 @@ def test_pure_with_multi_turn_passes_the_config_check(tmp_path, recipe):
     mt = "actor_rollout_ref.rollout.multi_turn"
     cfg = resolve_config(recipe, [f"{mt}.enable=true", f"{mt}.tool_config_path={tools}"]).config
     assert cfg.reward_model.enable and cfg.actor_rollout_ref.rollout.multi_turn.enable
+
+
+@pytest.mark.e2e
+def test_pure_trains_on_multi_turn_trajectories(tmp_path, demo_assets):
+    """2 PURE (PRM + verifiable reward) steps on the embedded demo with the calculator tool,
+    every turn read as a call (test_multi_turn_trainer's wrapper), two model turns each: the
+    trainer's PRM steps are the turns (``num_of_steps`` equals the assistant turns of every
+    trajectory; the separator's split gives many more), and the update's advantages are 0 on
+    every tool and glue token."""
+    from test_multi_turn_trainer import FORCED_CALLS, MT, tool_yaml
+    from trainer_helpers import train, train_rows
+
+    train(tmp_path / "run", "pure_prm_vr", "trainer.total_training_steps=2",
+          "data.max_response_length=160", f"{MT}.enable=true",
+          f"{MT}.tool_config_path={tool_yaml(tmp_path)}", f"{MT}.max_assistant_turns=2",
+          python_args=("-c", FORCED_CALLS, str(tmp_path / "update.pt")))
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["multi_turn/tool_calls/mean"] == 1
+        for stat in ("mean", "max", "min"):
+            assert row[f"num_of_steps/{stat}"] == row["multi_turn/assistant_turns/mean"] == 2
+        assert all(math.isfinite(row[k]) for k in ("actor/pg_loss", "critic/advantages/mean"))
+    update = torch.load(tmp_path / "update.pt")
+    mask = update["response_mask"]
+    L = update["response_length"]
+    tool = (update["attention_mask"][:, -L:].float() - mask) > 0
+    assert bool(tool.any()) and bool((update["advantages"][tool] == 0).all())
+    assert bool((update["advantages"][mask.bool()] != 0).any())
