@@ -13,6 +13,8 @@ Layout under the assets root (``$MEGARL_ASSETS``, default ``<repo>/assets``)::
                  `megarl.models.upcycle`): the mixture-of-experts demo policy
     critic/      the policy body as a 1-label token classifier, score head zero
     prm/         Qwen2ForTokenClassification, 2 labels (1 = correct step)
+    policy_tools/ policy/ after a short SFT on traces that call the calculator tool (hermes
+                 format; `megarl.demo.tool_sft`): the multi-turn demo policy (grpo_tools)
 
 Every component is built in a staging folder and renamed into place with its metadata.json
 written last, under an exclusive file lock (``.build.lock``), so ranks that resolve the same
@@ -165,19 +167,21 @@ def _quiet(msg: str) -> None:
 
 
 def resolve_uri(uri: str, root: str | os.PathLike | None = None) -> str:
-    """``embedded://policy|policy_moe|critic|prm|tokenizer|arith/<file>.parquet`` -> a local
-    path (built on first use); any other string is returned unchanged."""
+    """``embedded://policy|policy_moe|policy_tools|critic|prm|tokenizer`` or
+    ``embedded://arith/<file>.parquet`` -> a local path (built on first use); any other string
+    is returned unchanged."""
     if not isinstance(uri, str) or not uri.startswith(SCHEME):
         return uri
     name = uri[len(SCHEME):].strip("/")
     component, _, rest = name.partition("/")
-    if component in ("policy", "policy_moe", "critic", "prm", "tokenizer") and not rest:
+    if component in ("policy", "policy_moe", "policy_tools", "critic", "prm",
+                     "tokenizer") and not rest:
         return str(ensure(component, root))
     if component == "arith" and (not rest or rest in ARITH_FILES):
         return str(ensure("arith", root) / rest) if rest else str(ensure("arith", root))
     raise ValueError(
         f"unknown embedded asset {uri!r}; use embedded://policy, embedded://policy_moe, "
-        f"embedded://critic, "
+        f"embedded://policy_tools, embedded://critic, "
         f"embedded://prm, embedded://tokenizer or embedded://arith/{{{','.join(ARITH_FILES)}}}"
     )
 
@@ -228,6 +232,11 @@ def summary(component: str, meta: dict) -> str:
     if component == "policy_moe":
         return (f"{meta.get('num_experts')} experts, top-{meta.get('top_k')}, greedy held-out "
                 f"accuracy {meta.get('val_accuracy')} (dense: {meta.get('dense_val_accuracy')})")
+    if component == "policy_tools":
+        s = meta.get("sft", {})
+        return (f"SFT {s.get('steps')} steps in {s.get('seconds')}s, held-out accuracy "
+                f"{meta.get('val_accuracy')} (agent loop), calculator called in "
+                f"{meta.get('val_tool_share')} of the trajectories")
     if component == "policy":
         s = meta.get("sft", {})
         return (f"SFT {s.get('steps')} steps in {s.get('seconds')}s, greedy held-out accuracy "

@@ -223,6 +223,76 @@ def build_prm(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:
     }
 
 
+def build_policy_tools(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:
+    """The SFT policy taught to call the calculator (`megarl.demo.tool_sft`): a short SFT on
+    3-op traces calling it on the first 1 or 2 operations, stopped at the first dev accuracy
+    (trajectories of the agent loop on megarl's torch engine, greedy) >= tools_stop_at."""
+    from megarl.demo.sft import train_sft
+    from megarl.demo.tool_sft import (
+        TOOL_NAME,
+        TOOL_OPS,
+        agent_accuracy,
+        calculator_tool,
+        encode_trace,
+        tool_sft_batch,
+    )
+    from megarl.models import load_model, save_model
+    from megarl.rollout.agent import tool_schemas
+    from megarl.rollout.agent.loop import ChatContinuation
+
+    tok = _load_tokenizer(base)
+    val = _arith_problems(base / "arith" / "val.parquet")
+    held = {p.text for p in val}
+    dev = arith.sample_problems(_seed(config, 40), config.n_tools_dev, 3, exclude=held)
+    problems = arith.sample_problems(_seed(config, 41), config.n_tools_sft, 3,
+                                     exclude=held | {p.text for p in dev})
+    rng = np.random.Generator(np.random.PCG64(_seed(config, 42)))
+    if not set(config.tools_ops) <= set(TOOL_OPS) - {0}:
+        raise ValueError(f"BuildConfig.tools_ops={config.tools_ops}: each in 1..{max(TOOL_OPS)}")
+    calls = [int(k) for k in rng.choice(list(config.tools_ops), size=len(problems))]
+    chat = ChatContinuation(tok)
+    schemas = tool_schemas({TOOL_NAME: calculator_tool()})
+    examples = [encode_trace(p, k, tok, chat, schemas) for p, k in zip(problems, calls)]
+    model = load_model(base / "policy", head="lm")
+    shares: dict[int, float] = {}
+
+    def dev_accuracy() -> float:
+        ev = agent_accuracy(model, tok, dev, config.tools_max_response_length)
+        shares[len(shares)] = ev.tool_share
+        return ev.accuracy
+
+    result = train_sft(
+        model, examples, tok.pad_token_id, config.tools_max_steps, config.tools_batch,
+        config.tools_lr, config.tools_warmup, seed=_seed(config, 43),
+        eval_fn=dev_accuracy if dev else None, eval_every=config.tools_eval_every,
+        eval_after=config.tools_eval_after, stop_at=config.tools_stop_at, buckets=calls,
+        log=log, batch_fn=tool_sft_batch,
+    )
+    for i, entry in enumerate(result.history):
+        entry["tool_share"] = round(shares[i], 4)
+    t1 = time.perf_counter()
+    ev = agent_accuracy(model, tok, val, config.tools_max_response_length)
+    log(f"  policy_tools: SFT {result.steps} steps in {result.seconds:.0f}s; held-out accuracy "
+        f"through the agent loop {ev.accuracy:.3f}, {ev.tool_share:.2f} of the trajectories "
+        f"call the calculator ({time.perf_counter() - t1:.1f}s)")
+    save_model(model, staging, source_dir=base / "tokenizer")
+    return {
+        "val_accuracy": round(ev.accuracy, 4),
+        "val_tool_share": round(ev.tool_share, 4),
+        "val_tool_errors_per_trajectory": round(ev.tool_errors, 4),
+        "val_problems": len(val),
+        "dev_accuracy": result.history[-1]["acc"] if result.history else None,
+        "threads": torch.get_num_threads(),
+        "tool": TOOL_NAME,
+        "format": "hermes",
+        "max_response_length": config.tools_max_response_length,
+        "sft": {"steps": result.steps, "seconds": round(result.seconds, 1),
+                "history": result.history, "rows": len(examples),
+                "calls_by_ops": {str(k): calls.count(k) for k in sorted(set(calls))}},
+        "samples": [{"prompt": p.prompt, "response": t} for p, t in zip(val[:5], ev.texts[:5])],
+    }
+
+
 def _rounded(d: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
@@ -235,4 +305,5 @@ BUILDERS: dict[str, Builder] = {
     "critic": build_critic,
     "prm": build_prm,
     "policy_moe": build_policy_moe,
+    "policy_tools": build_policy_tools,
 }

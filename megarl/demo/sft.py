@@ -108,6 +108,7 @@ def train_sft(
     fine_from_acc: float | None = None,
     buckets: Sequence[int] | None = None,
     log: Callable[[str], None] | None = None,
+    batch_fn: Callable = sft_batch,
 ) -> SFTResult:
     """AdamW on the response tokens (loss = mean token cross-entropy), lr warmup then constant.
 
@@ -117,6 +118,8 @@ def train_sft(
     it can go 8% -> 75% within 200 steps). Training stops at the first eval result >= ``stop_at``.
     buckets: a bucket id per example (e.g. the number of operations); each batch is drawn from
     one bucket, chosen with probability proportional to its size (same mix, no padding waste).
+    batch_fn(examples, pad_id) -> (ids [B, T], labels [B, T]): `sft_batch`, or another
+    labelling of the same shape (the tool traces' `megarl.demo.tool_sft.tool_sft_batch`).
     """
     rng = np.random.Generator(np.random.PCG64(seed))
     groups = None
@@ -138,7 +141,7 @@ def train_sft(
         else:
             g = groups[int(rng.choice(len(groups), p=weights))]
             idx = g[rng.integers(len(g), size=batch_size)]
-        ids, labels = sft_batch([examples[i] for i in idx], pad_id)
+        ids, labels = batch_fn([examples[i] for i in idx], pad_id)
         logits = model(ids)  # right padding + causal: padding never reaches real tokens
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)

@@ -14,7 +14,8 @@ from megarl.demo.assets import BuildConfig, build_all, ensure, is_built, resolve
 
 # threads=1: on 2 shared cores a 2-thread build of even these sizes takes ~10x longer
 TINY = BuildConfig(n_train=64, n_val=16, n_sft=64, n_dev=0, sft_max_steps=2, sft_batch=8,
-                   prm_steps=2, prm_batch=8, n_prm_train=32, n_prm_eval=16, threads=1)
+                   prm_steps=2, prm_batch=8, n_prm_train=32, n_prm_eval=16, threads=1,
+                   n_tools_sft=16, n_tools_dev=0, tools_max_steps=2, tools_batch=4)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def root(tmp_path_factory):
 
 
 def test_resolve_uri(root):
-    for name in ("policy", "critic", "prm", "tokenizer"):
+    for name in ("policy", "policy_tools", "critic", "prm", "tokenizer"):
         assert resolve_uri(f"embedded://{name}", root) == str(root / name)
     for f in ("train", "val", "sft"):
         path = resolve_uri(f"embedded://arith/{f}.parquet", root)
@@ -79,6 +80,11 @@ def test_transformers_loads_the_models(root):
     assert 0.0 <= meta["eval_corrupted"]["step_accuracy"] <= 1.0
     pol = json.loads((root / "policy" / "metadata.json").read_text())
     assert pol["sft"]["steps"] == TINY.sft_max_steps and "val_accuracy" in pol
+    tools = AutoModelForCausalLM.from_pretrained(root / "policy_tools").eval()
+    assert tools.config.to_dict()["vocab_size"] == hf.config.vocab_size
+    meta = json.loads((root / "policy_tools" / "metadata.json").read_text())
+    assert meta["sft"]["steps"] == TINY.tools_max_steps and meta["val_problems"] == TINY.n_val
+    assert 0.0 <= meta["val_accuracy"] <= 1.0 and 0.0 <= meta["val_tool_share"] <= 1.0
 
 
 def test_second_call_reuses_and_stale_dependents_rebuild(root):
@@ -90,6 +96,7 @@ def test_second_call_reuses_and_stale_dependents_rebuild(root):
     # a rebuilt policy makes critic and prm stale (they were built from the old one)
     ensure("policy", root, TINY, force=True)
     assert not is_built("critic", root) and not is_built("prm", root)
+    assert not is_built("policy_tools", root)
     assert is_built("tokenizer", root)
 
 
