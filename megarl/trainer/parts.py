@@ -86,6 +86,13 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
     slots, pinned to ``async_training.engine_cpus[local rank]``."""
     staleness, _, cpus = async_settings(cfg)
     if staleness == 0:
+        if adapter_sync(cfg):
+            from megarl.rollout.build import engine_from_spec
+            from megarl.rollout.vllm.lora import lora_engine_kwargs
+
+            spec = engine_spec(cfg, model_path, device)
+            spec.settings["engine_kwargs"].update(lora_engine_kwargs(lora_rank(cfg)))
+            return engine_from_spec(spec)
         return build_engine(cfg, model_path, device)
     from megarl.rollout.process import ProcessRolloutEngine
 
@@ -97,6 +104,43 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
         raise UserInputError(f"async_training.engine_timeout_s={timeout!r}: expected seconds "
                              "> 0 (how long the trainer waits on a silent engine process)")
     return ProcessRolloutEngine(spec, slots=staleness + 1, timeout_s=float(timeout))
+
+
+def adapter_sync(cfg: Any) -> bool:
+    """Whether the engine receives the actor's LoRA adapters at each sync instead of merged
+    weights (`megarl.rollout.vllm.lora`: a colocated, single-process-group vLLM engine that
+    keeps its base weights); where not, the reason is logged once and merged weights are sent."""
+    rank = lora_rank(cfg)
+    ro = cfg.actor_rollout_ref.rollout
+    if not rank or ro.name != "vllm":
+        return False
+    from megarl.rollout.vllm.launch import sleep_supported
+    from megarl.rollout.vllm.lora import adapter_sync_refusal
+
+    why = adapter_sync_refusal(
+        rank, engine=ro.name, staleness=async_settings(cfg)[0],
+        tp_size=ro.tensor_model_parallel_size,
+        sleep_mode=bool(ro.free_cache_engine) and sleep_supported())
+    if why is not None:
+        log.info("LoRA: the engine receives merged weights (%s)", why)
+    return why is None
+
+
+def synced_engine(cfg: Any, engine: RolloutEngine, actor: Backend) -> RolloutEngine:
+    """``engine``, wrapped to receive the actor's adapters when `adapter_sync` holds."""
+    if not adapter_sync(cfg):
+        return engine
+    from megarl.rollout.vllm.lora import AdapterSyncedEngine
+
+    synced = AdapterSyncedEngine(engine, actor.export_adapter, actor.lora)
+    try:
+        synced.check_targets(actor.adapted_modules())
+    except ValueError as e:
+        raise UserInputError(
+            f"actor_rollout_ref.model.target_modules={cfg.actor_rollout_ref.model.target_modules!r}"
+            f": {e}; target those modules only (all-linear does)") from e
+    log.info("LoRA: the vLLM engine receives the adapters only at each weight sync")
+    return synced
 
 
 @dataclass
@@ -272,6 +316,7 @@ def _build_parts(cfg: Any) -> RunParts:
     ref = build_reference(cfg, actor, paths["actor"]) if need_ref else None
     critic = build_backend("critic", cfg, paths["critic"]) if cfg.critic.enable else None
     prm = build_backend("prm", cfg, paths["prm"]) if cfg.reward_model.enable else None
+    engine = synced_engine(cfg, engine, actor)
     engine.update_weights(actor.export_weights())
 
     rm = cfg.reward_model

@@ -121,11 +121,48 @@ def test_megatron_lora_is_refused():
         build_backend("actor", cfg, "/nonexistent")
 
 
+# runs launch/train.py, appending {"kind", "bytes"} per weight sync of the vLLM engine to argv[1]
+SYNC_LOG = """
+import json, runpy, sys
+log = sys.argv.pop(1)
+from megarl.rollout.vllm import engine, lora
+
+def record(cls, method, kind):
+    original = getattr(cls, method)
+
+    def recorded(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        with open(log, "a") as f:
+            f.write(json.dumps({"kind": kind, "bytes": self.last_sync_bytes}) + "\\n")
+        return out
+
+    setattr(cls, method, recorded)
+
+record(lora.AdapterSyncedEngine, "load_adapter", "adapter")
+record(engine.VLLMEngine, "update_weights", "merged")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.e2e
 @pytest.mark.vllm
-def test_grpo_lora_vllm_engine_gets_merged_weights(tmp_path):
-    """vLLM (in the rank's process) receives the merged weights after each update."""
-    run = tmp_path / "vllm"
+def test_grpo_lora_vllm_engine_gets_the_adapters(tmp_path):
+    """vLLM (in the rank's process) receives the adapters only, at start and after each update
+    (the adapter file's bytes, under a tenth of the merged weights'), and samples from the
+    adapted policy."""
+    from safetensors.torch import load_file
+
+    from megarl.data import resolve_path
+
+    run, log = tmp_path / "vllm", tmp_path / "syncs.jsonl"
     train(run, "grpo", *LORA, "trainer.total_training_steps=2", "trainer.save_freq=-1",
-          "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true")
+          "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
+          python_args=("-c", SYNC_LOG, str(log)))
     assert_engine_runs_the_adapted_policy(run)
+    syncs = [json.loads(line) for line in log.read_text().splitlines()]
+    adapter = load_file(str(run / "lora_adapter" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * 4 for t in adapter.values())  # fp32 training weights
+    assert syncs == [{"kind": "adapter", "bytes": adapter_bytes}] * 3, syncs
+    base = load_file(str(next(Path(resolve_path("embedded://policy")).glob("*.safetensors"))))
+    assert adapter_bytes * 10 < sum(t.numel() * 4 for t in base.values())

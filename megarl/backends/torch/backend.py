@@ -487,6 +487,10 @@ class TorchBackend:
             pp_group=self.pp_group if self.layout.pp > 1 else None, device=self.device,
         )
 
+    def adapted_modules(self) -> list[str]:
+        """LoRA: the full names of the adapted modules (module order); [] without LoRA."""
+        return list(dict.fromkeys(s.name.rsplit(".lora_", 1)[0] for s in self._adapter_specs))
+
     def hf_export_config(self) -> dict[str, Any]:
         """config.json dict matching `export_weights` (architecture / labels of this role), for
         ``megarl.models.save_hf_checkpoint(dir, backend.export_weights(), backend.hf_export_config())``."""

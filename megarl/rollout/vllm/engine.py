@@ -132,6 +132,9 @@ class VLLMEngine:
                 **engine_kwargs,
             })
         self.llm = llm
+        # the adapter every request runs with (`megarl.rollout.vllm.lora`); None: plain weights
+        self.lora_request: Any = None
+        self.last_sync_bytes = 0  # bytes the last weight sync handed the engine
         self._asleep = False
         self._weights_awake = True
         self._weights_loaded = True  # False between a level-2 sleep and the next update
@@ -216,16 +219,27 @@ class VLLMEngine:
             for k in keys
         ]
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         return parse_vllm_outputs(outputs, sampling.logprobs)
 
     def update_weights(self, weights: Iterable[Any]) -> None:
-        """Load a (HF name, full tensor) stream, flat or in buckets, into every worker."""
+        """Load a (HF name, full tensor) stream, flat or in buckets, into every worker: the
+        whole policy, so an adapter loaded before is dropped."""
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
+        self.last_sync_bytes = 0
+
+        def counted(pairs: Iterator[tuple[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in pairs:
+                self.last_sync_bytes += t.numel() * t.element_size()
+                yield name, t
+
+        self.lora_request = None
         self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": flat_weights(weights)})
+                                kwargs={"weights_iterator": counted(flat_weights(weights))})
         self.llm.collective_rpc(refresh_tied_lm_head)
         self.llm.collective_rpc(repack_cpu_moe_experts)
         self.llm.reset_prefix_cache()
