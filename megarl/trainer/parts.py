@@ -18,6 +18,7 @@ import torch
 
 from megarl.backends.protocol import Backend
 from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
+from megarl.data.extern import ExternSampler, prompt_dataset, prompt_sampler
 from megarl.errors import UserInputError
 from megarl.logging import MetricLogger
 from megarl.rollout.build import build_engine, check_engine_installed, engine_spec
@@ -152,7 +153,7 @@ class RunParts:
     pad_id: int
     eos_id: int
     train_ds: RLDataset
-    sampler: PromptSampler
+    sampler: PromptSampler | ExternSampler
     val_items: list | None
     actor: Backend
     ref: Backend | None
@@ -235,7 +236,7 @@ def _resolve_all(cfg: Any) -> dict[str, str]:
     return resolved
 
 
-def _total_steps(cfg: Any, sampler: PromptSampler) -> int:
+def _total_steps(cfg: Any, sampler: PromptSampler | ExternSampler) -> int:
     if cfg.trainer.total_training_steps:
         return int(cfg.trainer.total_training_steps)
     return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch
@@ -289,17 +290,23 @@ def _build_parts(cfg: Any) -> RunParts:
         from megarl.rollout.agent import tool_schemas
 
         ds_kwargs["tools"] = tool_schemas(agent.tools) or None
-    train_ds = RLDataset(paths["train_files"], **ds_kwargs)
+    # data.custom_cls: the rows of the user's dataset class, else those of the files
+    train_ds = prompt_dataset(d, paths["train_files"], **ds_kwargs)
     if train_ds.num_filtered and rank == 0:
         log.warning("data.train_files: %d prompts longer than max_prompt_length=%d were "
                     "filtered", train_ds.num_filtered, d.max_prompt_length)
     # a step's prompts come in rounds of data.gen_batch_size (DAPO's dynamic sampling), else
     # train_batch_size; an epoch and the run's length count these rounds, as verl's dataloader
-    sampler = PromptSampler(len(train_ds), d.gen_batch_size or d.train_batch_size,
-                            shuffle=d.shuffle, seed=d.seed)
+    # data.sampler: the user's (curriculum) sampler, else megarl's seeded shuffle
+    sampler = prompt_sampler(d, train_ds, d.gen_batch_size or d.train_batch_size)
+    if getattr(sampler, "curriculum", False) and cfg.async_training.staleness_threshold > 0:
+        raise UserInputError(
+            "data.sampler.class_name: a curriculum sampler (one with update(batch)) needs "
+            "synchronous rollout, where each step's scores reach it before the next batch is "
+            "drawn; set async_training.staleness_threshold=0")
     val_items = None
     if paths.get("val_files"):
-        val_ds = RLDataset(paths["val_files"], **ds_kwargs)
+        val_ds = prompt_dataset(d, paths["val_files"], **ds_kwargs)
         val_items = [val_ds[i] for i in range(len(val_ds))]
 
     total_steps = _total_steps(cfg, sampler)

@@ -23,6 +23,7 @@ import torch
 
 from megarl import algos
 from megarl.config.notices import startup_notices
+from megarl.data.extern import CurriculumBatch
 from megarl.errors import UserInputError
 from megarl.metrics import Metric, prefixed
 from megarl.rollout.consistency import logprob_diff_metrics
@@ -115,8 +116,10 @@ class RLTrainer:
         kept_scores: list[torch.Tensor] = []
         n_groups, rnd = 0, 0
         rounds: list[dict[str, Metric]] = []  # each round's reward metrics
+        drawn: dict[int, int] = {}  # group id -> dataset index (a curriculum sampler's update)
         while True:
             idx = p.sampler.next_batch()
+            drawn.update((rnd * per_round + k, i) for k, i in enumerate(idx))
             items = [p.train_ds[i] for i in idx]
             seed = R.sampling_seed(cfg.trainer.seed, self.step, rnd, R.ROLLOUT_STREAM)
             with timer("gen"):
@@ -154,6 +157,11 @@ class RLTrainer:
         if cfg.trainer.rollout_data_dir and self.rank == 0:
             dump_generations(cfg.trainer.rollout_data_dir, self.step, kept, scores.tolist(),
                              p.tokenizer)
+        if getattr(p.sampler, "curriculum", False):  # data.sampler with update(batch)
+            p.sampler.update(CurriculumBatch(
+                index=[drawn[s.group] for s in kept], score=scores.tolist(),
+                data_source=[s.data_source for s in kept],
+                extra_info=[s.extra_info for s in kept], step=self.step))
         batch = RolloutBatch.from_samples(kept, p.pad_id)
         batch.tensors["verifiable"] = scores
         return batch, metrics
