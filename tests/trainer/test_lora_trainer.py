@@ -166,3 +166,15 @@ def test_grpo_lora_vllm_engine_gets_the_adapters(tmp_path):
     assert syncs == [{"kind": "adapter", "bytes": adapter_bytes}] * 3, syncs
     base = load_file(str(next(Path(resolve_path("embedded://policy")).glob("*.safetensors"))))
     assert adapter_bytes * 10 < sum(t.numel() * 4 for t in base.values())
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+@pytest.mark.vllm
+def test_grpo_lora_vllm_two_ranks(tmp_path):
+    """2 data-parallel ranks, one vLLM engine in each (adapter sync: tensor_model_parallel_size
+    1, no engine process): every rank's engine samples from the adapted policy."""
+    train(tmp_path, "grpo", *LORA, "trainer.total_training_steps=2", "trainer.save_freq=-1",
+          "trainer.export_hf=false", "actor_rollout_ref.rollout.name=vllm",
+          "actor_rollout_ref.rollout.enforce_eager=true", nproc=2)
+    assert_engine_runs_the_adapted_policy(tmp_path)
