@@ -283,6 +283,9 @@ class RLTrainer:
         if self.step > cfg.trainer.critic_warmup or p.engine.asleep:
             with timer("update_weights"):  # an asleep engine may have dropped its weights
                 p.engine.update_weights(p.actor.export_weights())
+            sync_bytes = getattr(p.engine, "last_sync_bytes", None)  # engines that count them
+            if sync_bytes is not None:
+                metrics["rollout/weight_sync_bytes"] = float(sync_bytes)
         if arr.rollout.free_cache_engine:
             with timer("engine_wake"):
                 p.engine.wake()

@@ -164,6 +164,8 @@ def test_grpo_lora_vllm_engine_gets_the_adapters(tmp_path):
     adapter = load_file(str(run / "lora_adapter" / "adapter_model.safetensors"))
     adapter_bytes = sum(t.numel() * 4 for t in adapter.values())  # fp32 training weights
     assert syncs == [{"kind": "adapter", "bytes": adapter_bytes}] * 3, syncs
+    steps = [r for r in metrics(run) if r["step"] > 0]  # the metric of each step's sync
+    assert [r["rollout/weight_sync_bytes"] for r in steps] == [adapter_bytes] * 2
     base = load_file(str(next(Path(resolve_path("embedded://policy")).glob("*.safetensors"))))
     assert adapter_bytes * 10 < sum(t.numel() * 4 for t in base.values())
 
