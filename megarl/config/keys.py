@@ -7,16 +7,17 @@ Shared by the loader (``~key`` deletions) and the verl rules table
 from __future__ import annotations
 
 import dataclasses
-import typing
+import functools
 from typing import Any
 
 from megarl.config.aliases import canonical_keys, set_path
 from megarl.config.errors import ConfigError
 from megarl.config.provenance import walk
 from megarl.config.schema import Config
-from megarl.config.typecheck import unknown_key_message
+from megarl.config.typecheck import type_hints, unknown_key_message
 
 
+@functools.cache
 def schema_problem(dotted: str) -> str | None:
     """An unknown-key message if ``dotted`` is not a key of the schema, else None (also for a
     key inside a free-form mapping such as ``reward_kwargs``)."""
@@ -28,7 +29,7 @@ def schema_problem(dotted: str) -> str | None:
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
             return unknown_key_message(".".join(done), part, names)
-        cls = typing.get_type_hints(cls)[part]
+        cls = type_hints(cls)[part]
         done.append(part)
     return None
 
@@ -36,6 +37,7 @@ def schema_problem(dotted: str) -> str | None:
 _MARK = "\0megarl-mark\0"
 
 
+@functools.cache
 def canonical_path(dotted: str) -> str:
     """The megarl key that an (alias) dotted key is read as; ``dotted`` itself when it is no
     alias or cannot be read alone."""

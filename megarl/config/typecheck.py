@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import types
 import typing
@@ -179,11 +180,17 @@ def unknown_key_message(path: str, key: str, valid: list[str]) -> str:
     return f"{full}: unknown key; valid keys: {', '.join(valid)}"
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, computed once per schema class."""
+    return typing.get_type_hints(cls)
+
+
 def build(cls: type, data: dict, path: str, errors: list[str], where: Where) -> Any:
     """Instantiate dataclass ``cls`` from ``data``; problems are appended to ``errors``.
     Missing keys take the dataclass defaults; values that do not fit are reported and replaced
     by the default so that checking can go on."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     names = [f.name for f in fields]
     for key in data:

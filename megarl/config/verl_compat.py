@@ -53,6 +53,9 @@ OLDER_KEYS: dict[str, Any] = {
     "reward_model.model.use_remove_padding": False,
     "reward_model.model.fsdp_config.param_offload": False,
     "reward_model.micro_batch_size": None,
+    "reward_model.sandbox_fusion.url": None,
+    "reward_model.sandbox_fusion.max_concurrent": 64,
+    "reward_model.sandbox_fusion.memory_limit_mb": 1024,
 }
 
 # verl sections whose keys are free-form (passed on to megatron-core's TransformerConfig)

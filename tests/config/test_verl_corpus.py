@@ -1,0 +1,202 @@
+"""Every ``python3 -m verl.trainer.main_ppo`` command line of verl's ``examples/**/*.sh`` (the
+corpus ``verl_corpus/lines.jsonl``, expanded by ``verl_corpus/expand.py`` from the verl commit
+its header names) read by megarl's config check, as README "Coming from verl" says
+(``verl_corpus/corpus.py``).
+
+- The outcome of each line (accepted, or rejected with its problem lines) equals the committed
+  table ``verl_corpus/outcomes.json``: any change fails (rewrite the table with
+  ``python tests/config/verl_corpus/corpus.py`` when the change is meant).
+- A line that uses none of the features megarl does not build passes; a rejected line names only
+  keys megarl's verl rules refuse as not built (``rejected`` in ``megarl.config.verl_compat``),
+  except the lines in ``NOT_PASSING``, each with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "verl_corpus"))
+from corpus import (  # noqa: E402
+    OUTCOMES,
+    command_line,
+    line_id,
+    not_built,
+    outcomes,
+    problem_key,
+    read_lines,
+)
+
+from megarl.config.errors import ConfigError  # noqa: E402
+from megarl.config.loader import resolve_config  # noqa: E402
+
+# features outside megarl's scope, found in a line's script path, arguments or config file
+FEATURES = {
+    "VLM / multi-modal": re.compile(
+        r"_vl[-_]|geo3k|glm41v|minicpmo|image_key|freeze_vision_tower|multi_modal"),
+    "Ascend NPU": re.compile(r"_npu\b|_npu\.sh|device=npu|ascend", re.I),
+    "TensorRT-LLM": re.compile(r"trtllm"),
+    "MTP": re.compile(r"\bmtp|mtp\."),
+}
+
+_UNSET = "the script reads it from a variable it gives no default (set by its environment)"
+# lines that use none of FEATURES and still do not pass, with why (key: problem keys named)
+NOT_PASSING = {
+    "examples/cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh#0": (
+        {"actor_rollout_ref.model.torch_dtype"},
+        "not a key of verl's config either (hydra refuses it in verl too); the dtype is "
+        "actor_rollout_ref.model.dtype"),
+    "examples/gmpo_trainer/test_dapo_7b_math.sh#0": (
+        {"actor_rollout_ref.actor.parallel.data_parallel_shard"},
+        "fsdp_size=32 on 16 ranks: verl shards over all ranks when fsdp_size >= world size; "
+        "megarl's validation asks for a divisor (validate.py)"),
+    "examples/gmpo_trainer/test_dapo_qwen3_30b_math.sh#0": (
+        {"actor_rollout_ref.actor.parallel.data_parallel_shard"},
+        "as test_dapo_7b_math.sh"),
+    "examples/grpo_trainer/run_gptoss_20b.sh#0": ({"data.train_files"}, _UNSET),
+    "examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh#0": (
+        {"reward_model.micro_batch_size_per_gpu"},
+        "an outcome reward model served by verl's reward loop; megarl's reward model is a "
+        "process reward model that needs a micro-batch size"),
+    "examples/gspo_trainer/run_qwen30b_gspo.sh#0": ({"launch.nnodes", "launch.nproc_per_node"},
+                                                    _UNSET),
+    "examples/otb_trainer/run_qwen2_5-7b.sh#0": (
+        {"algorithm.adv_estimator"},
+        "optimal_token_baseline is not selectable (README: the logprob pass does not compute "
+        "sum(pi^2))"),
+    "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh#0": (
+        {""}, "the script passes ' ' (a comment after a line continuation ends its command)"),
+    "examples/ppo_trainer/run_deepseek_full_hh_rlhf.sh#0": (
+        {"reward_model.micro_batch_size_per_gpu"}, "as run_mistral13b_skyworkrm_hhrlhf.sh"),
+    "examples/ppo_trainer/run_moonlight16b_a3b_gsm8k_megatron.sh#0": (
+        {"actor_rollout_ref.model.path"}, _UNSET),
+    "examples/ppo_trainer/run_qwen2-7b_rm.sh#0": (
+        {"reward_model.micro_batch_size_per_gpu"}, "as run_mistral13b_skyworkrm_hhrlhf.sh"),
+    "examples/ppo_trainer/run_qwen2.5-3b_rm_reward_loop_colocate.sh#0": (
+        {"reward_model.micro_batch_size_per_gpu"}, "as run_mistral13b_skyworkrm_hhrlhf.sh"),
+    "examples/router_replay/run_qwen30_a3b_megatron_sglang.sh#0": (
+        {"data.train_files", "actor_rollout_ref.model.path", "data.train_batch_size",
+         "actor_rollout_ref.actor.router_replay.mode"},
+        f"{_UNSET}; R3 routing replay with SGLang (megarl records routing in its torch engine)"),
+    "examples/router_replay/run_qwen30_a3b_megatron_vllm.sh#0": (
+        {"actor_rollout_ref.actor.router_replay.mode", "data.train_files",
+         "actor_rollout_ref.model.path"},
+        f"{_UNSET}; verl's R2 routing replay (megarl has R3)"),
+    "examples/sapo_trainer/run_qwen30b_sapo.sh#0": ({"launch.nnodes", "launch.nproc_per_node"},
+                                                    _UNSET),
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server.sh#0": (
+        {"actor_rollout_ref.rollout.sglang_rollout_mode", "actor_rollout_ref.rollout.server"},
+        "verl's SGLang server mode (keys older than the pinned release's config)"),
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_server.sh#0": (
+        {"actor_rollout_ref.rollout.sglang_rollout_mode", "actor_rollout_ref.rollout.server"},
+        "as run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server.sh"),
+    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh#0": (
+        {"actor_rollout_ref.actor.use_kl_loss"}, _UNSET),
+    "examples/sglang_multiturn/search_r1_like/run_qwen2.5-3b_instruct_search_multiturn.sh#0": (
+        {"actor_rollout_ref.rollout.multi_turn.format"},
+        "format 'qwen' has no tool parser in verl either (hermes, gpt-oss)"),
+    "examples/tuning/0.5b/qwen2-0.5b_grpo-lora_1_h100_fsdp_vllm.sh#0": (
+        {"actor_rollout_ref.rollout.n"},
+        "GRPO with one response per prompt: every advantage is 0; megarl refuses it"),
+    "examples/tuning/70b/qwen2-70b_grpo_32_h20_fsdp_vllm.sh#0": ({"data.train_files"}, _UNSET),
+}
+
+
+def features(line: dict) -> list[str]:
+    text = " ".join([line["script"], *line["args"],
+                     json.dumps(line.get("config", {}).get("keys", {}))])
+    return [name for name, pattern in FEATURES.items() if pattern.search(text)]
+
+
+@pytest.fixture(scope="module")
+def today() -> dict[str, dict]:
+    return outcomes()
+
+
+def test_corpus_is_verls_examples():
+    header, lines = read_lines()
+    assert re.fullmatch(r"[0-9a-f]{40}", header["verl_commit"])
+    assert len(lines) == header["lines"] >= 120
+    assert {f["script"] for f in header["failed"]} == {
+        "examples/gspo_trainer/run_qwen3_32b_gspo_npu.sh",
+        "examples/gspo_trainer/test_gspo_qwen30b_a3b_ep.sh"}
+    ids = [line_id(x) for x in lines]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("name,script", [
+    ("run_qwen2-7b_math", "examples/grpo_trainer/run_qwen2-7b_math.sh"),
+    ("test_gspo_3b_math", "examples/gspo_trainer/test_gspo_3b_math.sh"),
+    ("run_qwen2.5-3b_gsm8k_multiturn", "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh"),
+    ("run_deepseek7b_llm", "examples/ppo_trainer/run_deepseek7b_llm.sh"),
+])
+def test_expansion_matches_the_hand_expanded_scripts(name, script):
+    """The trainer tests' argument lists were expanded by hand from the same commit."""
+    by_hand = (Path(__file__).resolve().parents[1] / "trainer" / "verl_scripts"
+               / f"{name}.args").read_text().splitlines()
+    _, lines = read_lines()
+    args = next(x["args"] for x in lines if x["script"] == script)
+    assert [a for a in args if not a.startswith("--config")] == by_hand
+
+
+def test_outcomes_equal_the_table(today):
+    table = json.loads(OUTCOMES.read_text())
+    changed = sorted(k for k in table.keys() | today.keys() if table.get(k) != today.get(k))
+    assert not changed, "outcome changed for: " + ", ".join(changed) + "; rewrite the table " \
+        "with python tests/config/verl_corpus/corpus.py if meant"
+
+
+def test_everyday_lines_pass_or_name_only_what_is_not_built(today):
+    _, lines = read_lines()
+    unexplained = {}
+    for line in lines:
+        if features(line):
+            continue
+        lid = line_id(line)
+        everyday = {problem_key(p) for p in today[lid]["problems"]
+                    if not_built(problem_key(p)) is None}
+        if everyday != (NOT_PASSING[lid][0] if lid in NOT_PASSING else set()):
+            unexplained[lid] = everyday
+    assert not unexplained, unexplained
+
+
+def test_rejected_features_are_named_with_the_reason(today):
+    """A not-built key's problem line carries the rule's reason."""
+    seen = 0
+    for got in today.values():
+        for p in got["problems"]:
+            reason = not_built(problem_key(p))
+            if reason is not None:
+                assert p.endswith(f"not supported by megarl: {reason}"), p
+                seen += 1
+    assert seen >= 20
+
+
+def test_dropping_the_not_built_keys_makes_a_line_pass(today):
+    """Each line refused only for not-built keys passes without them (the refusal is the
+    whole story), e.g. megatron's context parallelism and verl's optimizer offload; a key whose
+    verl default follows a dropped key (the reference's context_parallel_size) is named once
+    that one is gone."""
+    _, lines = read_lines()
+    checked = 0
+    for line in lines:
+        lid = line_id(line)
+        if features(line) or lid in NOT_PASSING or today[lid]["outcome"] == "accepted":
+            continue
+        recipe, args = command_line(line)
+        for _ in range(3):  # a key whose verl default follows a dropped one is named next
+            try:
+                resolve_config(recipe, args)
+                break
+            except ConfigError as e:
+                refused = {problem_key(p) for p in e.problems}
+                assert all(not_built(k) is not None for k in refused), e.problems
+                args = [a for a in args if a.lstrip("+~").split("=", 1)[0] not in refused]
+        else:
+            pytest.fail(f"{lid}: still refused without its not-built keys")
+        checked += 1
+    assert checked >= 5

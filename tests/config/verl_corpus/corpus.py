@@ -1,0 +1,117 @@
+"""verl's example command lines (``lines.jsonl``, written by ``expand.py``) read by megarl's
+config check, and the outcome table (``outcomes.json``).
+
+Each line becomes the check's arguments as README "Coming from verl" says: the recipe is ``ppo``
+when the line's ``algorithm.adv_estimator`` is ``gae`` (a critic), ``grpo`` otherwise;
+``--config-path`` is dropped; ``--config-name=ppo_megatron_trainer`` becomes
+``actor_rollout_ref.actor.strategy=megatron`` (``ppo_trainer``: nothing); one of the examples' own
+config files is read as what it is, its keys put before the script's arguments (and its base
+trainer config mapped the same way); hydra's ``+key=`` / ``++key=`` / ``~key`` are read by
+megarl's override parser as hydra reads them. The check is ``resolve_config`` (validation, verl
+key rules, notices), without the file-system checks of the preflight (the scripts' model and
+data paths live on the machines they were written for).
+
+    python tests/config/verl_corpus/corpus.py   # rewrite outcomes.json from today's outcomes
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from megarl.config.errors import ConfigError
+from megarl.config.loader import resolve_config
+from megarl.config.verl_compat import classify, verl_key_of
+
+HERE = Path(__file__).resolve().parent
+LINES = HERE / "lines.jsonl"
+OUTCOMES = HERE / "outcomes.json"
+MEGATRON = "actor_rollout_ref.actor.strategy=megatron"
+TRAINER_CONFIGS = {"ppo_trainer": [], "ppo_megatron_trainer": [MEGATRON]}
+
+
+def read_lines() -> tuple[dict, list[dict]]:
+    """(header, lines) of the corpus."""
+    rows = [json.loads(t) for t in LINES.read_text().splitlines() if t.strip()]
+    return rows[0], rows[1:]
+
+
+def _flat(tree: dict, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out += _flat(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={json.dumps(v)}")
+    return out
+
+
+def _trainer_config(name: str) -> list[str]:
+    stem = name.strip("'\"").removesuffix(".yaml")
+    if stem not in TRAINER_CONFIGS:
+        raise ValueError(f"--config-name={name}: not one of verl's trainer configs")
+    return TRAINER_CONFIGS[stem]
+
+
+def command_line(line: dict) -> tuple[str, list[str]]:
+    """(megarl recipe, overrides) of one corpus line."""
+    entry: list[str] = []
+    rest: list[str] = []
+    for a in line["args"]:
+        if a.startswith("--config-path"):
+            continue
+        if a.startswith("--config-name="):
+            if "config" not in line:
+                entry += _trainer_config(a.split("=", 1)[1])
+            continue
+        rest.append(a)
+    if "config" in line:
+        for base in line["config"]["extends"]:
+            entry += _trainer_config(base)
+        entry += _flat(line["config"]["keys"])
+    args = entry + rest
+    estimators = [a.split("=", 1)[1] for a in args
+                  if a.lstrip("+").split("=", 1)[0] == "algorithm.adv_estimator"]
+    recipe = "ppo" if estimators and estimators[-1] == "gae" else "grpo"
+    return recipe, args
+
+
+def problem_key(problem: str) -> str:
+    """The dotted key a problem line names (its first word, before ``=`` / ``:``)."""
+    return re.split(r"[=: \[]", problem.strip(), maxsplit=1)[0]
+
+
+def outcome(line: dict) -> dict[str, Any]:
+    """{recipe, outcome: accepted | rejected, problems: [one line each]} of one corpus line."""
+    recipe, args = command_line(line)
+    try:
+        resolve_config(recipe, args)
+        problems: list[str] = []
+    except ConfigError as e:
+        problems = [p.replace(str(HERE), "<corpus>") for p in e.problems]
+    return {"recipe": recipe, "outcome": "rejected" if problems else "accepted",
+            "problems": problems}
+
+
+def line_id(line: dict) -> str:
+    return f"{line['script']}#{line['index']}"
+
+
+def outcomes() -> dict[str, dict]:
+    _, lines = read_lines()
+    return {line_id(line): outcome(line) for line in lines}
+
+
+def not_built(key: str) -> str | None:
+    """The reason megarl's verl key rules give for refusing ``key`` (a feature megarl states as
+    not built), or None."""
+    verdict = classify(key) or classify(verl_key_of(key) or key)
+    return verdict.note if verdict is not None and verdict.status == "rejected" else None
+
+
+if __name__ == "__main__":
+    OUTCOMES.write_text(json.dumps(outcomes(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {OUTCOMES}", file=sys.stderr)
