@@ -6,7 +6,8 @@ Every key of verl's trainer configs (``_generated_ppo_trainer.yaml`` and
 - ``implemented``: a megarl key of the same name and meaning;
 - ``mapped``: read as another megarl key (``note`` names it);
 - ``converted``: read into another megarl key with its value converted (``note`` says how: verl's
-  deprecated global micro-batch sizes, ``megarl.config.global_micro``);
+  deprecated global micro-batch sizes, ``megarl.config.global_micro``; ``fsdp_size``,
+  ``megarl.config.fsdp_size``);
 - ``inert``: accepted without effect, because it has no meaning for megarl's results (a Ray,
   profiler or memory option, a key only read by a feature that is off); set to anything but
   verl's default, the run prints one notice line saying so;
@@ -32,6 +33,7 @@ from typing import Any, Literal
 import yaml
 
 from megarl.config.errors import ConfigError
+from megarl.config.fsdp_size import FSDP_SIZE
 from megarl.config.global_micro import GLOBAL_MICRO
 from megarl.config.keys import canonical_path, schema_problem
 
@@ -192,10 +194,9 @@ RULES: tuple[Rule, ...] = (
     *_each(_FSDP, "param_offload", "inert", _OFFLOAD),
     *_each(_FSDP, "optimizer_offload", "inert", _OFFLOAD),
     *_each(_FSDP, "offload_policy", "inert", _OFFLOAD),
-    Rule(f"{_ACTOR}.fsdp_config.fsdp_size", "mapped",
-         f"{_ACTOR}.parallel.data_parallel_shard"),
-    Rule("critic.fsdp.fsdp_size", "mapped", "critic.parallel.data_parallel_shard"),
-    Rule("critic.model.fsdp_config.fsdp_size", "mapped", "critic.parallel.data_parallel_shard"),
+    # verl's mesh rule (megarl.config.fsdp_size)
+    *[Rule(k, "converted", f"{shard} = -1 (all ranks) when {k} is -1 or at least the world "
+           "size (verl's rule), else the value") for k, shard in FSDP_SIZE.items()],
     Rule(f"{_REF}.fsdp_config.fsdp_size", "inert", "the reference model is sharded like the "
          "actor"),
     Rule(f"{_ACTOR}.fsdp_config.dtype", "mapped", f"{_ARR}.model.dtype"),
