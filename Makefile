@@ -74,11 +74,13 @@ clean:
 
 # The wheels bench/gpu_check.sh installs on an offline GPU machine (whose Python already has
 # torch, Triton, transformers, tensorboard, pyarrow and pytest): megarl's other needs and Liger
-# for the kernel comparison. GPU_PY: that machine's Python version.
+# for the kernel comparison, PEFT (with accelerate and psutil) as the reference for the LoRA
+# step. GPU_PY: that machine's Python version.
 GPU_PY     ?= 3.12
 GPU_WHEELS ?= gpu-wheels
 GPU_WHEEL_SET := megatron-core==0.16.1 omegaconf==2.4.0 math-verify==0.9.0 \
-	latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 liger-kernel==0.8.5
+	latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 liger-kernel==0.8.5 \
+	peft==0.21.2 accelerate==1.15.0 psutil==7.2.2
 gpu-wheels:
 	mkdir -p $(GPU_WHEELS)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) \

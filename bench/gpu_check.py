@@ -3,8 +3,8 @@
     python bench/gpu_check.py run --out DIR [--dry-run] [--steps env,kernels,...] [--budget S]
     python bench/gpu_check.py step NAME --out DIR [--dry-run]     (one step; `run` calls this)
 
-Each step runs in its own process (the numeric steps live in gpu_check_numerics.py, what the
-steps share in gpu_check_lib.py) under its own timeout and writes ``DIR/NAME.json``
+Each step runs in its own process (the numeric steps live in gpu_check_numerics.py, the
+training steps in gpu_check_rl.py, what the steps share in gpu_check_lib.py) under its own timeout and writes ``DIR/NAME.json``
 (``{"step", "ok", "seconds", "result" | "error"}``) and ``DIR/NAME.log``; ``run`` prints a
 summary and writes ``DIR/summary.json``. Steps (``--dry-run``: tiny shapes on the CPU, fp32,
 the Triton kernels under the interpreter, so that every step and key runs in ``make test``):
@@ -25,6 +25,12 @@ the Triton kernels under the interpreter, so that every step and key runs in ``m
 - ``grpo_torch`` / ``grpo_megatron``: GRPO, 4 steps, our engine, bf16, 256-token responses
   (16 prompts x 4): s/step, generated tokens/s, peak memory, engine-vs-trainer logprob gap
   (bound: twice transformers' own bf16 error from ``megatron_vs_hf``).
+- ``grpo_lora``: GRPO with LoRA (rank 8, all-linear), 2 steps, torch backend, our engine
+  (merged weights at each sync), bf16: reference = actor with its adapters off, the engine
+  follows the adapted policy, the exported actor = base + (alpha / r) B A with every other
+  tensor the base's, PEFT's merge of the exported adapter folder equals it.
+- ``grpo_tools``: multi-turn GRPO with the calculator tool, 2 steps (every turn read as a
+  call: the random policy writes none): turns, tool calls, appended tokens, logprob gap.
 - ``generate``: our engine vs transformers' ``generate`` on the same model and prompts (tok/s).
 """
 
@@ -35,7 +41,6 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import platform
 import statistics
@@ -58,11 +63,14 @@ from gpu_check_lib import (
     work_dir,
 )
 from gpu_check_numerics import step_kernels, step_megatron_vs_hf
-from results import check_ran
+from gpu_check_rl import step_grpo_lora, step_grpo_megatron, step_grpo_tools, step_grpo_torch
 
-# (step, timeout s on the GPU); the order they run in. pytest runs beside the others.
-STEPS = {"env": 60, "pytest": 330, "kernels": 150, "model": 120, "megatron_vs_hf": 120,
-         "grpo_torch": 200, "grpo_megatron": 200, "generate": 120, "kernel_bench": 200}
+# (step, timeout s on the GPU); the order they run in. pytest runs beside the others. The
+# training steps come first (grpo_torch's gap bound reads megatron_vs_hf's record); the steps
+# that already passed on a GPU close the list, where a short --budget leaves them unrun.
+STEPS = {"env": 60, "pytest": 330, "model": 120, "megatron_vs_hf": 120, "grpo_torch": 200,
+         "grpo_lora": 150, "grpo_tools": 150, "grpo_megatron": 200, "kernels": 150,
+         "generate": 120, "kernel_bench": 200}
 BACKGROUND = ("pytest",)
 # The GRPO steps' reward: the share of digits in a response, so that responses to one prompt
 # score differently and the update has a gradient (the random policy never solves a prompt).
@@ -204,83 +212,6 @@ def _condition(path: Path) -> None:
         save_file(state, str(file), metadata={"format": "pt"})
 
 
-def _grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
-    run_dir = work_dir(out) / f"grpo_{strategy}"
-    cmd = [sys.executable, str(REPO / "launch" / "train.py"), "--config", "grpo",
-           f"actor_rollout_ref.model.path={model_dir(out)}",
-           f"data.train_files={work_dir(out) / 'train.parquet'}", "data.val_files=null",
-           f"data.train_batch_size={sizes.prompts}", "data.max_prompt_length=64",
-           f"data.max_response_length={sizes.response_len}",
-           f"actor_rollout_ref.actor.strategy={strategy}",
-           f"actor_rollout_ref.actor.ppo_mini_batch_size={sizes.prompts}",
-           f"actor_rollout_ref.model.dtype={sizes.dtype}",
-           "actor_rollout_ref.rollout.name=torch", f"actor_rollout_ref.rollout.n={sizes.n}",
-           "actor_rollout_ref.actor.optim.lr=1e-6",
-           f"custom_reward_function.path={work_dir(out) / 'reward.py'}",
-           f"trainer.total_training_steps={sizes.steps}", f"trainer.device={sizes.device}",
-           "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
-           "trainer.export_hf=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={run_dir}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    print(proc.stdout[-20000:], proc.stderr[-20000:], sep="\n", flush=True)
-    require(proc.returncode == 0, f"launch/train.py ({strategy}) exited {proc.returncode}: "
-            + (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1])
-    ran = check_ran(run_dir, engine="torch", backend=strategy, dtype=sizes.dtype,
-                    device=sizes.device)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    rows = [r for r in rows if r.get("step", 0) > 0 and "timing_s/step" in r]
-    require(len(rows) == sizes.steps, f"{len(rows)} training steps logged, {sizes.steps} asked")
-    for r in rows:
-        require(all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm")),
-                f"non-finite loss or gradient norm at step {r['step']}")
-        require(r["actor/grad_norm"] > 0, f"no gradient at step {r['step']} (all advantages 0)")
-    steady = rows[1:] or rows
-    n_resp = sizes.prompts * sizes.n
-    gen_tok = [r["response_length/mean"] * n_resp for r in steady]
-    gap_mean = rows[0].get("rollout/logprob_abs_diff_mean", float("nan"))
-    bound = _gap_bound(sizes, out)
-    require(gap_mean <= bound, f"engine-vs-trainer logprob gap {gap_mean:.3g} > {bound:.3g}")
-    return {
-        "ran": ran,
-        "wall_s": round(wall, 1),
-        "s_per_step": statistics.median(r["timing_s/step"] for r in steady),
-        "gen_s": statistics.median(r["timing_s/gen"] for r in steady),
-        "gen_tokens_per_s": statistics.median(n / r["timing_s/gen"]
-                                              for n, r in zip(gen_tok, steady)),
-        "tokens_per_s": statistics.median(r["perf/total_num_tokens"] / r["timing_s/step"]
-                                          for r in steady),
-        "peak_mem_gb": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows),
-        "logprob_gap_mean": gap_mean,
-        "logprob_gap_max": rows[0].get("rollout/logprob_abs_diff_max", float("nan")),
-        "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows),
-        "score_mean": [round(r["critic/score/mean"], 4) for r in rows],
-        "grad_norm": [round(r["actor/grad_norm"], 4) for r in rows],
-        "timing_s": {k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steady), 3)
-                     for k in steady[0] if k.startswith("timing_s/")},
-        "steps": sizes.steps, "prompts": sizes.prompts, "n": sizes.n,
-        "response_len": sizes.response_len,
-    }
-
-
-def _gap_bound(sizes: Sizes, out: Path) -> float:
-    """The engine and the trainer may disagree by twice what transformers in the run dtype
-    disagrees with float64 on this model (step megatron_vs_hf), at least ``logprob_gap_bound``."""
-    try:
-        rec = json.loads((out / "megatron_vs_hf.json").read_text())
-        return max(2 * rec["result"]["transformers"]["mean"], sizes.logprob_gap_bound)
-    except (OSError, KeyError, ValueError):
-        return sizes.logprob_gap_bound
-
-
-def step_grpo_torch(sizes: Sizes, out: Path) -> dict:
-    return _grpo(sizes, out, "torch")
-
-
-def step_grpo_megatron(sizes: Sizes, out: Path) -> dict:
-    return _grpo(sizes, out, "megatron")
-
-
 def step_generate(sizes: Sizes, out: Path) -> dict:
     """Tokens/s of our engine and of transformers' generate: the same prompts, exactly
     ``gen_len`` new tokens (ignore EOS / min_new_tokens), sampling at T=1, alternating calls."""
@@ -342,8 +273,9 @@ def step_generate(sizes: Sizes, out: Path) -> dict:
 STEP_FUNCS = {"env": step_env, "kernels": step_kernels, "kernel_bench": step_kernel_bench,
               "pytest": step_pytest, "model": step_model, "grpo_torch": step_grpo_torch,
               "grpo_megatron": step_grpo_megatron, "megatron_vs_hf": step_megatron_vs_hf,
-              "generate": step_generate}
-NEEDS_MODEL = ("grpo_torch", "grpo_megatron", "megatron_vs_hf", "generate")
+              "grpo_lora": step_grpo_lora, "grpo_tools": step_grpo_tools, "generate": step_generate}
+NEEDS_MODEL = ("grpo_torch", "grpo_megatron", "grpo_lora", "grpo_tools", "megatron_vs_hf",
+               "generate")
 
 
 # ----------------------------------------------------------------------------- driver

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ["env", "pytest", "kernels", "model", "megatron_vs_hf", "grpo_torch", "grpo_megatron",
-         "generate", "kernel_bench"]
+STEPS = ["env", "pytest", "model", "megatron_vs_hf", "grpo_torch", "grpo_lora", "grpo_tools",
+         "grpo_megatron", "kernels", "generate", "kernel_bench"]
 
 
 @pytest.mark.e2e
@@ -44,6 +44,19 @@ def test_gpu_check_dry_run(tmp_path):
     assert res["grpo_torch"]["logprob_gap_mean"] < 1e-4  # fp32: engine == trainer
     assert res["megatron_vs_hf"]["megatron"]["mean"] < 1e-5
     assert res["generate"]["ours_tok_s"] > 0 and res["generate"]["hf_tok_s"] > 0
+    # LoRA: reference = actor at step 1, the policy moved at step 2 and the engine follows it
+    # (fp32: engine == trainer), the export is base + (alpha / r) B A and PEFT's merge (the
+    # wheel folder carries peft) agrees with it
+    lora = res["grpo_lora"]
+    assert lora["kl_loss"][0] == 0.0 < lora["kl_loss"][1]
+    assert max(lora["logprob_gap_mean"]) < 1e-4
+    assert lora["export"]["adapted_modules"] == 7 * 2 and lora["export"]["untouched_tensors"] > 0
+    assert lora["export"]["peft_merge_err_eps"] <= 1 and lora["export"]["merge_err_eps"] <= 1
+    # multi-turn: every trajectory model turn, calculator answer, model turn
+    for row in res["grpo_tools"]["metrics"]:
+        assert row["multi_turn/assistant_turns/mean"] == 2 and row["num_turns/mean"] == 4
+        assert row["multi_turn/tool_calls/mean"] == 1 and row["multi_turn/appended_tokens/mean"] > 0
+        assert row["rollout/logprob_abs_diff_mean"] < 1e-4
 
 
 def test_gpu_check_without_wheels_says_what_to_run(tmp_path):

@@ -1,0 +1,282 @@
+"""The GPU check's training steps (bench/gpu_check.py): GRPO runs of ``launch/train.py`` on the
+check's random model, each checked from the run's own outputs (metrics.jsonl, exported folders).
+
+- ``grpo_torch`` / ``grpo_megatron``: GRPO, our engine, the run dtype; every step logged with a
+  finite loss and a non-zero gradient; engine-vs-trainer logprob gap at step 1 within the bound.
+- ``grpo_lora``: GRPO with LoRA (rank 8, alpha 16, all-linear) on the torch backend, 2 steps:
+  the reference is the actor with its adapters off (KL exactly 0 at step 1, > 0 at step 2 after
+  a large-lr update); the engine samples from the merged weights (gap within the bound at step
+  2, where a base-weight engine would be off by the policy's move); the exported actor is the
+  base plus (alpha / r) B A in float64 with every other tensor bit for bit the base's (the base
+  weights were not trained); PEFT's own merge of the exported adapter folder equals it (when
+  peft is installed: ``make gpu-wheels`` carries it).
+- ``grpo_tools``: multi-turn GRPO with the calculator tool (hermes format), 2 steps. The random
+  policy writes no tool calls, so in the training process every assistant turn is read as one
+  call to the calculator (the parser is replaced; the tool, the agent loop, the chat-template
+  rendering of the tool turn, the masks and the update run as they are) and turns end on a
+  third of the text ids (``stop_token_ids``), so that most trajectories are model turn, tool
+  answer, model turn (128 response tokens at least: room for the tool turn's template).
+  Checked per step: the multi-turn metrics present and finite, more than one assistant turn
+  and a tool call on average, no tool error, appended tokens > 0, response length = generated
+  + appended tokens, engine-vs-trainer logprob gap on the model's tokens within the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpu_check_lib import REPO, Sizes, model_dir, require, work_dir
+from results import check_ran
+
+A, M = "actor_rollout_ref", "actor_rollout_ref.model"
+LORA = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear"]
+LORA_SCALE = 16 / 8
+# launch/train.py (argv[1]) with every assistant turn read as one call to the calculator
+EVERY_TURN_CALLS = """
+import runpy, sys
+from megarl.rollout.agent.tool_parser import ParsedTurn, ToolCall, register_tool_parser
+
+class EveryTurnCalls:
+    def parse(self, text):
+        return ParsedTurn([ToolCall("calculator", {"expression": "(3 + 4) * 6"})], text)
+
+register_tool_parser("hermes", EveryTurnCalls)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+TOOLS_YAML = """tools:
+- class_name: megarl.rollout.agent.tools.CalculatorTool
+  config: {type: native}
+"""
+
+
+def train(sizes: Sizes, out: Path, name: str, overrides: list[str], steps: int,
+          strategy: str = "torch", lr: float = 1e-6, response_len: int | None = None,
+          wrapper: Path | None = None) -> tuple[Path, list[dict], float]:
+    """``launch/train.py --config grpo`` on the check's model and prompts; (run folder, the
+    training steps' metric rows, wall seconds). Every step logged, finite loss and gradient."""
+    run_dir = work_dir(out) / name
+    cmd = [sys.executable, *([str(wrapper)] if wrapper else []), str(REPO / "launch" / "train.py"),
+           "--config", "grpo",
+           f"{M}.path={model_dir(out)}",
+           f"data.train_files={work_dir(out) / 'train.parquet'}", "data.val_files=null",
+           f"data.train_batch_size={sizes.prompts}", "data.max_prompt_length=64",
+           f"data.max_response_length={response_len or sizes.response_len}",
+           f"{A}.actor.strategy={strategy}", f"{A}.actor.ppo_mini_batch_size={sizes.prompts}",
+           f"{M}.dtype={sizes.dtype}", f"{A}.rollout.name=torch", f"{A}.rollout.n={sizes.n}",
+           f"{A}.actor.optim.lr={lr}",
+           f"custom_reward_function.path={work_dir(out) / 'reward.py'}",
+           f"trainer.total_training_steps={steps}", f"trainer.device={sizes.device}",
+           "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+           "trainer.export_hf=false", "trainer.logger=[jsonl]",
+           f"trainer.default_local_dir={run_dir}", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    print(proc.stdout[-20000:], proc.stderr[-20000:], sep="\n", flush=True)
+    require(proc.returncode == 0, f"launch/train.py ({name}) exited {proc.returncode}: "
+            + (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1])
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if r.get("step", 0) > 0 and "timing_s/step" in r]
+    require(len(rows) == steps, f"{len(rows)} training steps logged, {steps} asked")
+    for r in rows:
+        require(all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm")),
+                f"non-finite loss or gradient norm at step {r['step']}")
+        require(r["actor/grad_norm"] > 0, f"no gradient at step {r['step']} (all advantages 0)")
+    return run_dir, rows, wall
+
+
+def gap_bound(sizes: Sizes, out: Path) -> float:
+    """The engine and the trainer may disagree by twice what transformers in the run dtype
+    disagrees with float64 on this model (step megatron_vs_hf), at least ``logprob_gap_bound``."""
+    try:
+        rec = json.loads((out / "megatron_vs_hf.json").read_text())
+        return max(2 * rec["result"]["transformers"]["mean"], sizes.logprob_gap_bound)
+    except (OSError, KeyError, ValueError):
+        return sizes.logprob_gap_bound
+
+
+def timings(rows: list[dict], wall: float) -> dict:
+    """s/step and the timing keys, medians over the steps after the first (warm-up)."""
+    steady = rows[1:] or rows
+    return {"wall_s": round(wall, 1),
+            "s_per_step": statistics.median(r["timing_s/step"] for r in steady),
+            "peak_mem_gb": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows),
+            "timing_s": {k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steady), 3)
+                         for k in steady[0] if k.startswith("timing_s/")}}
+
+
+def grpo(sizes: Sizes, out: Path, strategy: str) -> dict:
+    run_dir, rows, wall = train(sizes, out, f"grpo_{strategy}", [], sizes.steps, strategy)
+    ran = check_ran(run_dir, engine="torch", backend=strategy, dtype=sizes.dtype,
+                    device=sizes.device)
+    steady = rows[1:] or rows
+    n_resp = sizes.prompts * sizes.n
+    gen_tok = [r["response_length/mean"] * n_resp for r in steady]
+    gap_mean = rows[0].get("rollout/logprob_abs_diff_mean", float("nan"))
+    bound = gap_bound(sizes, out)
+    require(gap_mean <= bound, f"engine-vs-trainer logprob gap {gap_mean:.3g} > {bound:.3g}")
+    return {
+        "ran": ran, **timings(rows, wall),
+        "gen_s": statistics.median(r["timing_s/gen"] for r in steady),
+        "gen_tokens_per_s": statistics.median(n / r["timing_s/gen"]
+                                              for n, r in zip(gen_tok, steady)),
+        "tokens_per_s": statistics.median(r["perf/total_num_tokens"] / r["timing_s/step"]
+                                          for r in steady),
+        "logprob_gap_mean": gap_mean,
+        "logprob_gap_max": rows[0].get("rollout/logprob_abs_diff_max", float("nan")),
+        "response_length_mean": statistics.mean(r["response_length/mean"] for r in rows),
+        "score_mean": [round(r["critic/score/mean"], 4) for r in rows],
+        "grad_norm": [round(r["actor/grad_norm"], 4) for r in rows],
+        "steps": sizes.steps, "prompts": sizes.prompts, "n": sizes.n,
+        "response_len": sizes.response_len,
+    }
+
+
+def step_grpo_torch(sizes: Sizes, out: Path) -> dict:
+    return grpo(sizes, out, "torch")
+
+
+def step_grpo_megatron(sizes: Sizes, out: Path) -> dict:
+    return grpo(sizes, out, "megatron")
+
+
+def step_grpo_lora(sizes: Sizes, out: Path) -> dict:
+    """2 GRPO steps with LoRA. A large learning rate moves the policy far from the base in one
+    update (an engine left on the base weights would be off by that move); 1e-2 on the GPU's
+    24 layers keeps the adapted model's bf16 forward about as well conditioned as the base's."""
+    lr = 3e-2 if sizes.device == "cpu" else 1e-2
+    run_dir, rows, wall = train(sizes, out, "grpo_lora", [
+        *LORA, f"{A}.rollout.check_logprobs=true", "trainer.export_hf=true"], 2, lr=lr)
+    res = {"ran": check_ran(run_dir, engine="torch", backend="torch", dtype=sizes.dtype,
+                            device=sizes.device), "lr": lr, **timings(rows, wall)}
+    kl = [r["actor/kl_loss"] for r in rows]
+    gap = [r["rollout/logprob_abs_diff_mean"] for r in rows]
+    bound = gap_bound(sizes, out)
+    res.update(kl_loss=kl, logprob_gap_mean=gap, gap_bound=bound,
+               logprob_gap_max=[r["rollout/logprob_abs_diff_max"] for r in rows])
+    # B = 0 before the first update: actor = reference (bitwise on the dry run's fp32 CPU; in
+    # bf16 on CUDA the actor's and the reference's micro-batches may pick different kernels)
+    kl0_bound = 0.0 if sizes.dtype == "fp32" else 0.01 * kl[1]
+    require(kl[0] <= kl0_bound, f"KL {kl[0]:.3g} at step 1 (> {kl0_bound:.3g}): the reference "
+            "is not the actor with its adapters off", res)
+    require(kl[1] > 0.0, "KL 0 at step 2: the adapters did not move the policy", res)
+    require(all(g <= bound for g in gap), f"engine-vs-trainer logprob gap {gap} > {bound:.3g} "
+            "(step 2: the engine is not sampling from the merged adapters)", res)
+    res["export"] = check_lora_export(sizes, out, run_dir)
+    return res
+
+
+def check_lora_export(sizes: Sizes, out: Path, run_dir: Path) -> dict:
+    """The run's hf_actor against the base folder and its lora_adapter folder: adapted weights
+    = base + (alpha / r) B A (float64, within a rounding of the exported dtype), every other
+    tensor bit for bit the base's; then PEFT's merge of the folder onto transformers' base."""
+    from safetensors.torch import load_file
+
+    def folder(path: Path) -> dict:
+        state = {}
+        for f in sorted(path.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        return state
+
+    base, exported = folder(model_dir(out)), folder(run_dir / "hf_actor")
+    adapter = load_file(str(run_dir / "lora_adapter" / "adapter_model.safetensors"))
+    config = json.loads((run_dir / "lora_adapter" / "adapter_config.json").read_text())
+    require(config["r"] == 8 and config["lora_alpha"] == 16, f"adapter config {config}")
+    adapted = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in adapter}
+    layers = 1 + max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
+    require(len(adapted) == 7 * layers, f"{len(adapted)} adapted modules, all-linear on "
+            f"{layers} layers is {7 * layers}")
+    b_norm = sum(float(t.float().norm()) for k, t in adapter.items() if ".lora_B." in k)
+    require(b_norm > 0, "every lora_B is zero: the adapters did not train")
+    worst, untouched = merge_error(exported, base, adapter, adapted, "hf_actor")
+    res = {"adapted_modules": len(adapted), "untouched_tensors": untouched,
+           "merge_err_eps": worst, "lora_B_norm": round(b_norm, 4),
+           "exported_dtype": str(next(iter(exported.values())).dtype)}
+    try:
+        import peft
+    except ImportError:
+        return {**res, "peft": "not installed: PEFT's merge not compared"}
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    dtype = next(iter(exported.values())).dtype
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir(out), dtype=dtype)
+    merged = peft.PeftModel.from_pretrained(hf.to(sizes.device), run_dir / "lora_adapter")
+    state = {k: v.cpu() for k, v in merged.merge_and_unload().state_dict().items() if k in base}
+    peft_worst, _ = merge_error(state, base, adapter, adapted, "PEFT's merge")
+    return {**res, "peft": peft.__version__, "peft_merge_err_eps": peft_worst}
+
+
+def merge_error(state: dict, base: dict, adapter: dict, adapted: set[str],
+                what: str) -> tuple[float, int]:
+    """(the largest error of ``state``'s adapted weights from base + (alpha / r) B A in float64,
+    in units of its dtype's eps times the element's scale: one rounding of the result plus the
+    rank's sums of products; the tensors no adapter touches, which must equal the base's)."""
+    import torch
+
+    worst, untouched = 0.0, 0
+    for name, t in base.items():
+        module, kind = name.rsplit(".", 1)
+        got = state[name]
+        if module not in adapted or kind != "weight":  # biases, norms, embeddings
+            require(torch.equal(got, t.to(got.dtype)), f"{what}: {name} is not the base's "
+                    "(the base weights were trained)")
+            untouched += 1
+            continue
+        a = adapter[f"base_model.model.{module}.lora_A.weight"].double()
+        b = adapter[f"base_model.model.{module}.lora_B.weight"].double()
+        want = t.double() + LORA_SCALE * (b @ a)
+        scale = want.abs() + (a.shape[0] + 1) * LORA_SCALE * (b.abs() @ a.abs()) + 1e-30
+        err = float(((got.double() - want).abs() / scale).max()) / torch.finfo(got.dtype).eps
+        worst = max(worst, err)
+        require(err <= 1.0, f"{what}: {name} is off base + (alpha/r) B A by {err:.3g} eps of "
+                f"{got.dtype} (bound 1): the merged weights are wrong")
+    return worst, untouched
+
+
+def step_grpo_tools(sizes: Sizes, out: Path) -> dict:
+    """2 multi-turn GRPO steps with the calculator (every turn read as one call)."""
+    wrapper, tools = work_dir(out) / "every_turn_calls.py", work_dir(out) / "tools.yaml"
+    wrapper.write_text(EVERY_TURN_CALLS)
+    tools.write_text(TOOLS_YAML)
+    mt = f"{A}.rollout.multi_turn"
+    stops = list(range(40, 70))  # 30 of the tokenizer's 100 text ids: turns of a few tokens
+    run_dir, rows, wall = train(sizes, out, "grpo_tools", [
+        f"{mt}.enable=true", f"{mt}.format=hermes", f"{mt}.tool_config_path={tools}",
+        f"{mt}.max_assistant_turns=2", f"{A}.rollout.check_logprobs=true",
+        f"{A}.rollout.stop_token_ids=[{','.join(map(str, stops))}]"],
+        2, response_len=max(sizes.response_len, 128), wrapper=wrapper)
+    keys = ("multi_turn/assistant_turns/mean", "multi_turn/tool_calls/mean",
+            "multi_turn/tool_errors/mean", "multi_turn/appended_tokens/mean",
+            "multi_turn/generated_tokens/mean", "multi_turn/truncated_ratio",
+            "multi_turn/sanity_mismatch_ratio", "num_turns/mean", "response_length/mean",
+            "rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max")
+    res = {"ran": check_ran(run_dir, engine="torch", backend="torch", dtype=sizes.dtype,
+                            device=sizes.device), **timings(rows, wall),
+           "metrics": [{k: r.get(k) for k in keys} for r in rows]}
+    bound = gap_bound(sizes, out)
+    res["gap_bound"] = bound
+    for r in rows:
+        missing = [k for k in keys if not isinstance(r.get(k), (int, float))
+                   or not math.isfinite(r[k])]
+        require(not missing, f"step {r['step']}: missing or non-finite {missing}", res)
+        require(r["multi_turn/tool_errors/mean"] == 0, f"tool errors at step {r['step']}", res)
+        require(r["multi_turn/tool_calls/mean"] > 0 and r["multi_turn/appended_tokens/mean"] > 0,
+                f"step {r['step']}: no tool call reached the trajectories", res)
+        require(r["multi_turn/assistant_turns/mean"] > 1, f"step {r['step']}: one assistant "
+                "turn per trajectory (no turn after the tool's answer)", res)
+        require(r["rollout/logprob_abs_diff_mean"] <= bound, f"step {r['step']}: engine-vs-"
+                f"trainer logprob gap {r['rollout/logprob_abs_diff_mean']:.3g} on the model's "
+                f"tokens > {bound:.3g}", res)
+        total = r["multi_turn/generated_tokens/mean"] + r["multi_turn/appended_tokens/mean"]
+        require(abs(r["response_length/mean"] - total) <= 1e-6 * max(total, 1.0),
+                f"step {r['step']}: response length {r['response_length/mean']} != generated + "
+                f"appended tokens {total}", res)
+    return res
