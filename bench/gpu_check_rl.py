@@ -10,7 +10,8 @@ check's random model, each checked from the run's own outputs (metrics.jsonl, ex
   base plus (alpha / r) B A in float64 with every other tensor bit for bit the base's (the base
   weights were not trained); PEFT's own merge of the exported adapter folder equals it (when
   peft is installed: ``make gpu-wheels`` carries it).
-- ``grpo_tools``: multi-turn GRPO with the calculator tool (hermes format), 2 steps. The random
+- ``grpo_tools``: the ``grpo_tools`` recipe (multi-turn GRPO with configs/tools/calculator.yml,
+  hermes format), 2 steps, at most 2 assistant turns. The random
   policy writes no tool calls, so in the training process every assistant turn is read as one
   call to the calculator (the parser is replaced; the tool, the agent loop, the chat-template
   rendering of the tool turn, the masks and the update run as they are) and turns end on a
@@ -50,20 +51,16 @@ register_tool_parser("hermes", EveryTurnCalls)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-TOOLS_YAML = """tools:
-- class_name: megarl.rollout.agent.tools.CalculatorTool
-  config: {type: native}
-"""
 
 
 def train(sizes: Sizes, out: Path, name: str, overrides: list[str], steps: int,
           strategy: str = "torch", lr: float = 1e-6, response_len: int | None = None,
-          wrapper: Path | None = None) -> tuple[Path, list[dict], float]:
-    """``launch/train.py --config grpo`` on the check's model and prompts; (run folder, the
+          wrapper: Path | None = None, config: str = "grpo") -> tuple[Path, list[dict], float]:
+    """``launch/train.py --config CONFIG`` on the check's model and prompts; (run folder, the
     training steps' metric rows, wall seconds). Every step logged, finite loss and gradient."""
     run_dir = work_dir(out) / name
     cmd = [sys.executable, *([str(wrapper)] if wrapper else []), str(REPO / "launch" / "train.py"),
-           "--config", "grpo",
+           "--config", config,
            f"{M}.path={model_dir(out)}",
            f"data.train_files={work_dir(out) / 'train.parquet'}", "data.val_files=null",
            f"data.train_batch_size={sizes.prompts}", "data.max_prompt_length=64",
@@ -243,16 +240,14 @@ def merge_error(state: dict, base: dict, adapter: dict, adapted: set[str],
 
 def step_grpo_tools(sizes: Sizes, out: Path) -> dict:
     """2 multi-turn GRPO steps with the calculator (every turn read as one call)."""
-    wrapper, tools = work_dir(out) / "every_turn_calls.py", work_dir(out) / "tools.yaml"
+    wrapper = work_dir(out) / "every_turn_calls.py"
     wrapper.write_text(EVERY_TURN_CALLS)
-    tools.write_text(TOOLS_YAML)
     mt = f"{A}.rollout.multi_turn"
     stops = list(range(40, 70))  # 30 of the tokenizer's 100 text ids: turns of a few tokens
     run_dir, rows, wall = train(sizes, out, "grpo_tools", [
-        f"{mt}.enable=true", f"{mt}.format=hermes", f"{mt}.tool_config_path={tools}",
         f"{mt}.max_assistant_turns=2", f"{A}.rollout.check_logprobs=true",
         f"{A}.rollout.stop_token_ids=[{','.join(map(str, stops))}]"],
-        2, response_len=max(sizes.response_len, 128), wrapper=wrapper)
+        2, response_len=max(sizes.response_len, 128), wrapper=wrapper, config="grpo_tools")
     keys = ("multi_turn/assistant_turns/mean", "multi_turn/tool_calls/mean",
             "multi_turn/tool_errors/mean", "multi_turn/appended_tokens/mean",
             "multi_turn/generated_tokens/mean", "multi_turn/truncated_ratio",
