@@ -72,13 +72,18 @@ KEY_ALIASES: list[tuple[str, str]] = [
 _ABSENT = object()
 
 
-def _get(tree: dict, path: str) -> Any:
+def get_path(tree: dict, path: str, default: Any = None) -> Any:
+    """``tree[a][b][c]`` for ``path`` = "a.b.c"; ``default`` where a level is missing."""
     node: Any = tree
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
-            return _ABSENT
+            return default
         node = node[part]
     return node
+
+
+def _get(tree: dict, path: str) -> Any:
+    return get_path(tree, path, _ABSENT)
 
 
 def _pop(tree: dict, path: str) -> Any:

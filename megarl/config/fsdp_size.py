@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.config.aliases import set_path
-from megarl.config.global_micro import _get
+from megarl.config.aliases import get_path, set_path
 from megarl.config.provenance import Sources
 
 _ARR = "actor_rollout_ref"
@@ -36,7 +35,7 @@ def convert(values: dict[str, tuple[Any, str]], tree: dict, raw: dict,
     the ones handled are removed) into ``tree`` (the resolved config) and ``raw`` (the user's
     layers merged); returns the problems, one line each."""
     problems: list[str] = []
-    sizes = [_get(tree, k) for k in ("launch.nnodes", "launch.nproc_per_node")]
+    sizes = [get_path(tree, k) for k in ("launch.nnodes", "launch.nproc_per_node")]
     world = sizes[0] * sizes[1] if all(
         isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes) else None
     for key in [k for k in FSDP_SIZE if k in values]:
@@ -50,7 +49,7 @@ def convert(values: dict[str, tuple[Any, str]], tree: dict, raw: dict,
         if world is None:
             continue  # the world size itself is reported by the validation
         shard = shard_of(value, world)
-        own = _get(raw, target)
+        own = get_path(raw, target)
         if own is not None and value == -1:
             continue  # verl's default says nothing next to megarl's own key
         if own is not None and own != shard:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.config.aliases import set_path
+from megarl.config.aliases import get_path, set_path
 from megarl.config.provenance import Sources
 
 _ARR = "actor_rollout_ref"
@@ -35,21 +35,12 @@ GLOBAL_MICRO: dict[str, tuple[str, str]] = {
 _VERL_PER_GPU = {"critic.forward_micro_batch_size": "critic.forward_micro_batch_size_per_gpu"}
 
 
-def _get(tree: dict, dotted: str) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def data_parallel_size(tree: dict, layout: str) -> tuple[int, str] | None:
     """(data-parallel size, how it was counted) of the layout at ``layout`` (a dotted
     ``*.parallel`` key) in the resolved config ``tree``; None when the sizes are not positive
     integers or do not divide the world (the layout check reports that)."""
-    sizes = [_get(tree, k) for k in ("launch.nnodes", "launch.nproc_per_node")]
-    sizes += [_get(tree, f"{layout}.{k}") for k in (
+    sizes = [get_path(tree, k) for k in ("launch.nnodes", "launch.nproc_per_node")]
+    sizes += [get_path(tree, f"{layout}.{k}") for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size",
         "ulysses_sequence_parallel_size")]
     if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
@@ -76,7 +67,7 @@ def convert(values: dict[str, tuple[Any, str]], tree: dict, raw: dict,
             continue  # verl's default: unset
         target, layout = GLOBAL_MICRO[key]
         said = f"{key}={value!r} (from {source})"
-        own = None if target in chosen else _get(raw, target)  # set by the user, not by us
+        own = None if target in chosen else get_path(raw, target)  # set by the user, not by us
         if own is not None:
             spelled = _VERL_PER_GPU.get(key, target)
             problems.append(

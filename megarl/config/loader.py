@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config import fsdp_size, global_micro
-from megarl.config.aliases import canonical_keys, set_path
+from megarl.config.aliases import canonical_keys, get_path, set_path
 from megarl.config.errors import ConfigError
 from megarl.config.keys import canonical_path, schema_problem
 from megarl.config.provenance import Resolved, Sources, remember, walk
@@ -213,15 +213,6 @@ def _canonical(layer: dict, source: str) -> dict:
     return canonical_keys(apply_verl_mappings(layer, source), source)
 
 
-def _lookup(tree: dict, dotted: str) -> Any:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def _demo_decision(files: list[tuple[str, dict]], over: dict, deletions: list[str],
                    demo: bool | None, have_overlay: bool) -> tuple[bool, str]:
     """(apply the demo overlay?, why) from the policy path every file and override gives."""
@@ -235,7 +226,7 @@ def _demo_decision(files: list[tuple[str, dict]], over: dict, deletions: list[st
         raw = _merge(raw, layer)
     if key in deletions:
         _delete(raw, key)
-    path = _lookup(_merge(raw, over), key)
+    path = get_path(_merge(raw, over), key)
     if path is None:
         return True, f"{key} is not set: the embedded CPU demo"
     if isinstance(path, str) and path.startswith(EMBEDDED):
