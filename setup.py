@@ -57,7 +57,8 @@ EXTRAS = {
 
 
 class BuildWithRecipes(build_py):
-    """Also copies the recipes (configs/*.yaml, configs/*/*.yaml, configs/README.md) into the
+    """Also copies the recipes (configs/*.yaml, configs/*/*.yaml, the tool files
+    configs/tools/*.yml, configs/README.md) into the
     built package as megarl/configs, where ``megarl.config.config_dir()`` finds them after a
     non-editable install (``pip install .``). A checkout or an editable install reads configs/
     of the source tree instead; configs/ stays the one copy to edit."""
@@ -69,7 +70,7 @@ class BuildWithRecipes(build_py):
         src, dst = HERE / "configs", Path(self.build_lib) / "megarl" / "configs"
         if dst.exists():
             shutil.rmtree(dst)
-        for path in [*src.rglob("*.yaml"), src / "README.md"]:
+        for path in [*src.rglob("*.yaml"), *src.rglob("*.yml"), src / "README.md"]:
             out = dst / path.relative_to(src)
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, out)
