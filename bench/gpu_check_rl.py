@@ -192,14 +192,14 @@ def check_lora_export(sizes: Sizes, out: Path, run_dir: Path) -> dict:
             f"{layers} layers is {7 * layers}")
     b_norm = sum(float(t.float().norm()) for k, t in adapter.items() if ".lora_B." in k)
     require(b_norm > 0, "every lora_B is zero: the adapters did not train")
-    worst, untouched = merge_error(exported, base, adapter, adapted, "hf_actor")
+    worst, untouched = merge_error(exported, base, adapter, adapted, "hf_actor", sizes.device)
     res = {"adapted_modules": len(adapted), "untouched_tensors": untouched,
            "merge_err_eps": worst, "lora_B_norm": round(b_norm, 4),
            "exported_dtype": str(next(iter(exported.values())).dtype)}
     try:
         import peft
-    except ImportError:
-        return {**res, "peft": "not installed: PEFT's merge not compared"}
+    except Exception as err:  # not installed, or not importable beside this transformers
+        return {**res, "peft": f"not usable ({type(err).__name__}: {err}): merge not compared"}
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -207,15 +207,16 @@ def check_lora_export(sizes: Sizes, out: Path, run_dir: Path) -> dict:
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir(out), dtype=dtype)
     merged = peft.PeftModel.from_pretrained(hf.to(sizes.device), run_dir / "lora_adapter")
     state = {k: v.cpu() for k, v in merged.merge_and_unload().state_dict().items() if k in base}
-    peft_worst, _ = merge_error(state, base, adapter, adapted, "PEFT's merge")
+    peft_worst, _ = merge_error(state, base, adapter, adapted, "PEFT's merge", sizes.device)
     return {**res, "peft": peft.__version__, "peft_merge_err_eps": peft_worst}
 
 
-def merge_error(state: dict, base: dict, adapter: dict, adapted: set[str],
-                what: str) -> tuple[float, int]:
+def merge_error(state: dict, base: dict, adapter: dict, adapted: set[str], what: str,
+                device: str) -> tuple[float, int]:
     """(the largest error of ``state``'s adapted weights from base + (alpha / r) B A in float64,
     in units of its dtype's eps times the element's scale: one rounding of the result plus the
-    rank's sums of products; the tensors no adapter touches, which must equal the base's)."""
+    rank's sums of products; the tensors no adapter touches, which must equal the base's).
+    The float64 arithmetic runs on ``device`` (seconds on the CPU at the GPU model's size)."""
     import torch
 
     worst, untouched = 0.0, 0
@@ -227,11 +228,12 @@ def merge_error(state: dict, base: dict, adapter: dict, adapted: set[str],
                     "(the base weights were trained)")
             untouched += 1
             continue
-        a = adapter[f"base_model.model.{module}.lora_A.weight"].double()
-        b = adapter[f"base_model.model.{module}.lora_B.weight"].double()
-        want = t.double() + LORA_SCALE * (b @ a)
+        a = adapter[f"base_model.model.{module}.lora_A.weight"].to(device, torch.float64)
+        b = adapter[f"base_model.model.{module}.lora_B.weight"].to(device, torch.float64)
+        want = t.to(device, torch.float64) + LORA_SCALE * (b @ a)
         scale = want.abs() + (a.shape[0] + 1) * LORA_SCALE * (b.abs() @ a.abs()) + 1e-30
-        err = float(((got.double() - want).abs() / scale).max()) / torch.finfo(got.dtype).eps
+        err = float(((got.to(device, torch.float64) - want).abs() / scale).max())
+        err /= torch.finfo(got.dtype).eps
         worst = max(worst, err)
         require(err <= 1.0, f"{what}: {name} is off base + (alpha/r) B A by {err:.3g} eps of "
                 f"{got.dtype} (bound 1): the merged weights are wrong")
