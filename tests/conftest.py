@@ -56,10 +56,15 @@ def _vllm_must_run() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """A test that needs the trained demo assets (the ``demo_assets`` fixture: minutes to build
-    on a fresh clone) is end-to-end: marked ``e2e``, left out of `make test-fast`."""
+    on a fresh clone) is end-to-end: marked ``e2e``, left out of `make test-fast`.
+
+    Tests marked ``slow`` (learning runs of minutes each) go first, the rest keep their order:
+    under ``-n 2`` the workers start on the longest tests and fill the end with short ones,
+    instead of one worker running a learning test alone at the end."""
     for item in items:
         if "demo_assets" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_runtest_setup(item):

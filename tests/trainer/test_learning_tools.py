@@ -9,13 +9,12 @@ held-out trajectories must call the calculator (counted in the validation dump: 
 calls it when its text holds a <tool_call> block answered by a tool turn). The last training
 step's multi_turn/tool_calls/mean must be above 0.5 and its tool_error_ratio below 0.1.
 
-Measured (2-core box shared with other jobs, one process, policy_tools built with 1 thread: 620
-SFT steps, held-out 27.8%): 27.8% -> 32.6% (step 10) -> 33.8% (step 20), +6.0 points; every
-held-out trajectory calls the calculator at steps 0, 10 and 20 (at step 20 on the first 2
-operations in 35% of them, from 0% at step 0); training steps 1.0 calls per trajectory, 0.8%
-erroneous; 278 s in all (8-19 s per step). The margin over the bar is one point (a 500-problem
-evaluation moves by ~3 between readings). Policies that still misread the tool's answer do not
-learn in 20 steps: from 8.8% -> 9.6, from 18.0% -> 11.6 (docs/demo.md).
+Measured (2-core Intel Xeon, one process, nothing else running; policy_tools as make assets
+builds it, 2 threads: 920 SFT steps, held-out 31.0%): 31.0% -> 43.6% (step 10) -> 45.4% (step
+20), +14.4 points, 162 s; 1.0 calculator call per training trajectory at steps 1 and 20,
+erroneous calls 10.2% -> 1.6%. A 1-thread build (620 SFT steps, held-out 27.8%) gained +6.0.
+Policies that still misread the tool's answer do not learn in 20 steps: from 8.8% -> 9.6, from
+18.0% -> 11.6 (docs/demo.md).
 """
 
 from __future__ import annotations

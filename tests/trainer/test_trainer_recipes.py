@@ -4,7 +4,7 @@ alternating backends (`_cases`), from a plain ``python launch/train.py`` (a worl
 in-process executor, no RANK in the environment). With
 vLLM the step-1 gap between its logprobs and the trainer's recomputation is logged and within
 the fp32 gap of two forwards that tests/fp32_bounds.py derives from the policy (5.3e-4 over the
-step's 768 response tokens at most, divided by the rollout temperature, 1.0 in the demo;
+step's 768 response tokens at most (16 x 48; grpo_tools 16 x 128), divided by the rollout temperature, 1.0 in the demo;
 measured ~2e-5 to 4e-5 on an AMD EPYC, 2.5x under the former constant 1e-4; 3.3e-6 (grpo) and
 2.4e-6 (pure_prm_vr) on an Intel Xeon). Planted: vLLM serving bf16 weights (dtype bf16 for the
 engine only, vllm/engine.py): 0.084 (grpo, Intel Xeon), fails. With asynchronous rollout
@@ -20,8 +20,15 @@ import pytest
 from fp32_bounds import fp32_gap_bound
 from trainer_helpers import REPO, train, train_rows
 
-RECIPES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "base")
-RESPONSE_TOKENS = 16 * 48  # trainer_helpers.FAST: 4 prompts x 4 responses of 48 tokens at most
+# grpo_tools (multi-turn) runs once, on megatron with our engine: multi-turn with vLLM, with
+# asynchronous rollout and on the torch backend have their own trainer tests
+# (tests/trainer/test_multi_turn_*.py)
+MULTI_TURN = ("grpo_tools",)
+RECIPES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml")
+                 if p.stem != "base" and p.stem not in MULTI_TURN)
+RESPONSES = 16  # trainer_helpers.FAST: 4 prompts x 4 responses
+# multi-turn: room for a tool call (72 tokens) and the answer after the tool's turn
+RESPONSE_LENGTH = {"grpo_tools": 128}
 
 
 ENGINES = {
@@ -50,13 +57,14 @@ def _cases() -> list:
                                   id=f"{recipe}-{vllm_backend}-vllm"))
         cases.append(pytest.param(recipe, async_backend, "async1",
                                   id=f"{recipe}-{async_backend}-async1"))
+    cases += [pytest.param(r, "megatron", "torch", id=f"{r}-megatron-torch") for r in MULTI_TURN]
     return cases
 
 
 def test_the_cover_pairs_every_recipe_backend_and_engine():
     """Every (recipe, engine), (backend, engine) and (recipe, backend) pair of the full product
     appears in `_cases()`."""
-    cases = [tuple(c.values) for c in _cases()]
+    cases = [tuple(c.values) for c in _cases() if c.values[0] not in MULTI_TURN]
     engines = ENGINES.keys()
     assert {(r, e) for r, _, e in cases} == {(r, e) for r in RECIPES for e in engines}
     assert {(b, e) for _, b, e in cases} == {(b, e) for b in BACKENDS for e in engines}
@@ -69,6 +77,8 @@ def test_recipe_runs_two_steps(tmp_path, demo_assets, recipe, backend, engine):
                  *ENGINES[engine]]
     if recipe == "ppo":
         overrides.append(f"critic.strategy={backend}")
+    if recipe in RESPONSE_LENGTH:
+        overrides.append(f"data.max_response_length={RESPONSE_LENGTH[recipe]}")
     train(tmp_path, recipe, *overrides)
     rows = train_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
@@ -82,6 +92,8 @@ def test_recipe_runs_two_steps(tmp_path, demo_assets, recipe, backend, engine):
         assert "critic/outcome_reward/mean" in rows[-1]
     if recipe == "pacs":
         assert "actor/pacs_loss" in rows[-1]
+    if recipe == "grpo_tools":  # the policy called the calculator through the agent loop
+        assert all(r["multi_turn/tool_calls/mean"] > 0 for r in rows), rows
     if engine == "vllm":
         import yaml
 
@@ -89,7 +101,9 @@ def test_recipe_runs_two_steps(tmp_path, demo_assets, recipe, backend, engine):
 
         cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
         temperature = cfg["actor_rollout_ref"]["rollout"]["temperature"]  # 0.5 for PURE
-        bound = fp32_gap_bound(resolve_uri("embedded://policy"), RESPONSE_TOKENS, temperature)
+        tokens = RESPONSES * cfg["data"]["max_response_length"]
+        bound = fp32_gap_bound(resolve_uri(cfg["actor_rollout_ref"]["model"]["path"]), tokens,
+                               temperature)
         gap = rows[0]["rollout/logprob_abs_diff_max"]
         assert gap <= bound, (gap, bound)
     if engine == "async1":
