@@ -108,7 +108,7 @@ def train_sft(
     fine_from_acc: float | None = None,
     buckets: Sequence[int] | None = None,
     log: Callable[[str], None] | None = None,
-    batch_fn: Callable = sft_batch,
+    batch_fn: Callable | None = None,
 ) -> SFTResult:
     """AdamW on the response tokens (loss = mean token cross-entropy), lr warmup then constant.
 
@@ -118,9 +118,10 @@ def train_sft(
     it can go 8% -> 75% within 200 steps). Training stops at the first eval result >= ``stop_at``.
     buckets: a bucket id per example (e.g. the number of operations); each batch is drawn from
     one bucket, chosen with probability proportional to its size (same mix, no padding waste).
-    batch_fn(examples, pad_id) -> (ids [B, T], labels [B, T]): `sft_batch`, or another
+    batch_fn(examples, pad_id) -> (ids [B, T], labels [B, T]): None = `sft_batch`, or another
     labelling of the same shape (the tool traces' `megarl.demo.tool_sft.tool_sft_batch`).
     """
+    batch_fn = batch_fn or sft_batch
     rng = np.random.Generator(np.random.PCG64(seed))
     groups = None
     if buckets is not None:
