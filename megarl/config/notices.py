@@ -143,6 +143,12 @@ def _all_notices(cfg: Config) -> list[str]:
             "actor_rollout_ref.model.use_remove_padding", False,
             "the backends always pack a micro-batch's sequences into one row without padding "
             "(segment ids keep them apart); the results equal a padded forward's"))
+    if arr.rollout.n == 1 and cfg.algorithm.adv_estimator == "grpo" and not cfg.pacs.enable:
+        out.append(_caveat(
+            "actor_rollout_ref.rollout.n", 1,
+            "with algorithm.adv_estimator=grpo each group holds one response, so its advantage "
+            "is its own score (verl's rule for a group of one: mean 0, std 1), a policy "
+            "gradient without a baseline; set rollout.n >= 2 for GRPO's group baseline"))
     if not t.balance_batch:
         out.append(_line(
             "trainer.balance_batch", False,

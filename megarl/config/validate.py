@@ -330,7 +330,9 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
                f"temperature must be > 0, got {ca!r}; use a float T > 0 (PURE: 0.1), 'min' or 'sum'")
 
     if rollout.n < 2:
-        if "groups" in needs and not pacs.enable:
+        # grpo's singleton group has mean 0 and std 1 (verl's rule): the advantage is the score
+        # itself, said at start-up (notices.py)
+        if "groups" in needs and not pacs.enable and est != "grpo":
             c.fail(("actor_rollout_ref.rollout.n", "algorithm.adv_estimator"),
                    f"{rollout.n} < 2 but algorithm.adv_estimator={est} compares the responses of one "
                    f"prompt; set actor_rollout_ref.rollout.n >= 2")

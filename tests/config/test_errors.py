@@ -149,7 +149,7 @@ def test_blank_reward_manager_without_prm(minimal):
     assert "nothing would produce a reward" in msg and "reward_model.enable" in msg
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "grpo_passk", "pure_rloo"])
+@pytest.mark.parametrize("estimator", ["rloo", "grpo_passk", "pure_rloo"])
 def test_group_estimators_need_n_at_least_2(minimal, estimator):
     msg = one_error(minimal, [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=1"])
     assert msg.startswith("actor_rollout_ref.rollout.n: 1 < 2")
@@ -159,6 +159,18 @@ def test_group_estimators_need_n_at_least_2(minimal, estimator):
 def test_pacs_needs_n_at_least_2(minimal):
     msg = one_error(minimal, ["pacs.enable=true", "actor_rollout_ref.rollout.n=1"])
     assert msg.startswith("actor_rollout_ref.rollout.n: 1 < 2") and "PACS" in msg
+
+
+def test_grpo_with_n1_runs_as_verl_with_a_notice(minimal):
+    """verl's GRPO gives a group of one mean 0 and std 1 (its tuning scripts use n=1): the
+    advantage is the score. Accepted, and said at start-up."""
+    from megarl.config.notices import startup_notices
+
+    cfg = load_config(minimal, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"])
+    lines = [n for n in startup_notices(cfg) if n.startswith("actor_rollout_ref.rollout.n=1")]
+    assert len(lines) == 1 and "its advantage is its own score" in lines[0]
+    two = load_config(minimal, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"])
+    assert not [n for n in startup_notices(two) if n.startswith("actor_rollout_ref.rollout.n=")]
 
 
 def test_n1_is_fine_for_reinforce_plus_plus(minimal):

@@ -313,6 +313,7 @@ def test_to_dict_is_plain(base):
 def test_validate_python_built_config(base):
     cfg = dataclasses.replace(load_config(base))
     cfg.actor_rollout_ref.rollout.n = 1
+    cfg.algorithm.adv_estimator = "rloo"
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.rollout.n: 1 < 2"):
         validate(cfg)
     cfg.actor_rollout_ref.rollout.n = 2
