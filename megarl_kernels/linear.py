@@ -152,3 +152,34 @@ def linear_logprob_entropy(
     chunks = normalize_chunk(chunk_size)
     name = _dispatch.resolve(impl, hidden.device)
     return LinearLogprobEntropy.apply(hidden, weight, labels, float(temperature), tp_group, name, chunks)
+
+
+@torch.no_grad()
+def linear_logprob_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    tp_group=None,
+    *,
+    impl: str = "auto",
+    chunk_size: int | tuple[int | None, int | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_logprob_entropy``'s outputs plus ``sum_v p_v^2`` per token, without gradient.
+
+    Same arguments and tensor-parallel contract as ``linear_logprob_entropy``. Returns
+    ``(logprob [T], entropy [T], sum_pi_squared [T])`` float32, the last being the sum over the
+    whole vocabulary (all TP ranks) of the squared probabilities of
+    ``softmax(hidden @ weight.T / temperature)`` (in (0, 1]; the Optimal Token Baseline's
+    ``sum pi^2``). A second sweep over the local weight shard, given the first's log-sum-exp,
+    computes it; memory stays that of one tile.
+    """
+    chunks = normalize_chunk(chunk_size)
+    vocab_start, _ = check_inputs(hidden, weight, labels, temperature, tp_group)
+    impl_mod = _dispatch.load(_dispatch.resolve(impl, hidden.device))
+    inv_temp = 1.0 / float(temperature)
+    logprob, entropy, lse = local_stats(
+        impl_mod, hidden, weight, labels.long() - vocab_start, inv_temp, chunks, tp_group
+    )
+    sq = impl_mod.sum_sq_probs(hidden, weight, lse.contiguous(), inv_temp, *chunks)
+    return logprob, entropy, all_reduce_sum_(sq, tp_group)

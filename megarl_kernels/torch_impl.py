@@ -281,3 +281,30 @@ def fused_single_pass(
     if dh is not None:
         all_reduce_sum_(dh, tp_group)
     return logprob, entropy, dh, dw
+
+
+def sum_sq_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    lse: torch.Tensor,
+    inv_temp: float,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> torch.Tensor:
+    """``sum_v p_v^2`` over this weight shard's vocabulary, float32 ``[T]``, where
+    ``p_v = exp(z_v - lse)`` and ``lse`` [T] is the log-sum-exp over the whole (all TP ranks')
+    vocabulary. Each term is ``exp(2 (z_v - lse)) <= 1``: no rescaling is needed. No gradient."""
+    n_tok, n_voc = hidden.shape[0], weight.shape[0]
+    tc, vc = _chunks(token_chunk, vocab_chunk)
+    h = _scaled_hidden(hidden, inv_temp)
+    out = torch.zeros(n_tok, dtype=torch.float32, device=hidden.device)
+    buf = torch.empty(min(tc, n_tok) * min(vc, n_voc), dtype=torch.float32, device=hidden.device)
+    for v0 in range(0, n_voc, vc):
+        v1 = min(v0 + vc, n_voc)
+        w = weight[v0:v1].float()
+        for t0 in range(0, n_tok, tc):
+            t1 = min(t0 + tc, n_tok)
+            z = buf[: (t1 - t0) * (v1 - v0)].view(t1 - t0, v1 - v0)
+            torch.mm(h[t0:t1], w.t(), out=z)
+            out[t0:t1] += z.sub_(lse[t0:t1, None]).mul_(2.0).exp_().sum(dim=1)
+    return out

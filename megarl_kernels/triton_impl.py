@@ -166,6 +166,29 @@ def _bwd_kernel(h_ptr, w_ptr, lab_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dh_p
                           mask=mask_v[:, None] & mask_h[None, :])
 
 
+@triton.jit
+def _sq_kernel(h_ptr, w_ptr, lse_ptr, q_ptr, T, V, H, stride_h, stride_w, inv_temp,
+               tiles_per_prog, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+               BLOCK_H: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Partial ``sum_v exp(2 (z_v - lse))`` of one vocabulary split, ``lse`` the global one."""
+    pid_t = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+    q = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    first = pid_v * tiles_per_prog
+    last = tl.minimum(first + tiles_per_prog, tl.cdiv(V, BLOCK_V))
+    for vt in range(first, last):
+        offs_v = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < V
+        z = _logits_tile(h_ptr, w_ptr, offs_t, offs_v, mask_t, mask_v, H, stride_h, stride_w,
+                         BLOCK_T, BLOCK_V, BLOCK_H, UPCAST, IEEE) * inv_temp
+        p2 = tl.exp(2.0 * (z - lse[:, None]))
+        q += tl.sum(tl.where(mask_t[:, None] & mask_v[None, :], p2, 0.0), axis=1)
+    tl.store(q_ptr + pid_v * T + offs_t, q, mask=mask_t)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -259,3 +282,26 @@ def backward_grads(hidden, weight, labels, lse, entropy, glp, gent, inv_temp, ne
         if dw is not None and dw.dtype != torch.float32:
             dw[v0:v1].copy_(dw_part)
     return dh, dw
+
+
+def sum_sq_probs(hidden, weight, lse, inv_temp, token_chunk=None, vocab_chunk=None):
+    """Same contract as ``torch_impl.sum_sq_probs``: float32 ``[T]`` sum of ``p_v^2`` over this
+    shard's vocabulary given the global ``lse`` [T] (P vocabulary splits, summed here)."""
+    h, w = hidden.contiguous(), weight.contiguous()
+    n_tok, hid = h.shape
+    n_voc = w.shape[0]
+    if n_tok == 0:
+        return torch.zeros(0, dtype=torch.float32, device=h.device)
+    bt, bv, bh = _blocks("fwd", n_tok, n_voc, hid)
+    n_tblocks, n_vtiles = triton.cdiv(n_tok, bt), triton.cdiv(n_voc, bv)
+    splits = max(1, min(n_vtiles, triton.cdiv(_target_programs(h.device), n_tblocks)))
+    tiles_per_prog = triton.cdiv(n_vtiles, splits)
+    splits = triton.cdiv(n_vtiles, tiles_per_prog)
+    out = torch.empty((splits, n_tok), dtype=torch.float32, device=h.device)
+    _sq_kernel[(n_tblocks, splits)](
+        h, w, lse.float().contiguous(), out, n_tok, n_voc, hid, h.stride(0), w.stride(0),
+        float(inv_temp), tiles_per_prog,
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, UPCAST=UPCAST, IEEE=_ieee(h, w),
+        **({} if UPCAST else {"num_warps": GPU_NUM_WARPS}),
+    )
+    return out.sum(dim=0)

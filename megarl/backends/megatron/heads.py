@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from megarl.backends.megatron.batching import MicroBatch
+from megarl.backends.protocol import SequenceBatch
 
 logger = logging.getLogger(__name__)
 _KERNEL_WARNED = False
@@ -65,6 +67,41 @@ def torch_logprob_entropy(
         sum_ez = tensor_parallel.reduce_from_tensor_model_parallel_region(sum_ez, group=tp_group)
     entropy = sum_e.log() - sum_ez / sum_e
     return logprob, entropy
+
+
+def torch_sum_pi_squared(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """[N] float32 ``sum_v softmax(hidden @ weight.T / temperature)_v^2`` with the vocabulary
+    split over ``tp_group`` (``weight`` this rank's [V/tp, H] shard): each rank sums its shard's
+    ``exp(2 (z - lse))`` with the global log-sum-exp, then the shards' sums are added. No
+    gradient; materialises [N, V/tp] logits."""
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    with torch.no_grad():
+        logits = (hidden @ weight.t()).float() / temperature
+        row_max = logits.max(-1).values
+        if tp > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        shifted = logits - row_max[:, None]
+        sum_e = shifted.exp().sum(-1)
+        if tp > 1:
+            dist.all_reduce(sum_e, group=tp_group)
+        sq = torch.exp(2.0 * (shifted - sum_e.log()[:, None])).sum(-1)
+        if tp > 1:
+            dist.all_reduce(sq, group=tp_group)
+    return sq
+
+
+def kernel_logprob_stats():
+    """``megarl_kernels.linear_logprob_stats`` when importable, else None."""
+    try:
+        from megarl_kernels import linear_logprob_stats
+    except ImportError:
+        return None
+    return linear_logprob_stats
 
 
 def kernel_logprob_entropy():
@@ -116,6 +153,7 @@ class MegatronHeadOutputs:
         self.scores = scores
         self._use_kernel = use_kernel
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sum_sq: torch.Tensor | None = None
 
     def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is None:
@@ -139,6 +177,26 @@ class MegatronHeadOutputs:
     @property
     def entropy(self) -> torch.Tensor:
         return self._compute()[1]
+
+    @property
+    def sum_pi_squared(self) -> torch.Tensor:
+        """[b, L] float32 ``sum_v pi_v^2`` at each response token's position (vocab-parallel:
+        summed over the TP shards), 0 outside the response; no gradient. Computed with the
+        logprob and entropy (cached for the other properties) by the kernel when in use."""
+        if self._sum_sq is None:
+            if self.hidden is None:
+                raise AttributeError("sum_pi_squared needs an LM head (actor or ref role)")
+            fn = kernel_logprob_stats() if self._use_kernel else None
+            if fn is not None:
+                lp, ent, sq = fn(self.hidden, self.weight, self.labels, self.temperature,
+                                 self.tp_group)
+                if self._cache is None:
+                    self._cache = (self._scatter(lp), self._scatter(ent))
+            else:
+                sq = torch_sum_pi_squared(self.hidden, self.weight, self.temperature,
+                                          self.tp_group)
+            self._sum_sq = self._scatter(sq)
+        return self._sum_sq
 
 
 def lm_outputs(
@@ -186,3 +244,21 @@ def value_outputs(
     s = score(picked).float()
     scores = s.new_zeros((b, L, s.shape[-1])).index_put((mb.cls_rows, mb.cls_resp_cols), s)
     return MegatronHeadOutputs(mb=mb, temperature=1.0, tp_group=tp_group, scores=scores)
+
+
+def logprob_stats_of(backend: Any, batch: SequenceBatch, temperature: float = 1.0
+                     ) -> dict[str, torch.Tensor]:
+    """No-grad ``logprob``, ``entropy`` and ``sum_pi_squared`` [B, L] float32 of ``batch``
+    under a `MegatronBackend` (actor / ref) in one forward: its ``logprobs`` pass with the sum
+    of the squared probabilities added (what ``algorithm.adv_estimator=optimal_token_baseline``
+    reads). Collective like ``logprobs``."""
+    if backend.role not in ("actor", "ref"):
+        raise TypeError(f"logprob_stats needs an LM head; this backend's role is "
+                        f"{backend.role!r}")
+
+    def collect(outputs: MegatronHeadOutputs) -> torch.Tensor:
+        sq = outputs.sum_pi_squared
+        return torch.stack([outputs.logprob, outputs.entropy, sq])
+
+    out = backend._forward_no_grad(batch, collect, temperature, width=3)
+    return {"logprob": out[0], "entropy": out[1], "sum_pi_squared": out[2]}

@@ -9,11 +9,14 @@ group itself; the weight shard gets its local gradient.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.backends.protocol import SequenceBatch
 from megarl.backends.torch.packing import Packed
 from megarl.backends.torch.ulysses import sum_over_group
 
@@ -74,6 +77,21 @@ def naive_logprob_entropy(
     return logprob, entropy
 
 
+def naive_sum_pi_squared(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """[N] float32 ``sum_v softmax(hidden @ weight.T / temperature)_v^2`` through full ``[N, V]``
+    float32 logits (the vocabulary gathered over ``tp_group``); no gradient."""
+    with torch.no_grad():
+        logits = (hidden.float() @ weight.float().t()) / temperature
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            logits = _GatherVocab.apply(logits, tp_group)
+        return torch.exp(2.0 * F.log_softmax(logits, dim=-1)).sum(-1)
+
+
 _KERNEL_MISSING_LOGGED = False
 
 
@@ -103,6 +121,32 @@ def logprob_entropy(
                 hidden, weight, labels, temperature, tp_group, impl=impl, chunk_size=chunk_size
             )
     return naive_logprob_entropy(hidden, weight, labels, temperature, tp_group)
+
+
+def logprob_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None,
+    *,
+    fused: bool = True,
+    impl: str = "auto",
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """No-grad (logprob [N], entropy [N], sum_pi_squared [N]) float32, by the implementation
+    `logprob_entropy` picks: ``megarl_kernels.linear_logprob_stats`` or the naive path."""
+    if fused:
+        try:
+            from megarl_kernels import linear_logprob_stats
+        except ImportError:
+            pass
+        else:
+            return linear_logprob_stats(hidden, weight, labels, temperature, tp_group, impl=impl,
+                                        chunk_size=chunk_size)
+    with torch.no_grad():
+        lp, ent = naive_logprob_entropy(hidden, weight, labels, temperature, tp_group)
+        return lp, ent, naive_sum_pi_squared(hidden, weight, temperature, tp_group)
 
 
 class TorchHeadOutputs:
@@ -142,6 +186,7 @@ class TorchHeadOutputs:
         self.values = sum_over_group(values, sp_group) if values is not None else None
         self._kernel = {"fused": fused, "impl": impl, "chunk_size": chunk_size}
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sum_sq: torch.Tensor | None = None
 
     def _compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cache is None:
@@ -168,6 +213,22 @@ class TorchHeadOutputs:
     def entropy(self) -> torch.Tensor:
         return self._compute()[1]
 
+    @property
+    def sum_pi_squared(self) -> torch.Tensor:
+        """[b, L] float32 ``sum_v pi_v^2`` of the policy at each response token's position
+        (the Optimal Token Baseline's input), 0 outside the response; no gradient. Computed
+        with the logprob and entropy in one call (they are cached for the other properties)."""
+        if self._sum_sq is None:
+            if self.hidden is None or self.weight is None:
+                raise AttributeError("sum_pi_squared needs an LM head (actor or ref role)")
+            lp, ent, sq = logprob_stats(self.hidden, self.weight, self.labels, self.temperature,
+                                        self.tp_group, **self._kernel)
+            if self._cache is None:
+                self._cache = (sum_over_group(self.scatter(lp), self.sp_group),
+                               sum_over_group(self.scatter(ent), self.sp_group))
+            self._sum_sq = sum_over_group(self.scatter(sq), self.sp_group)
+        return self._sum_sq
+
 
 def lm_outputs(
     hidden: torch.Tensor, packed: Packed, weight: torch.Tensor, **kwargs
@@ -191,3 +252,23 @@ def token_scores(logits: torch.Tensor, packed: Packed) -> torch.Tensor:
     s = logits[0].index_select(0, packed.cls_pos).float()
     out = s.new_zeros((packed.batch_size, packed.response_length, s.shape[-1]))
     return out.index_put((packed.cls_rows, packed.cls_cols), s)
+
+
+def logprob_stats_of(backend: Any, batch: SequenceBatch, temperature: float = 1.0,
+                     micro_batches: Sequence[Sequence[int]] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """No-grad ``logprob``, ``entropy`` and ``sum_pi_squared`` [B, L] float32 of ``batch``
+    under a `TorchBackend` (actor / ref) in one forward: its ``logprobs`` pass with the sum of
+    the squared probabilities added (what ``algorithm.adv_estimator=optimal_token_baseline``
+    reads). Collective like ``logprobs``; ``micro_batches`` as there."""
+    if backend.role not in ("actor", "ref"):
+        raise TypeError(f"logprob_stats needs an LM head; this backend's role is "
+                        f"{backend.role!r}")
+
+    def collect(out: torch.Tensor, p: Packed) -> torch.Tensor:
+        heads = backend._head_outputs(out, p, temperature)
+        sq = heads.sum_pi_squared
+        return torch.stack([heads.logprob, heads.entropy, sq], -1)
+
+    res = backend._forward_no_grad(batch, collect, 3, micro_batches)
+    return {"logprob": res[..., 0], "entropy": res[..., 1], "sum_pi_squared": res[..., 2]}
