@@ -19,6 +19,13 @@ its sequence shard's rows.
 `replay_metrics` measures what replay changes on a batch: the logprob gap to the engine had
 the trainer routed by its own routers, and the fraction of recorded routing decisions its
 routers would have flipped.
+
+R2 (``router_replay.mode=R2``, verl's meaning): the trainer's own old-logprob pass records the
+experts its routers choose (`record_logprobs`: the logprobs and, in the same forwards, the
+routing [B, P + L, n_sparse, k] in the ``routed_experts`` layout); the step's batch carries
+them to the update, whose forwards replay them (``router_replay`` on, as for R3). The policy
+gradient is then taken through the routing of the policy that computed the old logprobs, even
+after earlier mini-batches moved the routers. The reference routes by its own routers.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megarl.backends.protocol import SequenceBatch
 from megarl.backends.torch.packing import Packed, pack
@@ -96,9 +104,15 @@ def replay_routing(backend: Any, batch: SequenceBatch, p: Packed) -> torch.Tenso
     n_sparse, k] recorded experts when ``backend.router_replay`` is on and the batch carries
     ``routed_experts`` (under Ulysses this rank's sequence shard of them); None (the routers
     route) otherwise."""
+    recorder = getattr(backend, "_r2_recorder", None)
+    if recorder is not None:  # R2's recording pass (`record_logprobs`): the routers route
+        recorder.next_forward(batch)
+        return None
     if not backend.router_replay:
         return None
     if "routed_experts" not in batch.tensors:
+        if getattr(backend, "router_replay_mode", "R3") == "R2":
+            return None  # no recording pass ran: on-policy, the routers route as they would
         if batch.batch_size and not getattr(backend, "_warned_no_routing", False):
             logger.warning("%s: router_replay is on but a batch carries no routed_experts; its "
                            "forwards route with the current routers", backend.role)
@@ -157,3 +171,67 @@ def replay_metrics(backend: Any, batch: SequenceBatch, rollout_logprob: torch.Te
     flipped = (own.sort(-1).values != recorded.sort(-1).values).any(-1) & ran
     out["moe/replay_flipped_fraction"] = float(flipped.sum()) / max(int(ran.sum()), 1)
     return out
+
+
+class _PassRecorder(dict):
+    """`record_experts`' sink for a no-grad pass of several forwards: each forward's experts
+    ({layer index: [T, k]}) go to the piece `next_forward` announced before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[tuple[SequenceBatch, dict[int, torch.Tensor]]] = []
+
+    def next_forward(self, piece: SequenceBatch) -> None:
+        self.pieces.append((piece, {}))
+
+    def __setitem__(self, layer: int, experts: torch.Tensor) -> None:
+        self.pieces[-1][1][layer] = experts
+
+
+ROW_KEY = "_r2_row"  # the batch row of each row of a piece (`record_logprobs`)
+
+
+def record_logprobs(backend: Any, batch: SequenceBatch, temperature: float = 1.0,
+                    with_entropy: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """R2's old-logprob pass: ``backend.logprobs(batch, temperature, with_entropy)`` with the
+    routers routing (whatever ``routed_experts`` the batch carries is ignored), plus the experts
+    they chose in the same forwards: [B, P + L, n_sparse, k] int16 like ``routed_experts`` (-1
+    on padding), the update's replay targets. Collective like ``logprobs`` (every rank returns
+    the whole batch's routing); without pipeline parallelism or Ulysses."""
+    from megarl.backends.routing import check_r2_layout
+    from megarl.models.moe import moe_blocks, routing_dtype, sparse_layers, stack_layers
+
+    args = backend.model.args
+    check_r2_layout(args, pp=backend.layout.pp, sp=backend.layout.ulysses)
+    B, S = batch.input_ids.shape
+    tensors = {k: v for k, v in batch.tensors.items() if k != "routed_experts"}
+    tensors[ROW_KEY] = torch.arange(B)
+    tagged = SequenceBatch(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           response_length=batch.response_length, tensors=tensors)
+    recorder = _PassRecorder()
+    blocks = list(moe_blocks(backend.model).values())
+    backend._r2_recorder = recorder
+    for block in blocks:  # each block writes {its layer: experts [T, k]} of every forward
+        block.recorded = recorder
+    try:
+        lp, ent = backend.logprobs(tagged, temperature=temperature, with_entropy=with_entropy)
+    finally:
+        backend._r2_recorder = None
+        for block in blocks:
+            block.recorded = None
+    n, k = len(sparse_layers(args)), args.num_experts_per_tok
+    out = torch.full((B, S, n, k), -1, dtype=torch.long, device=backend.device)
+    for piece, chosen in recorder.pieces:
+        if not piece.batch_size:
+            continue
+        mask = piece.attention_mask.to(backend.device).bool()
+        real = stack_layers(chosen, args).long()[: int(mask.sum())]
+        rows = piece.tensors[ROW_KEY].to(backend.device)
+        sub = torch.full((piece.batch_size, S, n, k), -1, dtype=torch.long, device=backend.device)
+        sub[mask] = real
+        out[rows] = sub
+    if backend.dp_size > 1:  # each row was computed on one DP rank; -1 elsewhere
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=backend.dp_group)
+    return lp, ent, out.to(routing_dtype(args.num_experts)).cpu()
+
