@@ -210,10 +210,13 @@ def test_a_judge_that_never_finishes_times_out_naming_it(torch_judge):
     engine = HungEngine()
     judge = Judge(engine, torch_judge.tokenizer, load_template(TEMPLATE),
                   cfg_of(timeout_s=0.3, score_parse="score"), model_path="/models/judge-x")
+    safety = threading.Timer(10.0, engine.release.set)  # a judge without a bound still ends
+    safety.start()
     t0 = time.perf_counter()
     with pytest.raises(JudgeTimeoutError) as err:
         judge.score(["q", "q"], ["a", "b"])
     waited = time.perf_counter() - t0
+    safety.cancel()
     assert 0.3 <= waited < 3.0
     msg = str(err.value)
     for part in ("HungEngine", "/models/judge-x", "2 verdicts", "timeout_s=0.3"):
