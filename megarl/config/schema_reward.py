@@ -52,8 +52,18 @@ class CriticConfig:
 
 @dataclass
 class RewardModelModelConfig:
-    path: str | None = None  # PRM weights (token classification, 2 labels); required if enabled
+    # the reward model's HF folder; required if enabled: a *ForTokenClassification (2 labels) is
+    # PURE's process reward model, a *ForSequenceClassification (1 label, no bias: Skywork-Reward,
+    # FsfairX-LLaMA3-RM) an outcome reward model scoring whole responses (verl's reward model)
+    path: str | None = None
     dtype: Dtype | None = aliased(None, DTYPE_ALIASES)  # None = actor_rollout_ref.model.dtype
+    # which reward model path holds: auto = by its config.json architectures; prm | outcome must
+    # agree with them (a conflict is an error)
+    kind: Literal["auto", "prm", "outcome"] = "auto"
+    # outcome RM (verl): set = always decode the responses and re-render them with the RM's own
+    # chat template; None = re-render only when the RM's tokenizer (vocabulary or chat template)
+    # differs from the policy's, else the RM reads the policy's token ids
+    input_tokenizer: str | None = None
 
 
 @dataclass
@@ -86,19 +96,24 @@ CREDIT_ALIASES = {"strict min-form": "min", "gamma-decay": "sum"}
 
 @dataclass
 class RewardModelConfig:
-    """``reward_model``: the process reward model (PURE) and how verifiable rewards are computed.
+    """``reward_model``: the reward model (PURE's process reward model, or verl's outcome reward
+    model) and how verifiable rewards are computed.
 
     PURE modes: VR = enable false + reward_manager prime; PRM = enable true + blank;
-    PRM+VR = enable true + prime.
+    PRM+VR = enable true + prime. Outcome RM (verl): enable true with a sequence classifier; its
+    score is the training reward in place of the reward manager's (which is still logged).
     """
 
-    enable: bool = False  # run the PRM
+    enable: bool = False  # run the reward model (model.kind says which kind)
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     strategy: Strategy | None = aliased(None, STRATEGY_ALIASES)  # None = actor's
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size_per_gpu: int | None = None  # RESPONSES per PRM forward; iff not use_dynamic_bsz
     use_dynamic_bsz: bool | None = None  # None = actor's (verl); true wins over a micro size
     forward_max_token_len_per_gpu: int = 32768  # TOKENS per PRM micro-batch per rank
+    # TOKENS an outcome RM's re-rendered input keeps (cut at the right, as verl);
+    # None = data.max_prompt_length + data.max_response_length
+    max_length: int | None = None
     # naive: verifiable score as is; prime: PRIME/PURE math verifier (correct 1.0 else 0.0);
     # blank: no verifiable reward (all 0; PRM-only training)
     reward_manager: Literal["naive", "prime", "blank", "dapo"] = "naive"

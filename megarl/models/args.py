@@ -62,7 +62,9 @@ class ModelArgs:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     initializer_range: float = 0.02
     pad_token_id: int | None = None
-    token_classification_bias: bool = True  # `score` bias of *ForTokenClassification
+    # `score` bias: *ForTokenClassification has one, *ForSequenceClassification (outcome reward
+    # models: Skywork-Reward, FsfairX-LLaMA3-RM) has none
+    token_classification_bias: bool = True
     # Mixture of experts (num_experts == 0: every layer is the dense MLP above)
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k
@@ -199,10 +201,19 @@ class ModelArgs:
             qk_norm=qk_norm,
             initializer_range=float(config.get("initializer_range", 0.02)),
             pad_token_id=config.get("pad_token_id"),
-            token_classification_bias=bool(config.get("token_classification_bias", True)),
+            token_classification_bias=bool(
+                config.get("token_classification_bias", not is_sequence_classifier(config))
+            ),
             hf_config=dict(config),
             **(_moe_fields(config) if model_type in MOE_MODEL_TYPES else {}),
         )
+
+
+def is_sequence_classifier(config: dict[str, Any]) -> bool:
+    """Whether config.json's ``architectures`` name an HF ``*ForSequenceClassification`` (an
+    outcome reward model: one ``score`` row, no bias, read at the last token)."""
+    return any(str(a).endswith("ForSequenceClassification")
+               for a in config.get("architectures") or ())
 
 
 def num_labels_from_hf_config(config: dict[str, Any]) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megarl.models.args import ModelArgs, num_labels_from_hf_config
+from megarl.models.args import ModelArgs, is_sequence_classifier, num_labels_from_hf_config
 from megarl.models.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
     iter_hf_tensors,
@@ -86,7 +86,10 @@ def hf_config_for(model: Transformer) -> dict[str, Any]:
     and ``tie_word_embeddings`` set to match its head."""
     args = model.args
     config = copy.deepcopy(args.hf_config) if args.hf_config else _minimal_config(args)
-    config["architectures"] = [_ARCH_PREFIX[args.model_type] + _ARCH_SUFFIX[model.head]]
+    suffix = _ARCH_SUFFIX[model.head]
+    if model.head == "token_cls" and is_sequence_classifier(config):
+        suffix = "ForSequenceClassification"  # an outcome reward model stays one
+    config["architectures"] = [_ARCH_PREFIX[args.model_type] + suffix]
     if model.head == "token_cls":
         config["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
         config["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}

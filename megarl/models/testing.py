@@ -4,6 +4,7 @@
     path = make_tiny_hf_model(tmp_path, family="qwen2")                      # Qwen2ForCausalLM
     prm = make_tiny_hf_model(tmp_path / "prm", "qwen2", head="token_cls")    # 2 labels
     critic = make_tiny_hf_model(tmp_path / "v", "llama", head="token_cls", num_labels=1)
+    orm = make_tiny_hf_model(tmp_path / "rm", "llama", head="seq_cls")      # outcome RM, 1 label
 
 The folder is written by transformers' own ``save_pretrained`` (so it is an independent
 reference for our loader) and by default holds a character-level tokenizer with a ChatML-style
@@ -124,7 +125,8 @@ def make_tiny_hf_model(
                 | qwen2_moe (4 experts, top-2 unnormalised, shared expert, head_dim 32). Defaults: hidden 64, 2 layers, 4 heads, 2 kv heads,
                 vocab 128; any config field can be overridden (``num_key_value_heads=1``,
                 ``tie_word_embeddings=True``, ``attention_bias=True``, ...).
-    head:       "lm" (*ForCausalLM) or "token_cls" (*ForTokenClassification, ``num_labels``).
+    head:       "lm" (*ForCausalLM), "token_cls" (*ForTokenClassification, ``num_labels``) or
+                "seq_cls" (*ForSequenceClassification, 1 label: an outcome reward model).
     randomize:  draw every parameter (norm weights and biases included) from N(0, 0.1) (norms
                 1 + N(0, 0.2)) so that no code path is hidden behind a zero bias or unit norm.
     max_shard_size: forwarded to ``save_pretrained`` (e.g. "20KB" for a sharded folder).
@@ -143,8 +145,11 @@ def make_tiny_hf_model(
     elif head == "token_cls":
         config.num_labels = num_labels
         model = transformers.AutoModelForTokenClassification.from_config(config)
+    elif head == "seq_cls":
+        config.num_labels = 1
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
     else:
-        raise ValueError(f"head must be 'lm' or 'token_cls', got {head!r}")
+        raise ValueError(f"head must be 'lm', 'token_cls' or 'seq_cls', got {head!r}")
     if randomize:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():

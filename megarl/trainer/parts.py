@@ -24,6 +24,7 @@ from megarl.logging import MetricLogger
 from megarl.rollout.build import build_engine, check_engine_installed, engine_spec
 from megarl.rollout.protocol import RolloutEngine
 from megarl.trainer.generation import AgentRollout, Scorer
+from megarl.trainer.outcome_rm import OutcomeRewardModel
 from megarl.trainer.run_lock import RunDirLock
 from megarl.utils import dist as mdist
 
@@ -158,7 +159,7 @@ class RunParts:
     actor: Backend
     ref: Backend | None
     critic: Backend | None
-    prm: Backend | None
+    prm: Backend | None  # PURE's process reward model
     engine: RolloutEngine
     scorer: Scorer
     val_scorer: Scorer
@@ -167,6 +168,7 @@ class RunParts:
     pool: Any = None  # the reward pool (rank 0 only)
     agent: AgentRollout | None = None  # rollout.multi_turn.enable: the agent loop's tools
     lock: RunDirLock | None = None  # the run directory's lock (rank 0 only)
+    outcome_rm: OutcomeRewardModel | None = None  # verl's reward model (a sequence classifier)
 
     def close(self) -> None:
         try:
@@ -322,7 +324,14 @@ def _build_parts(cfg: Any) -> RunParts:
     need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = build_reference(cfg, actor, paths["actor"]) if need_ref else None
     critic = build_backend("critic", cfg, paths["critic"]) if cfg.critic.enable else None
-    prm = build_backend("prm", cfg, paths["prm"]) if cfg.reward_model.enable else None
+    prm = outcome_rm = None
+    if cfg.reward_model.enable:
+        kind = resolved_reward_model_kind(cfg, paths["prm"])
+        rm_backend = build_backend("prm", cfg, paths["prm"])
+        if kind == "prm":
+            prm = rm_backend
+        else:
+            outcome_rm = build_outcome_rm(cfg, rm_backend, paths["prm"], tokenizer)
     engine = synced_engine(cfg, engine, actor)
     engine.update_weights(actor.export_weights())
 
@@ -362,8 +371,47 @@ def _build_parts(cfg: Any) -> RunParts:
         val_items=val_items, actor=actor, ref=ref, critic=critic, prm=prm, engine=engine,
         scorer=scorer, val_scorer=val_scorer, total_steps=total_steps,
         model_paths={k: v for k, v in paths.items() if isinstance(v, str)}, pool=pool,
-        agent=agent,
+        agent=agent, outcome_rm=outcome_rm,
     )
+
+
+def resolved_reward_model_kind(cfg: Any, path: str) -> str:
+    """"prm" or "outcome" for ``reward_model.model.path`` (`outcome_rm.reward_model_kind`),
+    said once at start-up."""
+    from megarl.models import read_hf_config
+    from megarl.trainer.outcome_rm import reward_model_kind
+
+    hf = read_hf_config(path)
+    kind = reward_model_kind(cfg.reward_model.model.kind, hf, cfg.reward_model.model.path)
+    if mdist.rank() == 0:
+        arch = ", ".join(hf.get("architectures") or []) or "no architectures"
+        what = ("an outcome reward model: one score per response, the training reward in place "
+                "of the reward manager's" if kind == "outcome" else
+                "a process reward model (PURE): step scores")
+        log.warning("reward_model: %s (%s, reward_model.model.kind=%s) is %s",
+                    cfg.reward_model.model.path, arch, cfg.reward_model.model.kind, what)
+    return kind
+
+
+def build_outcome_rm(cfg: Any, backend: Backend, path: str, tokenizer: Any) -> OutcomeRewardModel:
+    """The outcome reward model over ``backend`` (the ``prm`` role on ``path``): one label, and
+    the RM's own tokenizer when its input must be re-rendered (`outcome_rm.load_rm_tokenizer`)."""
+    from megarl.trainer.outcome_rm import load_rm_tokenizer
+
+    rm = cfg.reward_model
+    labels = getattr(backend, "num_labels", 1)
+    if labels != 1:
+        raise UserInputError(
+            f"reward_model.model.path={rm.model.path}: an outcome reward model has one label "
+            f"(num_labels=1), this checkpoint has {labels}")
+    rm_tok = load_rm_tokenizer(path, rm.model.input_tokenizer, tokenizer)
+    max_length = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+    if mdist.rank() == 0:
+        log.warning("reward_model: the outcome reward model reads %s",
+                    "its own chat template's rendering of each decoded response (its tokenizer "
+                    f"differs from the policy's; inputs cut at {max_length} tokens)"
+                    if rm_tok is not None else "the policy's token ids (same tokenizer)")
+    return OutcomeRewardModel(backend, tokenizer, rm_tok, max_length)
 
 
 def build_agent(cfg: Any, tokenizer: Any) -> AgentRollout | None:

@@ -1,6 +1,7 @@
 """The RL loop. One step:
 
-  prompts -> rollout (n per prompt) -> verifiable rewards -> algorithm.prepare
+  prompts -> rollout (n per prompt) -> verifiable rewards (an outcome reward model's scores in
+  their place when one is enabled) -> algorithm.prepare
   -> PRM step scores, ref and old logprobs, values -> algorithm.advantages (rewards placed,
   KL in reward) -> actor (and critic) updates over mini-batches and ppo epochs with the
   algorithm's loss -> weight sync to the engine -> metrics, validation, checkpoint.
@@ -13,6 +14,7 @@ SPMD: every rank started by torchrun runs this same loop and holds the same step
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import time
@@ -43,6 +45,7 @@ from megarl.trainer.dump import dump_generations
 from megarl.trainer.flops import mfu, peak_flops
 from megarl.trainer.losses import actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
+from megarl.trainer.outcome_rm import prompt_messages, score_samples
 from megarl.trainer.parts import RunParts, build_run
 from megarl.trainer.prm import prm_step_settings, score_steps
 from megarl.trainer.update import mean_metrics, run_update
@@ -66,6 +69,9 @@ class RLTrainer:
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         if p.prm is not None:
             self.step_end_ids, self.prm_marker = prm_step_settings(cfg.reward_model, p.tokenizer)
+        if p.outcome_rm is not None and hasattr(self.algorithm, "adv"):
+            # its score is the reward (in place of the verifiable one): no PRM step scores
+            self.algorithm.adv = dataclasses.replace(self.algorithm.adv, prm_enabled=False)
         self.rollout_tp = arr.rollout.tensor_model_parallel_size
         self.peak_flops = peak_flops(p.device)
         self.actor_hf_config = None
@@ -128,6 +134,11 @@ class RLTrainer:
                                      agent=p.agent)
             with timer("reward"):
                 scores, round_metrics = p.scorer(samples)
+            if p.outcome_rm is not None:  # verl: the RM's scores replace the rule reward
+                with timer("rm"):
+                    scores, rm_metrics = score_samples(
+                        p.outcome_rm, samples, prompt_messages(samples, items, rnd * per_round))
+                round_metrics.update(rm_metrics)
             rounds.append(round_metrics)
             rnd += 1
             if not fg.enable:
@@ -330,8 +341,12 @@ class RLTrainer:
             return R.generate(p.engine, items, params, 0, tp_size=self.rollout_tp,
                               agent=p.agent)
 
-        return StepContext(generate=generate, score=lambda samples: p.scorer(samples)[0],
-                           sampling=self._sampling, timer=timer)
+        def score(samples: list) -> torch.Tensor:
+            if p.outcome_rm is not None:
+                return score_samples(p.outcome_rm, samples)[0]
+            return p.scorer(samples)[0]
+
+        return StepContext(generate=generate, score=score, sampling=self._sampling, timer=timer)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
