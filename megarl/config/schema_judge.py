@@ -11,6 +11,8 @@ own keys (template, sampling, parser, timeout) come after. Units: ``*_length`` i
 Defaults differ from verl's in two places, both for a judge served in the trainer's own
 process: ``tensor_model_parallel_size`` is 1 (verl: 2, one engine spanning two GPUs) and
 ``temperature`` is 0.0 (greedy: a judge's verdict should not depend on sampling noise).
+``free_cache_engine`` is accepted but the judge's engine stays resident: vLLM's deep sleep drops
+the weights, and only a weight sync (which a frozen judge never gets) would bring them back.
 """
 
 from __future__ import annotations
@@ -36,18 +38,28 @@ class JudgeRolloutConfig:
     dtype: Dtype = aliased("bf16", DTYPE_ALIASES)  # judge weights
     gpu_memory_utilization: float = 0.5  # vLLM's share of the device (CPU: KV-cache cap share)
     enforce_eager: bool = True  # vLLM: no torch.compile / CUDA graphs
-    free_cache_engine: bool = True  # vLLM: sleep between scoring calls where it can
+    free_cache_engine: bool = True  # verl's; the judge engine stays resident (see above)
     tensor_model_parallel_size: int = 1  # vLLM TP of the judge engine (verl default 2)
     max_num_batched_tokens: int = 8192  # vLLM: tokens per engine step
     max_model_len: int | None = None  # None = prompt_length + response_length
     max_num_seqs: int = 1024  # sequences decoded at once
     enable_chunked_prefill: bool = True  # vLLM (turned off on CPU, see rollout.vllm.launch)
     enable_prefix_caching: bool = True  # vLLM: reuse the template's shared prefix
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # more vllm.LLM arguments
+    # more engine arguments, verl's layout: {vllm: {...}} reaches vllm.LLM (checked against
+    # vLLM's EngineArgs); other engines' sections are not read
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    cudagraph_capture_sizes: list[int] | None = None  # vLLM: CUDA-graph batch sizes; None = vLLM's
+    load_format: str = "auto"  # vLLM's load_format; the torch engine reads safetensors (auto)
+    disable_log_stats: bool = True  # vLLM: no periodic stats lines
+    data_parallel_size: int = 1  # verl's; 1 only (one judge engine per process)
+    expert_parallel_size: int = 1  # verl's; 1 only
+    skip_tokenizer_init: bool = False  # verl's; false only (the judge decodes its verdicts)
+    limit_images: int | None = None  # verl's; null only (a text judge)
     prompt_length: int = 2048  # TOKENS of a rendered judge prompt at most (longer: not judged)
     response_length: int = 2048  # TOKENS of a verdict at most (the generation's max_tokens)
     # --- sampling of the verdict
     temperature: float = 0.0  # 0 = greedy
+    do_sample: bool = True  # false = greedy whatever the temperature
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     seed: int | None = None  # sampling seed (temperature > 0); None = trainer.seed

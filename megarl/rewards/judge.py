@@ -76,7 +76,7 @@ class Judge:
         c = self.cfg
         return SamplingParams(n=1, temperature=float(c.temperature), top_k=int(c.top_k),
                               top_p=float(c.top_p), max_new_tokens=int(c.response_length),
-                              seed=self.seed, logprobs=False)
+                              seed=self.seed, greedy=not c.do_sample, logprobs=False)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str],
               ground_truths: Sequence[Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:

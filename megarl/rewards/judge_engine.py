@@ -33,6 +33,8 @@ OWNED: dict[str, str] = {
     "kv_cache_memory_bytes": f"{KEY}.gpu_memory_utilization (the KV cache's size on CPU)",
     "enable_sleep_mode": "nothing: the frozen judge stays resident",
     "logprobs_mode": "nothing: the judge reads text only",
+    "load_format": f"{KEY}.load_format",
+    "disable_log_stats": f"{KEY}.disable_log_stats",
     "distributed_executor_backend": "nothing: megarl picks it for its process model",
 }
 
@@ -81,6 +83,24 @@ def _check_engine_keys(cfg: JudgeRolloutConfig) -> None:
         raise UserInputError(f"{KEY}.name={cfg.name!r}: unknown engine; use vllm or torch")
     if DTYPE_ALIASES.get(cfg.dtype, cfg.dtype) not in CONFIG_DTYPES:
         raise UserInputError(f"{KEY}.dtype={cfg.dtype!r}: use one of {sorted(CONFIG_DTYPES)}")
+    for name in ("data_parallel_size", "expert_parallel_size"):
+        if getattr(cfg, name) != 1:
+            raise UserInputError(f"{KEY}.{name}={getattr(cfg, name)}: the judge runs one engine "
+                                 "in this process; set it to 1")
+    if cfg.skip_tokenizer_init:
+        raise UserInputError(f"{KEY}.skip_tokenizer_init=true: the judge decodes its verdicts "
+                             "with the judge model's tokenizer; set it to false")
+    if cfg.limit_images is not None:
+        raise UserInputError(f"{KEY}.limit_images={cfg.limit_images}: the judge reads text "
+                             "only; set it to null")
+    if cfg.name == "torch" and cfg.load_format not in ("auto", "safetensors"):
+        raise UserInputError(f"{KEY}.load_format={cfg.load_format!r}: megarl's torch engine "
+                             "loads the judge's safetensors; set it to auto (or use name=vllm)")
+    sections = cfg.engine_kwargs or {}
+    if not isinstance(sections, dict) or any(
+            not isinstance(v, dict | None) for v in sections.values()):
+        raise UserInputError(f"{KEY}.engine_kwargs must map an engine name to its arguments "
+                             f"(verl's layout, e.g. {{vllm: {{swap_space: 4}}}}); got {sections!r}")
 
 
 def model_len(cfg: JudgeRolloutConfig) -> int:
@@ -117,9 +137,13 @@ def _vllm_engine(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
     from megarl.rollout.vllm.engine import import_vllm
 
     vllm = import_vllm()
-    extra = engine_args.check_extra(dict(cfg.engine_kwargs), OWNED, engine_args.engine_arg_names(),
-                                    f"{KEY}.engine_kwargs",
+    extra = engine_args.check_extra(engine_args.configured(cfg, "vllm"), OWNED,
+                                    engine_args.engine_arg_names(), f"{KEY}.engine_kwargs.vllm",
                                     f"vLLM {vllm.__version__}'s engine (EngineArgs)")
+    if cfg.cudagraph_capture_sizes is not None:
+        compilation = dict(extra.get("compilation_config") or {})
+        compilation["cudagraph_capture_sizes"] = [int(x) for x in cfg.cudagraph_capture_sizes]
+        extra["compilation_config"] = compilation
     length = model_len(cfg)
     memory, _ = launch.memory_kwargs(cfg.gpu_memory_utilization, device,
                                      read_hf_config(model_path), dtype, cfg.max_num_seqs,
@@ -135,6 +159,7 @@ def _vllm_engine(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
         max_model_len=length, max_num_batched_tokens=max(cfg.max_num_batched_tokens, length),
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
+        load_format=cfg.load_format, disable_log_stats=cfg.disable_log_stats,
         seed=int(seed), **memory, **extra)
 
 

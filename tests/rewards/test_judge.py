@@ -189,6 +189,25 @@ def test_score_line_parser_and_bounds(judge_folder, torch_judge):
     assert scores.tolist() == [0.0] and m["reward/judge_unparsed_ratio"] == 1.0
 
 
+def test_do_sample_false_is_greedy_at_any_temperature(torch_judge):
+    judge = Judge(torch_judge.engine, torch_judge.tokenizer, load_template(TEMPLATE),
+                  cfg_of(temperature=5.0, do_sample=False))
+    scores, _ = judge.score(["q"] * 3, ["a.", "b.", "c."])
+    assert judge.last_verdicts == ["\\boxed{1}"] * 3 and scores.tolist() == [1.0] * 3
+
+
+def test_chat_template_encoding(judge_folder, torch_judge):
+    """apply_chat_template wraps the rendered prompt as one user turn (the tiny tokenizer's
+    template, spelled out here with its ids: 1 <|im_start|>, 2 <|im_end|>)."""
+    judge = Judge(torch_judge.engine, torch_judge.tokenizer, load_template(TEMPLATE),
+                  cfg_of(apply_chat_template=True))
+    text = "Q: x\nA: y."
+    want = ([1] + [char_id(c) for c in "user\n" + text] + [2, char_id("\n"), 1]
+            + [char_id(c) for c in "assistant\n"])
+    assert judge.encode(text) == want
+    assert torch_judge.encode(text) == [char_id(c) for c in text]
+
+
 class HungEngine:
     """An engine whose generation never returns until released (a hung device)."""
 
@@ -249,6 +268,11 @@ def test_engine_errors_reach_the_caller(torch_judge):
     (dict(score_min=2.0, score_max=1.0), r"score_min=2\.0 > reward_model\.rollout\.score_max"),
     (dict(max_model_len=10), r"reward_model\.rollout\.max_model_len=10 < prompt_length"),
     (dict(dtype="fp8"), r"reward_model\.rollout\.dtype='fp8'"),
+    (dict(data_parallel_size=2), r"reward_model\.rollout\.data_parallel_size=2.*set it to 1"),
+    (dict(skip_tokenizer_init=True), r"reward_model\.rollout\.skip_tokenizer_init=true"),
+    (dict(limit_images=2), r"reward_model\.rollout\.limit_images=2"),
+    (dict(load_format="dummy"), r"reward_model\.rollout\.load_format='dummy'"),
+    (dict(engine_kwargs={"swap_space": 4}), r"reward_model\.rollout\.engine_kwargs must map"),
     (dict(template="no/such/template.txt"), r"reward_model\.rollout\.template=.*not a file"),
     (dict(template="{question} {response}"), r"unknown field \{question\}"),
 ])

@@ -59,3 +59,17 @@ def test_vllm_judge_equals_torch_engine_and_the_script(tmp_path):
     finally:
         judge.close()
         torch_judge.close()
+
+
+def test_vllm_engine_kwargs_are_checked_before_the_engine_starts(tmp_path):
+    from megarl.errors import UserInputError
+
+    folder = make_scripted_judge(tmp_path / "judge")
+    bad = {"vllm": {"dtype": "float16", "max_modle_len": 9}}
+    with pytest.raises(UserInputError) as err:
+        build_judge(cfg_of(name="vllm", engine_kwargs=bad), folder)
+    msg = str(err.value)
+    assert "reward_model.rollout.engine_kwargs.vllm.dtype: megarl sets this" in msg
+    assert "reward_model.rollout.dtype" in msg
+    assert "reward_model.rollout.engine_kwargs.vllm.max_modle_len: not an argument" in msg
+    assert "max_model_len" in msg  # the close name is offered
