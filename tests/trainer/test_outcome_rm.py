@@ -32,11 +32,11 @@ ROWS = [  # (prompt ids, response ids): lengths differ so the batch is padded bo
 ]
 
 
-def hf_rm(path):
+def hf_rm(path, **kwargs):
     import transformers
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        path, dtype=torch.float64)
+        path, dtype=torch.float64, **kwargs)
     return model.eval()
 
 
@@ -56,10 +56,17 @@ def hf_scores_left_padded(model, seqs: list[list[int]], pad: int) -> torch.Tenso
         return model(ids, attention_mask=mask.long()).logits[:, 0]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3_moe"])
 def rm_folder(request, tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp(request.param), request.param,
                               head="seq_cls", seed=3)
+
+
+def hf_reference(folder):
+    """transformers' model in float64 (MoE experts by its eager loop: grouped_mm has no
+    float64)."""
+    moe = "moe" in read_hf_config(folder)["model_type"]
+    return hf_rm(folder, **({"experts_implementation": "eager"} if moe else {}))
 
 
 def test_sequence_classifier_loads_without_bias_and_scores_like_transformers(rm_folder):
@@ -71,7 +78,7 @@ def test_sequence_classifier_loads_without_bias_and_scores_like_transformers(rm_
     orm = OutcomeRewardModel(backend, tok)
     got = orm.score([p for p, _ in ROWS], [r for _, r in ROWS]).double()
     seqs = [p + r for p, r in ROWS]
-    ref = hf_rm(rm_folder)
+    ref = hf_reference(rm_folder)
     want = hf_scores_one_by_one(ref, seqs)
     assert torch.allclose(got, want, atol=1e-5), (got, want)
     # transformers' batched, left-padded reading agrees (PAD never occurs inside the rows)
