@@ -11,6 +11,7 @@ from typing import Any
 from megarl.data.locations import resolve_path
 from megarl.data.rows import BadRowError, read_rows, validate_row
 from megarl.data.token_cache import token_ids
+from megarl.data.tokenizer import chat_template_kwargs as checked_template_kwargs
 from megarl.data.tokenizer import render_prompt
 from megarl.errors import UserInputError
 
@@ -60,6 +61,8 @@ class RLDataset:
         on_bad_row: "error" raises on a malformed row; "skip" drops it (``num_bad_rows``, logged)
         tools: OpenAI function schemas rendered into every prompt by the chat template
             (multi-turn rollouts with tools; None: none)
+        chat_template_kwargs: extra variables the chat template reads
+            (``data.apply_chat_template_kwargs``: ``enable_thinking``, ``reasoning_effort``, ...)
     """
 
     def __init__(
@@ -74,12 +77,13 @@ class RLDataset:
         on_bad_row: str = "error",
         filter_overlong_prompts: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         files = [files] if isinstance(files, str) else list(files)
         if not files:
             raise ValueError("RLDataset needs at least one data file")
         self._setup([resolve_path(f) for f in files], tokenizer, max_prompt_length, truncation,
-                    on_bad_row, filter_overlong_prompts, tools)
+                    on_bad_row, filter_overlong_prompts, tools, chat_template_kwargs)
         self._ingest([(path, read_rows(path, on_bad_row)) for path in self.files], prompt_key,
                      on_bad_row, chat_template, apply_chat_template)
 
@@ -88,18 +92,20 @@ class RLDataset:
                   prompt_key: str = "prompt", truncation: str = "error",
                   chat_template: str | None = None, apply_chat_template: bool = True,
                   on_bad_row: str = "error", filter_overlong_prompts: bool = False,
-                  tools: list[dict] | None = None) -> RLDataset:
+                  tools: list[dict] | None = None,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> RLDataset:
         """The same dataset from rows already in memory (e.g. those of a user's dataset class,
         ``data.custom_cls``); ``name`` stands for the file in messages and ``files``."""
         self = cls.__new__(cls)
         self._setup([name], tokenizer, max_prompt_length, truncation, on_bad_row,
-                    filter_overlong_prompts, tools)
+                    filter_overlong_prompts, tools, chat_template_kwargs)
         self._ingest([(name, iter(enumerate(rows)))], prompt_key, on_bad_row, chat_template,
                      apply_chat_template)
         return self
 
     def _setup(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str,
-               on_bad_row: str, filter_overlong_prompts: bool, tools: list[dict] | None) -> None:
+               on_bad_row: str, filter_overlong_prompts: bool, tools: list[dict] | None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}, got {truncation!r}")
         if on_bad_row not in ("error", "skip"):
@@ -112,6 +118,7 @@ class RLDataset:
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
         self.tools = tools
+        self.chat_template_kwargs = checked_template_kwargs(chat_template_kwargs)
         self.num_filtered = 0
         self.num_bad_rows = 0
         self.num_truncated = 0
@@ -168,7 +175,7 @@ class RLDataset:
     def _add_file(self, path, rows, where, offset, chat_template, apply_chat_template) -> None:
         texts = [
             render_prompt(self.tokenizer, r["prompt"], apply_chat_template, chat_template,
-                          self.tools)
+                          self.tools, self.chat_template_kwargs)
             for r in rows
         ]
         if not texts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from megarl.data.locations import resolve_path
@@ -56,12 +57,44 @@ def load_tokenizer(path: str, **kwargs: Any):
     return tok
 
 
+TEMPLATE_KWARGS_KEY = "data.apply_chat_template_kwargs"
+# arguments of apply_chat_template that megarl sets itself when it renders a prompt
+_OWN_ARGS = frozenset({"conversation", "messages", "chat_template", "add_generation_prompt",
+                       "tokenize", "tools", "return_dict", "return_tensors", "padding",
+                       "truncation", "max_length", "continue_final_message", "documents",
+                       "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``data.apply_chat_template_kwargs`` checked: a mapping of variable name -> value that the
+    chat template reads (``enable_thinking``, ``reasoning_effort``, ...), passed to every
+    ``apply_chat_template`` that renders a prompt or a multi-turn continuation. Names that
+    megarl sets itself (``tools``, ``add_generation_prompt``, ...) are refused."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise UserInputError(
+            f"{TEMPLATE_KWARGS_KEY}={kwargs!r}: give a mapping of chat-template variables, "
+            f"e.g. {{enable_thinking: false}}")
+    bad = [k for k in kwargs if not isinstance(k, str) or not k.isidentifier()]
+    own = sorted(k for k in kwargs if k in _OWN_ARGS)
+    if bad or own:
+        raise UserInputError(
+            f"{TEMPLATE_KWARGS_KEY}: {sorted(map(str, bad + own))} cannot be passed: give "
+            "template variable names (identifiers); tools, add_generation_prompt, tokenize and "
+            "the template itself are set by megarl (tools from "
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path, the template from "
+            "data.chat_template)")
+    return dict(kwargs)
+
+
 def render_prompt(
     tokenizer,
     messages: list[dict[str, str]],
     apply_chat_template: bool = True,
     chat_template: str | None = None,
     tools: list[dict] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """Prompt text for a list of chat messages.
 
@@ -69,6 +102,8 @@ def render_prompt(
     with ``add_generation_prompt=True``. False: the message contents joined by newlines, no
     template (for base models prompted with plain text). ``tools``: the OpenAI function
     schemas the template renders into the prompt (multi-turn rollouts with tools).
+    ``template_kwargs``: extra variables the template reads (``data.apply_chat_template_kwargs``,
+    see `chat_template_kwargs`).
     """
     if not apply_chat_template:
         return "\n".join(m["content"] for m in messages)
@@ -78,7 +113,7 @@ def render_prompt(
             "the tokenizer has no chat template: set data.chat_template to a Jinja template, or "
             "data.apply_chat_template=false to feed the message text as is"
         )
-    extra = {"tools": tools} if tools else {}
+    extra = {**chat_template_kwargs(template_kwargs), **({"tools": tools} if tools else {})}
     return tokenizer.apply_chat_template(
         messages, chat_template=template, add_generation_prompt=True, tokenize=False, **extra
     )

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from megarl.data.tokenizer import chat_template_kwargs
 from megarl.errors import UserInputError
 from megarl.rollout.agent.tool_parser import ParseError, get_tool_parser
 from megarl.rollout.agent.tools import BaseTool, ToolResponse, tool_schemas
@@ -65,6 +66,8 @@ class AgentLoopSettings:
     tokenization_sanity_check_mode: str = "strict"
     tool_timeout_s: float = 30.0
     max_concurrent_calls: int = 64
+    # data.apply_chat_template_kwargs: variables every chat-template rendering reads
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         for key in ("max_assistant_turns", "max_user_turns"):
@@ -152,8 +155,9 @@ class ChatContinuation:
     """The text a chat template puts after an assistant turn's content, and the rendering of
     tool responses plus the next assistant header, computed from the template itself."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
+        self.template_kwargs = chat_template_kwargs(template_kwargs)
         closed = self.render([*_PREFIX, {"role": "assistant", "content": _SENTINEL}], False)
         if _SENTINEL not in closed:
             raise UserInputError("the chat template does not render an assistant message's "
@@ -164,7 +168,8 @@ class ChatContinuation:
     def render(self, messages: list[dict], add_generation_prompt: bool,
                tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs)
 
     def tool_turn_text(self, contents: list[str], role: str = "tool") -> str:
         """The template's rendering of ``role`` messages ``contents`` (tool responses, or the
@@ -445,7 +450,7 @@ def run_agent_loop(
         raise ValueError(f"max_response_length must be >= 1, got {budget}")
     keys = resolve_prompt_keys(prompt_keys, len(prompts))
     parser = get_tool_parser(settings.format)
-    chat = ChatContinuation(tokenizer)
+    chat = ChatContinuation(tokenizer, settings.chat_template_kwargs)
     trajs = [Trajectory(p, s, list(prompts[p])) for p in range(len(prompts)) for s in range(n)]
     traj_keys = [keys[t.prompt_index] * n + t.sample_index for t in trajs]
     if interactions is None and settings.interaction_config_path:
