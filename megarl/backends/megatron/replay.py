@@ -19,6 +19,11 @@ Token order: megatron's router sees a micro-batch as [s, b] flattened (s major),
 parallelism TP rank r routes the r-th of tp equal slices of s. `layout_routing` and
 `router_targets` put the recorded experts in that order.
 
+R2 (``router_replay.mode=R2``): `record_logprobs` is the old-logprob pass with each router
+recording the top-k it chose (in the token order above, mapped back to the batch's
+[B, P + L] layout and gathered over all ranks); the batch then carries that routing as
+``routed_experts`` into the update, whose forwards replay it as R3's.
+
 Activation recompute: a layer checkpointed by megatron runs its router first under no-grad
 (inside the checkpoint's forward) and again during the backward pass. A forward under no-grad
 while training queues its targets; the backward's run takes them in order (micro-batches are
@@ -51,6 +56,8 @@ class RoutingReplay:
         self.counting = False
         self.flipped = 0  # recorded rows whose expert set the router did not choose
         self.recorded = 0  # recorded rows counted
+        self.current: Any = None  # the micro-batch of the next forwards (`arm`)
+        self.sink: list[tuple[Any, torch.Tensor]] | None = None  # R2: (micro-batch, top-k)
 
     def arm(self, target: torch.Tensor | None, training: bool, *, counting: bool = False,
             apply: bool = True) -> None:
@@ -75,7 +82,7 @@ class RoutingReplay:
             if target is not None and self.training and not torch.is_grad_enabled():
                 self.queued.append(target)  # a checkpointed layer: its backward routes again
         if target is None:
-            return values, own
+            return values, self._record(own, in_backward)
         if tuple(target.shape) != tuple(own.shape):
             raise ValueError(
                 f"routed_experts give {tuple(target.shape)} routing rows for a router that "
@@ -88,9 +95,16 @@ class RoutingReplay:
             self.flipped += int((differs & recorded[:, 0]).sum())
             self.recorded += int(recorded.sum())
         if not self.apply:
-            return values, own
+            return values, self._record(own, in_backward)
         chosen = torch.where(recorded, target, own)
-        return scores.gather(1, chosen), chosen
+        return scores.gather(1, chosen), self._record(chosen, in_backward)
+
+    def _record(self, experts: torch.Tensor, in_backward: bool) -> torch.Tensor:
+        """With a ``sink`` (R2's `record_logprobs`, tests): keep the experts a forward routes
+        its tokens to, with the micro-batch they belong to."""
+        if self.sink is not None and not in_backward:
+            self.sink.append((self.current, experts.detach().clone()))
+        return experts
 
 
 def install(chunks: Iterable[torch.nn.Module], args: Any) -> list[RoutingReplay]:
@@ -152,6 +166,8 @@ def arm(model: torch.nn.Module, mb: Any, *, tp: int, tp_rank: int, sequence_para
     routing."""
     routed = mb.source.tensors.get("routed_experts")
     replays = replays_of(model)
+    for r in replays:
+        r.current = mb
     training = torch.is_grad_enabled()
     if routed is None:
         for r in replays:
@@ -207,3 +223,93 @@ def replay_metrics(backend: Any, batch: SequenceBatch, rollout_logprob: torch.Te
         dist.all_reduce(counts)
     out["moe/replay_flipped_fraction"] = float(counts[0]) / max(float(counts[1]), 1.0)
     return out
+
+
+ROW_KEY = "_r2_row"  # the batch row of each row of a micro-batch (`record_logprobs`)
+
+
+def record_logprobs(backend: Any, batch: SequenceBatch, temperature: float = 1.0,
+                    with_entropy: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """R2's old-logprob pass on a `MegatronBackend` with routing replay installed:
+    ``backend.logprobs(batch, temperature, with_entropy)`` with the routers routing (any
+    ``routed_experts`` of the batch ignored), plus the experts they chose in the same forwards,
+    [B, P + L, n_sparse, k] int16 like ``routed_experts`` (-1 on padding): the update's replay
+    targets. Collective over all ranks (`assemble`)."""
+    from megarl.backends.routing import REPLAY_KEY
+    from megarl.errors import UserInputError
+
+    if not backend._replays:
+        raise UserInputError(f"{REPLAY_KEY}=R2 records through the routing replay hooks: build "
+                             "the actor with router_replay on (a mixture-of-experts policy)")
+    tensors = {k: v for k, v in batch.tensors.items() if k != "routed_experts"}
+    tagged = SequenceBatch(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           response_length=batch.response_length, tensors=tag_rows(tensors,
+                                                                                   batch))
+    with recording(backend) as sinks:
+        lp, ent = backend.logprobs(tagged, temperature=temperature, with_entropy=with_entropy)
+    return lp, ent, assemble(backend, sinks, tuple(batch.input_ids.shape))
+
+
+def tag_rows(tensors: dict[str, torch.Tensor], batch: SequenceBatch) -> dict[str, torch.Tensor]:
+    """``tensors`` plus each row's index in ``batch`` (``ROW_KEY``), so that the routing a
+    micro-batch records can be put back at its rows."""
+    return {**tensors, ROW_KEY: torch.arange(batch.batch_size)}
+
+
+@contextlib.contextmanager
+def recording(backend: Any) -> Iterator[dict[int, list[tuple[Any, torch.Tensor]]]]:
+    """While open, every router of ``backend`` keeps the experts its forwards route to (the
+    replayed ones where it replays), per micro-batch: {id(replay): [(micro-batch, [tokens,
+    k])]}, for `assemble`."""
+    sinks: dict[int, list[tuple[Any, torch.Tensor]]] = {id(r): [] for r in backend._replays}
+    for r in backend._replays:
+        r.sink = sinks[id(r)]
+    try:
+        yield sinks
+    finally:
+        for r in backend._replays:
+            r.sink = None
+
+
+def assemble(backend: Any, sinks: dict[int, list[tuple[Any, torch.Tensor]]],
+             shape: tuple[int, int]) -> torch.Tensor:
+    """[B, P + L, n_sparse, k] int16 (-1 where no forward routed a token) of what `recording`
+    kept, at the rows ``ROW_KEY`` of each micro-batch's source (``shape`` = (B, P + L)).
+    Collective over all ranks: each routes its DP rows, its sequence slice under SP, its
+    stage's layers; a MAX all-reduce over the world assembles the whole."""
+    from megarl.models.moe import routing_dtype
+
+    args = backend.args
+    n, k = len(sparse_layers(args)), args.num_experts_per_tok
+    tp, sp = backend.layout.tp, backend.layout.sp
+    tp_rank = dist.get_rank(backend.tp_group) if tp > 1 else 0
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    out = torch.full((*shape, n, k), -1, dtype=torch.long, device=dev)
+    for r in backend._replays:
+        for mb, experts in sinks[id(r)]:
+            _scatter_recorded(out, mb, experts.to(dev).long(), r.sparse_index, tp, tp_rank, sp)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.to(routing_dtype(args.num_experts)).cpu()
+
+
+def _scatter_recorded(out: torch.Tensor, mb: Any, own: torch.Tensor, sparse_index: int,
+                      tp: int, tp_rank: int, sequence_parallel: bool) -> None:
+    """Write one router's top-k ``own`` [tokens, k] of micro-batch ``mb`` (megatron's s-major
+    order, this TP rank's slice of s under SP; `router_targets` inverted) into ``out``
+    [B, P + L, n_sparse, k] at the batch rows of ``mb.source``."""
+    rows_mb, s_mb = mb.input_ids.shape
+    s_loc = own.shape[0] // rows_mb
+    layout = torch.full((rows_mb, s_mb, own.shape[-1]), -1, dtype=torch.long, device=own.device)
+    off = tp_rank * s_loc if sequence_parallel and tp > 1 else 0
+    layout[:, off:off + s_loc] = own.view(s_loc, rows_mb, -1).transpose(0, 1)
+    source = mb.source
+    if ROW_KEY not in source.tensors:
+        return
+    mask = source.attention_mask.to(own.device).bool()
+    rows, cols = mask.nonzero(as_tuple=True)
+    shifted = mask.long().cumsum(1)[rows, cols] - 1
+    batch_rows = source.tensors[ROW_KEY].to(own.device)[rows]
+    out[batch_rows, cols, sparse_index] = layout[rows, shifted]
