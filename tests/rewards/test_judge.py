@@ -284,3 +284,35 @@ def test_config_errors_name_the_key(change, match, judge_folder):
 def test_score_needs_one_prompt_per_response(torch_judge):
     with pytest.raises(ValueError, match="2 prompts, 1 responses"):
         torch_judge.score(["a", "b"], ["x"])
+
+
+def test_every_verl_reward_rollout_key_is_in_the_schema():
+    """verl's reward_model.rollout keys (megarl/config/verl_keys.yaml, from verl's generated
+    trainer config) all exist in the judge's schema, and verl's defaults type-check."""
+    from pathlib import Path
+
+    import yaml
+
+    from megarl.config.typecheck import build
+
+    keys = yaml.safe_load((Path(__file__).parents[2] / "megarl/config/verl_keys.yaml")
+                          .read_text())["keys"]
+    verl = sorted(k.split(".", 2)[2] for k in keys if k.startswith("reward_model.rollout."))
+    assert len(verl) >= 20
+    fields = set(JudgeRolloutConfig.__dataclass_fields__)
+    assert [k for k in verl if k not in fields] == []
+    defaults = {"name": "vllm", "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
+                "enforce_eager": True, "cudagraph_capture_sizes": None, "free_cache_engine": True,
+                "data_parallel_size": 1, "expert_parallel_size": 1,
+                "tensor_model_parallel_size": 1, "max_num_batched_tokens": 8192,
+                "max_model_len": None, "max_num_seqs": 1024, "load_format": "auto",
+                "engine_kwargs": {}, "limit_images": None, "enable_chunked_prefill": True,
+                "enable_prefix_caching": True, "disable_log_stats": True,
+                "skip_tokenizer_init": False, "prompt_length": 2048, "response_length": 2048}
+    assert sorted(defaults) == verl
+    errors: list[str] = []
+    cfg = build(JudgeRolloutConfig, defaults, "reward_model.rollout", errors, lambda _: "")
+    assert errors == [] and cfg.dtype == "bf16" and cfg.name == "vllm"
+    build(JudgeRolloutConfig, {"name": "hf", "score_parse": "eval", "nope": 1},
+          "reward_model.rollout", errors, lambda _: "")
+    assert len(errors) == 3 and all(e.startswith("reward_model.rollout") for e in errors)
