@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megarl.config.schema_judge import JudgeRolloutConfig
+from megarl.errors import UserInputError
 from megarl.rewards.judge_engine import build_judge_engine, check_judge_config, engine_name
 from megarl.rewards.judge_parse import parse_verdict
 from megarl.rewards.judge_template import JudgeTemplate, load_template
@@ -179,3 +180,19 @@ def build_judge(cfg: JudgeRolloutConfig, model_path: str, *, tokenizer_path: str
     seed = int(cfg.seed if cfg.seed is not None else seed)
     engine = build_judge_engine(cfg, path, tok_path, device, seed)
     return Judge(engine, tokenizer, template, cfg, seed=seed, model_path=path)
+
+
+def judge_from_config(cfg: Any, device: torch.device | str = "cpu") -> Judge | None:
+    """The run's judge, or None when it has none: on iff ``reward_model.use_reward_loop`` and
+    ``reward_model.rollout.name`` is set. Reads reward_model.{rollout, model.path} and
+    trainer.seed; the judge model's tokenizer is its own folder's."""
+    rm = cfg.reward_model
+    if not getattr(rm, "use_reward_loop", False) or rm.rollout.name is None:
+        return None
+    if not rm.model.path:
+        raise UserInputError(
+            "reward_model.use_reward_loop=true with reward_model.rollout.name="
+            f"{rm.rollout.name} serves a generative judge, but reward_model.model.path is not "
+            "set. Fix: point it at the judge model (an HF folder or hub id), or unset "
+            "reward_model.rollout.name")
+    return build_judge(rm.rollout, rm.model.path, device=device, seed=cfg.trainer.seed)
