@@ -9,7 +9,9 @@ vLLM, on the frozen judge model ``reward_model.model.path``) and parses the verd
 - length: a verdict is at most ``response_length`` tokens; a rendered prompt longer than
   ``prompt_length`` tokens is not judged (score 0, counted in reward/judge_overlong_ratio);
 - time: one `Judge.score` call waits at most ``timeout_s`` for the whole batch, then raises
-  `JudgeTimeoutError` naming the engine, the model and the batch it waited for;
+  `JudgeTimeoutError` naming the engine, the model and the batch it waited for (the engine
+  runs in this process: the late batch finishes in the background, and until it has the judge
+  refuses new batches with the same error);
 - content: verdicts are only scanned by the strict parsers, never evaluated; one that holds no
   verdict scores 0 and is counted in reward/judge_unparsed_ratio.
 
