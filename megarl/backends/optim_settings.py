@@ -36,6 +36,11 @@ class OptimSettings:
     lr_scheduler_type: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.0
     total_training_steps: int = -1
+    # megatron only: OptimizerConfig fields set on megatron-core's optimizer config (verl's
+    # optim.override_optimizer_config; `megarl.backends.megatron.optim.optimizer_config`), and
+    # the config key they came from (named in errors)
+    override_optimizer_config: dict[str, Any] | None = None
+    override_key: str = "actor_rollout_ref.actor.optim.override_optimizer_config"
 
     def __post_init__(self) -> None:
         self.betas = tuple(float(b) for b in self.betas)

@@ -25,12 +25,14 @@ device; megatron: param_dtype, recompute, distributed optimizer, expert layout) 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from megarl.backends.optim_settings import OptimSettings
 from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES
 from megarl.errors import UserInputError
+from megarl.models.overrides import override_key
 from megarl.utils.dtypes import canonical_dtype
 
 
@@ -82,6 +84,10 @@ class RoleSettings:
     activation_checkpointing: bool = False  # recompute each block in backward
     router_replay: bool = False  # the actor replays the rollout's MoE routing (R3)
     megatron: Any = None
+    # verl's model.override_config block of the role's model (merged into its config.json,
+    # `megarl.models.overrides`) and its config key
+    override_config: dict[str, Any] | None = None
+    override_key: str = "actor_rollout_ref.model.override_config"
 
     @property
     def trainable(self) -> bool:
@@ -89,6 +95,7 @@ class RoleSettings:
 
 
 _PATH_KEYS = {"critic": "critic.model.path", "prm": "reward_model.model.path"}
+_SECTIONS = {"critic": "critic", "prm": "reward_model"}
 
 
 def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSettings:
@@ -113,7 +120,9 @@ def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSet
         raise UserInputError(f"{key}: an HF model folder is required for the {role} backend")
     optim = None
     if role in TRAINABLE_ROLES:
-        optim = _optim(section.optim, section.grad_clip)
+        optim = _optim(section.optim, section.grad_clip,
+                       f"{_SECTIONS.get(role, 'actor_rollout_ref.actor')}.optim."
+                       "override_optimizer_config")
     opts = model.fused_kernel_options
     return RoleSettings(
         role=role,
@@ -128,6 +137,8 @@ def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSet
         activation_checkpointing=role != "prm" and bool(own_model.enable_gradient_checkpointing),
         router_replay=role == "actor" and actor.router_replay.mode == "R3",
         megatron=cfg.critic.megatron if role == "critic" else actor.megatron,
+        override_config=_plain(getattr(own_model, "override_config", None)) or None,
+        override_key=override_key(role),
     )
 
 
@@ -163,8 +174,11 @@ def _micro(dynamic: bool | None, max_tokens: int | None, rows: int | None) -> Mi
                          max_tokens=max_tokens, rows=rows)
 
 
-def _optim(optim: Any, grad_clip: float | None) -> OptimSettings:
+def _optim(optim: Any, grad_clip: float | None, override_key: str) -> OptimSettings:
+    overrides = getattr(optim, "override_optimizer_config", None)
     return OptimSettings(
+        override_optimizer_config=dict(overrides) if overrides else None,
+        override_key=override_key,
         lr=optim.lr,
         betas=tuple(optim.betas),
         eps=optim.eps,
@@ -192,6 +206,15 @@ def _parallel(par: Any) -> Parallel:
 def _dtype_key(role: str) -> str:
     return {"critic": "critic.model.dtype", "prm": "reward_model.model.dtype"}.get(
         role, "actor_rollout_ref.model.dtype")
+
+
+def _plain(value: Any) -> Any:
+    """A config mapping (a dict, or OmegaConf's) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _first(*values: Any) -> Any:

@@ -60,6 +60,11 @@ class ModelConfig:
     # verl: copy the model into /dev/shm before loading it (faster loads of big checkpoints).
     # Accepted and inert here: megarl reads the safetensors in place.
     use_shm: bool = False
+    # verl's HF config overrides, merged into config.json before the model is built (actor,
+    # reference, rollout engine; vLLM receives them as hf_overrides): {max_position_embeddings:
+    # 32768, rope_theta: ...}, or under model_config (verl's megatron spelling). A field that
+    # changes the weights' shapes is refused (megarl.models.overrides).
+    override_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +81,10 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     total_training_steps: int = -1  # optimizer steps; -1 = filled in by the trainer
+    # strategy megatron: fields of megatron-core's OptimizerConfig set on the optimizer's
+    # config (verl's key), e.g. {optimizer_cpu_offload: true, optimizer_offload_fraction: 1.0,
+    # use_precision_aware_optimizer: true}; the fields megarl sets from optim.* are refused here
+    override_optimizer_config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -108,6 +117,10 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     moe_aux_loss_coeff: float = 0.0  # weight of megatron's load-balancing loss (0 = off)
+    # fields of megatron-core's TransformerConfig set on the config megarl builds (verl's key),
+    # e.g. {attention_dropout: 0.1, apply_rope_fusion: true}; fields megarl derives from the
+    # HF config or from parallel.* are refused with the key to use
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -43,13 +43,25 @@ AUX_FILE_PATTERNS = (
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of an HF folder."""
+def read_hf_config(
+    path: str | os.PathLike,
+    override_config: Mapping[str, Any] | None = None,
+    *,
+    key: str = "actor_rollout_ref.model.override_config",
+) -> dict[str, Any]:
+    """The parsed ``config.json`` of an HF folder, with verl's ``model.override_config`` block
+    ``override_config`` merged in (`megarl.models.overrides.apply_hf_overrides`; ``key`` names
+    the block in its errors)."""
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path!s}: is this an HF model folder?")
     with open(file, encoding="utf-8") as f:
-        return json.load(f)
+        config = json.load(f)
+    if not override_config:
+        return config
+    from megarl.models.overrides import apply_hf_overrides
+
+    return apply_hf_overrides(config, override_config, key)
 
 
 def hf_weight_map(path: str | os.PathLike) -> dict[str, str]:

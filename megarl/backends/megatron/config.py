@@ -8,6 +8,12 @@ prm: the actor's), which only this backend reads:
                             full when the role's model.enable_gradient_checkpointing
     use_distributed_optimizer, expert_model_parallel_size, expert_tensor_parallel_size,
     moe_aux_loss_coeff      (trainable roles only)
+    override_transformer_config  verl's TransformerConfig fields (`apply_transformer_overrides`;
+                            actor, ref: the actor's block; critic: its own)
+
+The role's ``model.override_config`` (verl's HF config overrides) goes to the backend as
+``hf_overrides`` (`megarl.models.overrides`); ``optim.override_optimizer_config`` travels in the
+optimizer settings (`megarl.backends.megatron.optim.optimizer_config`).
 
 No-grad micro-batches: the role's micro size when its dynamic batching is off, else None (the
 DP share in ``pp`` pieces: this backend has no token budget).
@@ -15,10 +21,12 @@ DP share in ``pp`` pieces: this backend has no token budget).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
 from megarl.backends.settings import role_settings
+from megarl.errors import UserInputError
 
 
 def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
@@ -33,7 +41,7 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
     elif s.activation_checkpointing:
         recompute = "full"
     dtype = s.dtype if role == "prm" else (mega.param_dtype or s.dtype)
-    return s.model_path, {
+    kwargs = {
         "tp": par.tp, "pp": par.pp, "vpp": par.vpp, "sp": par.sp,
         "ep": int(mega.expert_model_parallel_size or 1),
         "etp": mega.expert_tensor_parallel_size,
@@ -47,6 +55,14 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
         "moe_aux_loss_coeff": float(mega.moe_aux_loss_coeff or 0.0) if s.trainable else 0.0,
         "router_replay": s.router_replay,
     }
+    # verl's overrides (the backend's constructor applies them: hf_overrides to config.json as
+    # it is read, transformer_overrides onto the TransformerConfig it builds)
+    if s.override_config:
+        kwargs["hf_overrides"] = s.override_config
+    tf = getattr(mega, "override_transformer_config", None) if role != "prm" else None
+    if transformer_overrides(tf, role):  # names checked here, values by megatron-core
+        kwargs["transformer_overrides"] = dict(tf)
+    return s.model_path, kwargs
 
 
 def recompute_settings(recompute: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -66,3 +82,133 @@ def recompute_settings(recompute: str | Mapping[str, Any] | None) -> dict[str, A
         out.setdefault("method", "uniform")
         out.setdefault("num_layers", 1)
     return out
+
+
+# ------------------------------------------------------------------ override_transformer_config
+
+_HF = "megarl derives it from the model's config.json (actor_rollout_ref.model.override_config " \
+      "changes config.json fields that keep the weights' shapes)"
+_PAR = "{m}.parallel.{k}"
+_DTYPE = "actor_rollout_ref.model.dtype (critic.model.dtype) or {m}.megatron.param_dtype"
+_SPLIT = ("megarl splits the layers evenly over the pipeline stages (its weight and checkpoint "
+          "layout assume it); choose pipeline_model_parallel_size / "
+          "virtual_pipeline_model_parallel_size that divide num_hidden_layers")
+_WIRED = "megarl's backend sets it itself (its schedule and weight handling depend on it)"
+
+# TransformerConfig fields megarl sets itself: field -> the megarl key to use, or why
+MEGARL_FIELDS: dict[str, str] = {
+    **{k: _HF for k in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "layernorm_epsilon", "normalization", "gated_linear_unit",
+        "activation_func", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "init_method_std",
+        "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+        "moe_router_pre_softmax", "moe_router_score_function",
+        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+        "moe_router_topk_scaling_factor", "multi_latent_attention", "mtp_num_layers")},
+    "tensor_model_parallel_size": _PAR.format(m="{m}", k="tensor_model_parallel_size"),
+    "pipeline_model_parallel_size": _PAR.format(m="{m}", k="pipeline_model_parallel_size"),
+    "virtual_pipeline_model_parallel_size": _PAR.format(
+        m="{m}", k="virtual_pipeline_model_parallel_size"),
+    "sequence_parallel": _PAR.format(m="{m}", k="sequence_parallel"),
+    "context_parallel_size": "context parallelism is not implemented (see "
+                             "megatron.context_parallel_size)",
+    "expert_model_parallel_size": "{m}.megatron.expert_model_parallel_size",
+    "expert_tensor_parallel_size": "{m}.megatron.expert_tensor_parallel_size",
+    "params_dtype": _DTYPE, "pipeline_dtype": _DTYPE, "bf16": _DTYPE, "fp16": _DTYPE,
+    "moe_aux_loss_coeff": "{m}.megatron.moe_aux_loss_coeff",
+    "moe_router_load_balancing_type": "{m}.megatron.moe_aux_loss_coeff (> 0: aux_loss)",
+    **{k: _SPLIT for k in (
+        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+        "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split")},
+    **{k: _WIRED for k in (
+        "variable_seq_lengths", "batch_p2p_comm", "use_cpu_initialization",
+        "perform_initialization", "finalize_model_grads_func", "grad_scale_func",
+        "no_sync_func", "grad_sync_func", "param_sync_func", "timers")},
+}
+
+
+def transformer_override_key(role: str) -> str:
+    """The config key of ``role``'s TransformerConfig overrides."""
+    m = "critic" if role == "critic" else "actor_rollout_ref.actor"
+    return f"{m}.megatron.override_transformer_config"
+
+
+def transformer_overrides(overrides: Mapping[str, Any] | None, role: str = "actor"
+                          ) -> dict[str, Any]:
+    """Check verl's ``megatron.override_transformer_config`` block of ``role`` against
+    megatron-core's TransformerConfig fields and return {field: value} (``attention_backend``
+    as megatron's ``AttnBackend``). Unknown names and fields megarl sets itself are refused
+    (`UserInputError` naming the key and the fix)."""
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not overrides:
+        return {}
+    key = transformer_override_key(role)
+    if not isinstance(overrides, Mapping):
+        raise UserInputError(f"{key}={overrides!r}: expected a mapping of megatron-core "
+                             "TransformerConfig fields, e.g. {attention_dropout: 0.0}")
+    names = {f.name for f in dataclasses.fields(TransformerConfig) if f.init}
+    out: dict[str, Any] = {}
+    for name, value in overrides.items():
+        if name not in names:
+            close = difflib.get_close_matches(name, sorted(names), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UserInputError(
+                f"{key}.{name}: megatron-core {_mcore_version()}'s TransformerConfig has no "
+                f"field {name!r}{hint}; its fields: {', '.join(sorted(names))}")
+        if name == "attention_backend" and isinstance(value, str):
+            try:
+                value = AttnBackend[value]
+            except KeyError:
+                raise UserInputError(
+                    f"{key}.attention_backend={value!r}: expected one of "
+                    f"{', '.join(b.name for b in AttnBackend)}") from None
+        out[name] = value
+    return out
+
+
+def apply_transformer_overrides(config: Any, overrides: Mapping[str, Any] | None,
+                                role: str = "actor") -> Any:
+    """megatron-core's TransformerConfig ``config`` (as megarl built it) with ``overrides`` (the
+    role's ``megatron.override_transformer_config``, checked by `transformer_overrides`) set
+    on it through ``dataclasses.replace``, which runs megatron-core's own validation
+    (``__post_init__``); its refusals (a fusion that needs TransformerEngine or CUDA, an
+    inconsistent combination) come back as `UserInputError` naming the key."""
+    import dataclasses
+
+    checked = transformer_overrides(overrides, role)
+    if not checked:
+        return config
+    key = transformer_override_key(role)
+    changes: dict[str, Any] = {}
+    section = "critic" if role == "critic" else "actor_rollout_ref.actor"
+    for name, value in checked.items():
+        if name in MEGARL_FIELDS:
+            if getattr(config, name) != value:
+                use = MEGARL_FIELDS[name].format(m=section)
+                raise UserInputError(
+                    f"{key}.{name}={value!r}: megarl sets {name} itself "
+                    f"({getattr(config, name)!r} here); use {use}")
+            continue
+        changes[name] = value
+    if not changes:
+        return config
+    try:
+        return dataclasses.replace(config, **changes)
+    except (AssertionError, ValueError, TypeError, RuntimeError, ImportError) as e:
+        said = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+        from megarl.backends.megatron.optim import te_note
+
+        raise UserInputError(f"{key}: megatron-core refuses {said}: {e}{te_note()}") from e
+
+
+def _mcore_version() -> str:
+    try:
+        from megatron.core import __version__
+    except ImportError:
+        return "(version unknown)"
+    return __version__

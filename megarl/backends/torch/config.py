@@ -25,7 +25,17 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
           "kernel_impl": s.kernels.impl, "chunk_size": s.kernels.chunk_size,
           "activation_checkpointing": s.activation_checkpointing}
     if s.optim is not None:
-        kw.update(asdict(s.optim))
+        optim = asdict(s.optim)
+        extra = optim.pop("override_optimizer_config")
+        optim.pop("override_key")
+        if extra:
+            raise UserInputError(
+                f"{s.optim.override_key}={extra!r}: megatron-core optimizer fields, read by "
+                "strategy megatron only; the torch backend's optimizer is torch.optim.AdamW "
+                "(set optim.lr, betas, eps, weight_decay), or use strategy: megatron")
+        kw.update(optim)
+    if s.override_config:  # verl's HF config overrides (`megarl.models.overrides`)
+        kw["hf_overrides"] = s.override_config
     if role == "actor":
         kw["router_replay"] = s.router_replay
         kw["lora"] = lora_settings(cfg)

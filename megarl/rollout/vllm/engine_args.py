@@ -84,3 +84,25 @@ def check_extra(extra: Mapping[str, Any], owned: Mapping[str, str], known: set[s
     if problems:
         raise UserInputError("\n".join(problems))
     return dict(extra)
+
+
+def hf_overrides(hf_config: Mapping[str, Any], override_config: Mapping[str, Any] | None,
+                 extra: Mapping[str, Any] | None = None,
+                 key: str = "actor_rollout_ref.model.override_config") -> dict[str, Any]:
+    """vLLM's ``hf_overrides`` engine argument for the policy's ``model.override_config``
+    (verl's HF config overrides, which megarl's trainer applies too, so the engine samples from
+    the model the trainer computes): {field: value} of each top-level ``config.json`` field the
+    overrides change (a mapping value, e.g. ``rope_parameters``, is merged by vLLM into the
+    config's own), plus the user's ``engine_kwargs.vllm.hf_overrides`` (``extra``), which may
+    add fields but not set one of them to another value. Empty when nothing is overridden."""
+    from megarl.models.overrides import apply_hf_overrides, changed_fields
+
+    out = changed_fields(hf_config, apply_hf_overrides(hf_config, override_config, key))
+    own = dict((extra or {}).get("hf_overrides") or {})
+    clash = sorted(k for k in own if k in out and own[k] != out[k])
+    if clash:
+        raise UserInputError(
+            f"{PREFIX}.hf_overrides sets {', '.join(clash)} unlike {key} "
+            f"({', '.join(f'{k}={out[k]!r}' for k in clash)}): the engine would sample from "
+            f"another model than the trainer computes; set them in {key} only")
+    return {**out, **own}
