@@ -15,6 +15,7 @@ of the ranks' keys (`megarl.backends.metrics.reduce_metrics`, shared with the to
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Iterator, Mapping
@@ -32,6 +33,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megarl.backends.megatron import checkpoint, cpu_compat, moe, parallel, replay
+from megarl.backends.megatron import lora as lora_lib
 from megarl.backends.megatron.batching import (
     MicroBatch,
     chunk_rows,
@@ -55,8 +57,10 @@ from megarl.backends.megatron.weights import export_hf, load_hf_into_chunks
 from megarl.backends.metrics import reduce_metrics
 from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES, LossFn, SequenceBatch
 from megarl.backends.routing import check_router_replay
+from megarl.errors import UserInputError
 from megarl.models.args import ModelArgs, num_labels_from_hf_config
 from megarl.models.hf_io import read_hf_config
+from megarl.models.lora import LoraSettings
 from megarl.utils.dtypes import canonical_dtype, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -95,6 +99,10 @@ class MegatronBackend:
                  in the batch's ``routed_experts`` (recorded by the rollout engine) instead of
                  the routers' top-k (`megarl.backends.megatron.replay`); batches without it
                  route as usual.
+    lora:        actor only: LoRA adapters on the loaded model (`megarl.backends.megatron.lora`:
+                 TP/PP-aware, PEFT's names); the base is frozen, the optimizer and checkpoints
+                 hold the adapters only, the reference is `lora.AdapterOffReference`. Uses
+                 megatron's local layer spec.
     """
 
     def __init__(
@@ -121,6 +129,7 @@ class MegatronBackend:
         hf_config: dict[str, Any] | None = None,
         moe_aux_loss_coeff: float = 0.0,
         router_replay: bool = False,
+        lora: LoraSettings | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -148,12 +157,19 @@ class MegatronBackend:
         self.forward_micro_batch_size = forward_micro_batch_size
         self.seed = seed
         self.step = 0  # optimizer updates applied (the LR schedule position)
+        if lora is not None and role != "actor":
+            raise ValueError(f"LoRA adapters train on the actor only, not on the {role}")
+        self.lora = lora
+        self.lora_specs: list[lora_lib.AdapterSpec] = []
 
         dense_any = not self.args.is_moe and ep == 1 and etp is None  # EP groups unused
         parallel.ensure_model_parallel(
             tp, pp, seed, ep=None if dense_any else ep, etp=None if dense_any else etp
         )
-        self.use_te = spec == "te" or (spec == "auto" and te_available())
+        self.use_te = spec == "te" or (spec == "auto" and te_available() and lora is None)
+        if lora is not None and self.use_te:
+            raise ValueError("LoRA on the megatron backend uses megatron's local layer spec: "
+                             "spec='auto' or 'local'")
         if spec == "te" and not te_available():
             raise RuntimeError("spec='te' needs TransformerEngine and CUDA; use spec='local'")
         self.moe_aux_loss_coeff = float(moe_aux_loss_coeff) if self.args.is_moe else 0.0
@@ -175,6 +191,8 @@ class MegatronBackend:
                 load_hf_into_chunks(
                     self.chunks, model_path, self.args, role, self.num_labels, seed
                 )
+            if lora is not None:
+                self.lora_specs = lora_lib.install(self.chunks, self.args, self.layout, lora, seed)
             self.modules: list[torch.nn.Module] = [
                 Float16Module(self.config, c) if self.dtype == torch.bfloat16 else c
                 for c in self.chunks
@@ -200,6 +218,11 @@ class MegatronBackend:
         ``role``) override. Frozen (``train=False``) unless asked otherwise."""
         meta = checkpoint.read_meta(directory)
         role = kwargs.pop("role", meta["role"])
+        if meta.get("lora") is not None:  # adapters only: the base is the source folder
+            kwargs.setdefault("lora", LoraSettings(**meta["lora"]))
+            backend = cls(role, meta["source"], **kwargs)
+            backend.load(directory)
+            return backend
         kwargs.setdefault("dtype", meta.get("dtype", "fp32"))
         kwargs.setdefault("train", False)
         if role == "prm":
@@ -213,6 +236,10 @@ class MegatronBackend:
         """Build ``role`` from the project config (`megarl.backends.megatron.config`);
         ``model_path`` overrides the section's ``model.path``."""
         path, kwargs = backend_kwargs(role, cfg, model_path)
+        if role == "actor":
+            from megarl.backends.torch.config import lora_settings
+
+            kwargs["lora"] = lora_settings(cfg)
         return cls(role, path, **kwargs)
 
     # ------------------------------------------------------------------ construction helpers
@@ -335,7 +362,47 @@ class MegatronBackend:
         return replay.replay_metrics(self, batch, rollout_logprob, temperature)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from export_hf(self.chunks, self.args, self.layout, self.role, self.num_labels)
+        """(HF name, full tensor) in HF order on every rank; with LoRA the adapters folded in
+        (``W + (alpha / r) B A``). Collective."""
+        stream = export_hf(self.chunks, self.args, self.layout, self.role, self.num_labels)
+        if self.lora is None:
+            yield from stream
+            return
+        adapter = dict(self.export_adapter())
+        yield from lora_lib.merge_stream(stream, adapter, self.lora.scaling)
+
+    def export_adapter(self, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: (``<module>.lora_{A,B}.weight``, full tensor) of every adapter (A [r, in],
+        B [out, r]), for `megarl.models.lora.save_peft_adapter`; with ``grads`` the gradients
+        the last train_step accumulated (fp32, as `export_grads`). Nothing without LoRA.
+        Collective."""
+        if self.lora is None:
+            return
+        yield from lora_lib.gather_adapters(self.chunks, self.lora_specs, self.args,
+                                            self.layout, self.lora.rank, grads=grads)
+
+    def load_adapter(self, adapter: Mapping[str, torch.Tensor]) -> None:
+        """LoRA: set the adapters from full tensors (`export_adapter`'s names, a PEFT file's
+        without its ``base_model.model.`` prefix); every adapter must be given."""
+        want = {f"{s.module}.lora_{ab}.weight" for s in self.lora_specs for ab in "AB"}
+        if self.lora is None or set(adapter) != want:
+            raise ValueError(f"load_adapter needs exactly this backend's {len(want)} adapter "
+                             f"tensors; missing {sorted(want - set(adapter))[:4]}, unexpected "
+                             f"{sorted(set(adapter) - want)[:4]}")
+        lora_lib.set_adapters(self.chunks, dict(adapter), parallel.tp_rank(), self.layout.tp)
+        if self.optimizer is not None:
+            with cpu_compat.cuda_to_cpu():
+                self.optimizer.reload_model_params()
+
+    def adapted_modules(self) -> list[str]:
+        """LoRA: the full HF names of the adapted modules; [] without LoRA."""
+        return [s.module for s in self.lora_specs]
+
+    @contextlib.contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """Inside: the model computes without its LoRA adapters (a no-op without LoRA)."""
+        with lora_lib.adapters_disabled(self.chunks):
+            yield
 
     @torch.no_grad()
     def export_grads(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -388,8 +455,11 @@ class MegatronBackend:
             "step": self.step,
             "source": self.model_path,
         }
+        if self.lora is not None:  # adapters (+ their optimizer state) only
+            meta["lora"] = lora_lib.settings_json(self.lora)
         optimizer = self.optimizer if include_optimizer else None
-        checkpoint.save(directory, self.chunks, optimizer, meta)
+        checkpoint.save(directory, self.chunks, optimizer, meta,
+                        adapters_only=self.lora is not None)
 
     def load(self, directory: str) -> None:
         meta = checkpoint.read_meta(directory)
@@ -398,7 +468,14 @@ class MegatronBackend:
                 f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
                 f"{self.role}"
             )
-        meta = checkpoint.load(directory, self.chunks, self.optimizer)
+        mine = lora_lib.settings_json(self.lora)
+        if meta.get("lora") != mine:
+            raise UserInputError(
+                f"checkpoint {directory} holds LoRA adapters {meta.get('lora')}; this run's are "
+                f"{mine}: resume with the checkpoint's actor_rollout_ref.model.lora_rank, "
+                "lora_alpha, target_modules and exclude_modules")
+        meta = checkpoint.load(directory, self.chunks, self.optimizer,
+                               adapters_only=self.lora is not None)
         if meta.get("has_optimizer") and self.optimizer is not None:
             self.step = int(meta.get("step", 0))
 

@@ -35,10 +35,21 @@ def sharded_metadata() -> dict[str, Any]:
     }
 
 
-def model_sharded_state(chunks: list[torch.nn.Module], metadata: dict[str, Any]) -> dict:
+def model_sharded_state(chunks: list[torch.nn.Module], metadata: dict[str, Any],
+                        adapters_only: bool = False) -> dict:
+    """The chunks' dist-checkpoint entries; ``adapters_only``: the LoRA adapters alone
+    (``lora.*``, `megarl.backends.megatron.lora`)."""
+    def state(chunk: torch.nn.Module) -> dict:
+        out = chunk.sharded_state_dict(metadata=metadata)
+        return {k: v for k, v in out.items() if _is_adapter(k)} if adapters_only else out
+
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": c.sharded_state_dict(metadata=metadata) for i, c in enumerate(chunks)}
+        return {"model": state(chunks[0])}
+    return {f"model{i}": state(c) for i, c in enumerate(chunks)}
+
+
+def _is_adapter(key: str) -> bool:
+    return key.startswith("lora.")
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
@@ -52,8 +63,10 @@ def save(
     chunks: list[torch.nn.Module],
     optimizer,
     meta: dict[str, Any],
+    adapters_only: bool = False,
 ) -> None:
-    """Collective: write model (+ optimizer) state and ``meta`` (rank 0) to ``directory``."""
+    """Collective: write model (+ optimizer) state and ``meta`` (rank 0) to ``directory``;
+    ``adapters_only``: of the model, the LoRA adapters alone."""
     directory = Path(directory)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
@@ -62,7 +75,7 @@ def save(
     dist.barrier()
     metadata = sharded_metadata()
     with cpu_compat.cuda_to_cpu(), cpu_compat.cuda_type_strings():
-        state = model_sharded_state(chunks, metadata)
+        state = model_sharded_state(chunks, metadata, adapters_only)
         if optimizer is not None:
             materialize_optimizer_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(
@@ -76,15 +89,17 @@ def save(
 
 
 def load(
-    directory: str | os.PathLike, chunks: list[torch.nn.Module], optimizer
+    directory: str | os.PathLike, chunks: list[torch.nn.Module], optimizer,
+    adapters_only: bool = False,
 ) -> dict[str, Any]:
     """Collective: load model (and, when the checkpoint has it and ``optimizer`` is given,
-    optimizer) state into the wrapped chunks; returns the checkpoint's meta."""
+    optimizer) state into the wrapped chunks; returns the checkpoint's meta.
+    ``adapters_only``: of the model, the LoRA adapters alone (the base stays as loaded)."""
     meta = read_meta(directory)
     with_optim = optimizer is not None and meta.get("has_optimizer", False)
     metadata = sharded_metadata()
     with cpu_compat.cuda_to_cpu(), cpu_compat.cuda_type_strings():
-        state = model_sharded_state(chunks, metadata)
+        state = model_sharded_state(chunks, metadata, adapters_only)
         if with_optim:
             materialize_optimizer_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(
@@ -93,7 +108,7 @@ def load(
         loaded = dist_checkpointing.load(state, str(directory))
         keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
         for key, chunk in zip(keys, chunks):
-            _load_model_state(chunk, loaded[key])
+            _load_model_state(chunk, loaded[key], adapters_only)
         if with_optim:
             _load_optimizer_state(optimizer, loaded["optimizer"])
         elif optimizer is not None:
@@ -181,8 +196,10 @@ def _load_sub_optimizer_state(sub, state: dict[str, Any]) -> None:
             sub.optimizer.state[key]["step"] = step.detach().clone()
 
 
-def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
-    expected = [k for k in chunk.state_dict() if not k.endswith("_extra_state")]
+def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any],
+                      adapters_only: bool = False) -> None:
+    expected = [k for k in chunk.state_dict() if not k.endswith("_extra_state")
+                and (_is_adapter(k) or not adapters_only)]
     missing = [k for k in expected if k not in state]
     if missing:
         raise KeyError(f"checkpoint lacks model tensors: {missing}")

@@ -92,6 +92,15 @@ def ensure_model_parallel(
         _SEEDED = seed
 
 
+def reset_model_parallel() -> None:
+    """Tear megatron's process groups down, so that the next backend of this process may use
+    another layout (no backend built before may be used afterwards)."""
+    global _SEEDED
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    _SEEDED = None
+
+
 @contextlib.contextmanager
 def virtual_pp(vpp: int | None) -> Iterator[None]:
     """Set megatron's global virtual-pipeline size (and rank 0) for the duration."""
