@@ -28,7 +28,12 @@ from megarl.algos._checks import (
 )
 from megarl.algos.groups import group_mean_std, group_sum, leave_one_out_mean, make_groups
 from megarl.algos.masked import masked_whiten
-from megarl.algos.registry import ADVANTAGE_ESTIMATORS, lookup, register_advantage_estimator
+from megarl.algos.registry import (
+    ADVANTAGE_ESTIMATORS,
+    lookup,
+    register_advantage_estimator,
+    register_advantage_pipeline,
+)
 
 
 def _score(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -209,6 +214,7 @@ def gpg(*, token_rewards, response_mask, group_index, **_):
     return adv, adv.clone()
 
 
+@register_advantage_pipeline("optimal_token_baseline", needs=("groups",))
 def optimal_token_baseline(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -231,9 +237,11 @@ def optimal_token_baseline(
     has no baseline (A = G). ``handle_zero_tail``: in a group whose longest response is
     uniquely longest, its baseline is 0 from the second-longest length on. returns = G.
 
-    Not a registered estimator: the trainer's logprob pass does not compute `sum_pi_squared`
-    (megarl_kernels would need a `sum softmax^2` output), so `algorithm.adv_estimator` cannot
-    name it yet. Computed in float64 or the inputs' float dtype, without gradient.
+    Registered as a pipeline (its inputs are not `compute_advantages`'): with
+    `algorithm.adv_estimator=optimal_token_baseline` the actor's old-logprob pass also computes
+    `sum_pi_squared` (both backends, fused kernel included) and the trainer algorithm of that
+    name (`megarl.trainer.algorithm`) calls this. Computed in float64 or the inputs' float
+    dtype, without gradient.
     """
     check_2d("token_rewards", check_float("token_rewards", token_rewards))
     check_same_shape("token_rewards", token_rewards,

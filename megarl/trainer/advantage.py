@@ -15,11 +15,14 @@ returns [B, L] (``estimator_advantages``). Algorithms with an advantage stage of
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from megarl import algos
+from megarl.backends.protocol import SequenceBatch
 from megarl.trainer.batch import RolloutBatch
 
 
@@ -127,3 +130,41 @@ def compute_step_advantages(batch: RolloutBatch, s: AdvantageSettings,
     metrics, _ = place_rewards(batch, s, kl_coef)
     estimator_advantages(batch, s)
     return metrics
+
+
+def logprob_stats(actor: Any, seq: SequenceBatch, temperature: float = 1.0
+                  ) -> dict[str, torch.Tensor]:
+    """No-grad ``logprob``, ``entropy`` and ``sum_pi_squared`` [B, L] float32 of ``seq`` under
+    the actor backend (either strategy) in one pass (`megarl.backends.torch.heads.
+    logprob_stats_of`, `megarl.backends.megatron.heads.logprob_stats_of`)."""
+    if type(actor).__module__.startswith("megarl.backends.megatron"):
+        from megarl.backends.megatron.heads import logprob_stats_of
+
+        return logprob_stats_of(actor, seq, temperature)
+    from megarl.backends.torch.heads import logprob_stats_of
+
+    return logprob_stats_of(actor, seq, temperature)
+
+
+def old_logprob_pass(actor: Any, seq: SequenceBatch, temperature: float = 1.0, *,
+                     sum_pi_squared: bool = False, record_routing: bool = False
+                     ) -> dict[str, torch.Tensor]:
+    """The actor's old-logprob pass of a step: ``old_logprob`` and ``entropy`` [B, L]; with
+    ``sum_pi_squared`` also ``sum_pi_squared`` [B, L] (sum_v pi_v^2 at each position, what
+    ``optimal_token_baseline`` reads); with ``record_routing`` (routing replay R2) also
+    ``routed_experts`` [B, P + L, n_sparse, k]: the experts the routers chose in this pass, for
+    the update to replay (`megarl.backends.routing.recording_routing`). Collective."""
+    from megarl.backends.routing import recording_routing
+
+    ctx = (recording_routing(actor, seq) if record_routing
+           else contextlib.nullcontext((seq, {})))
+    with ctx as (batch, recorded):
+        if sum_pi_squared:
+            stats = logprob_stats(actor, batch, temperature)
+            out = {"old_logprob": stats["logprob"], "entropy": stats["entropy"],
+                   "sum_pi_squared": stats["sum_pi_squared"]}
+        else:
+            lp, ent = actor.logprobs(batch, temperature=temperature, with_entropy=True)
+            out = {"old_logprob": lp, "entropy": ent}
+    out.update(recorded)
+    return out

@@ -14,6 +14,9 @@ greedy baseline per prompt, whole groups on one rank) and supplies the hooks. Th
   ReMax is this family with an estimator that needs "baselines": ``prepare`` generates one
   greedy response per prompt and scores it (``reward_baselines`` [B]); any estimator registered
   with ``needs=("baselines",)`` gets the same.
+- ``OptimalTokenBaseline`` (``algorithm.adv_estimator=optimal_token_baseline``): verl's OTB
+  (``algos.optimal_token_baseline``) on the placed rewards, with the old logprobs and the
+  ``sum_pi_squared`` of the actor's old-logprob pass (``Needs.sum_pi_squared``).
 - ``PureRloo`` (``algorithm.adv_estimator=pure_rloo``): PURE's pipeline
   (``algos.pure_rloo_advantages``) as the advantage stage, the PPO family's loss.
 - ``Pacs`` (``pacs.enable``): the rewards only, ``scores`` = the verifiable reward; PACS's BCE
@@ -60,6 +63,9 @@ class Needs:
     greedy_baseline: bool = False  # prepare: a greedy response per prompt, scored ([B])
     whole_groups: bool = False  # the loss reads group statistics: a group stays on one DP
     #                             rank and in one micro-batch
+    # the actor's old-logprob pass runs (also on-policy) and computes sum_v pi_v^2 per position
+    # (``sum_pi_squared`` [B, L]; `advantage.old_logprob_pass`)
+    sum_pi_squared: bool = False
 
     @classmethod
     def of_estimator(cls, name: str) -> Needs:
@@ -269,6 +275,44 @@ class PureRloo(PPOFamily):
         return pure_advantages(batch, self.adv, self.pure, kl_coef)
 
 
+# ----------------------------------------------------------------- Optimal Token Baseline
+
+
+def otb_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float) -> dict[str, float]:
+    """verl's Optimal Token Baseline: the rewards placed as for every algorithm, then
+    ``algos.optimal_token_baseline`` of the placed rewards with the trainer's recomputed policy
+    (``prox_logprob`` where asynchronous rollout moved it there, else ``old_logprob``), the
+    same pass's ``sum_pi_squared`` and, when present, ``rollout_is_weights``."""
+    metrics, _ = place_rewards(batch, s, kl_coef)
+    t = batch.tensors
+    if "sum_pi_squared" not in t:
+        raise RuntimeError("optimal_token_baseline needs sum_pi_squared from the actor's "
+                           "old-logprob pass (advantage.old_logprob_pass with "
+                           "sum_pi_squared=True)")
+    policy = t["prox_logprob"] if "prox_logprob" in t else t["old_logprob"]
+    adv, ret = algos.optimal_token_baseline(
+        t["token_level_rewards"], batch.response_mask, batch.group_index,
+        policy.to(t["token_level_rewards"].dtype),
+        t["sum_pi_squared"].to(t["token_level_rewards"].dtype),
+        rollout_is_weights=t.get("rollout_is_weights"))
+    t["advantages"] = adv
+    t["returns"] = ret
+    return metrics
+
+
+@register_algorithm("optimal_token_baseline")
+class OptimalTokenBaseline(PPOFamily):
+    """``algorithm.adv_estimator=optimal_token_baseline``: a baseline per group and position
+    weighted by the policy's path variance (`otb_advantages`); the PPO family's loss."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.needs = dataclasses.replace(self.needs, sum_pi_squared=True)
+
+    def advantages(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
+        return otb_advantages(batch, self.adv, kl_coef)
+
+
 # ---------------------------------------------------------------------------------- PACS
 
 
@@ -334,5 +378,5 @@ class Pacs(Algorithm):
         return pacs_advantages(batch, self.adv, kl_coef)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Needs", "PPOFamily", "StepContext", "build_algorithm",
-           "register_algorithm"]
+__all__ = ["ALGORITHMS", "Algorithm", "Needs", "OptimalTokenBaseline", "PPOFamily", "StepContext",
+           "build_algorithm", "register_algorithm"]

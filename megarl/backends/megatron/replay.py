@@ -236,6 +236,17 @@ def record_logprobs(backend: Any, batch: SequenceBatch, temperature: float = 1.0
     ``routed_experts`` of the batch ignored), plus the experts they chose in the same forwards,
     [B, P + L, n_sparse, k] int16 like ``routed_experts`` (-1 on padding): the update's replay
     targets. Collective over all ranks (`assemble`)."""
+    with recording_routing(backend, batch) as (tagged, out):
+        lp, ent = backend.logprobs(tagged, temperature=temperature, with_entropy=with_entropy)
+    return lp, ent, out["routed_experts"]
+
+
+@contextlib.contextmanager
+def recording_routing(backend: Any, batch: SequenceBatch
+                      ) -> Iterator[tuple[SequenceBatch, dict[str, torch.Tensor]]]:
+    """Record the routing of a no-grad pass over ``batch``: yields (the batch to give the
+    pass: ``batch`` without ``routed_experts``, its rows tagged, a dict); on exit the dict holds
+    ``routed_experts`` [B, P + L, n_sparse, k] int16 (`assemble`; collective on exit)."""
     from megarl.backends.routing import REPLAY_KEY
     from megarl.errors import UserInputError
 
@@ -244,11 +255,12 @@ def record_logprobs(backend: Any, batch: SequenceBatch, temperature: float = 1.0
                              "the actor with router_replay on (a mixture-of-experts policy)")
     tensors = {k: v for k, v in batch.tensors.items() if k != "routed_experts"}
     tagged = SequenceBatch(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                           response_length=batch.response_length, tensors=tag_rows(tensors,
-                                                                                   batch))
+                           response_length=batch.response_length,
+                           tensors=tag_rows(tensors, batch))
+    result: dict[str, torch.Tensor] = {}
     with recording(backend) as sinks:
-        lp, ent = backend.logprobs(tagged, temperature=temperature, with_entropy=with_entropy)
-    return lp, ent, assemble(backend, sinks, tuple(batch.input_ids.shape))
+        yield tagged, result
+    result["routed_experts"] = assemble(backend, sinks, tuple(batch.input_ids.shape))
 
 
 def tag_rows(tensors: dict[str, torch.Tensor], batch: SequenceBatch) -> dict[str, torch.Tensor]:

@@ -30,7 +30,9 @@ after earlier mini-batches moved the routers. The reference routes by its own ro
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -199,6 +201,18 @@ def record_logprobs(backend: Any, batch: SequenceBatch, temperature: float = 1.0
     they chose in the same forwards: [B, P + L, n_sparse, k] int16 like ``routed_experts`` (-1
     on padding), the update's replay targets. Collective like ``logprobs`` (every rank returns
     the whole batch's routing); without pipeline parallelism or Ulysses."""
+    with recording_routing(backend, batch) as (tagged, out):
+        lp, ent = backend.logprobs(tagged, temperature=temperature, with_entropy=with_entropy)
+    return lp, ent, out["routed_experts"]
+
+
+@contextlib.contextmanager
+def recording_routing(backend: Any, batch: SequenceBatch
+                      ) -> Iterator[tuple[SequenceBatch, dict[str, torch.Tensor]]]:
+    """Record the routing of a no-grad pass over ``batch``: yields (the batch to give the
+    pass: ``batch`` without ``routed_experts``, its rows tagged, a dict); on exit the dict holds
+    ``routed_experts`` [B, P + L, n_sparse, k] int16 of the routers' choices (`record_logprobs`).
+    Collective on exit (DP ranks exchange their rows)."""
     from megarl.backends.routing import check_r2_layout
     from megarl.models.moe import moe_blocks, routing_dtype, sparse_layers, stack_layers
 
@@ -214,8 +228,9 @@ def record_logprobs(backend: Any, batch: SequenceBatch, temperature: float = 1.0
     backend._r2_recorder = recorder
     for block in blocks:  # each block writes {its layer: experts [T, k]} of every forward
         block.recorded = recorder
+    result: dict[str, torch.Tensor] = {}
     try:
-        lp, ent = backend.logprobs(tagged, temperature=temperature, with_entropy=with_entropy)
+        yield tagged, result
     finally:
         backend._r2_recorder = None
         for block in blocks:
@@ -233,5 +248,4 @@ def record_logprobs(backend: Any, batch: SequenceBatch, temperature: float = 1.0
         out[rows] = sub
     if backend.dp_size > 1:  # each row was computed on one DP rank; -1 elsewhere
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=backend.dp_group)
-    return lp, ent, out.to(routing_dtype(args.num_experts)).cpu()
-
+    result["routed_experts"] = out.to(routing_dtype(args.num_experts)).cpu()
