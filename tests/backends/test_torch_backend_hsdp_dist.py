@@ -9,8 +9,9 @@ fp32 bounds of tests/fp32_bounds.py. The hybrid layouts' gradients and weights a
 equal the fully sharded run's within fp32 reduction-order noise, and each rank holds 1 / (DP x
 SP) of the parameters and optimizer state when sharded over the SP group too.
 
-Planted bug: the FSDP mesh without the SP ranks (parameters replicated over the sequence group,
-its partial gradients never summed) is off the reference by far more than the bound.
+Planted bugs, each off the reference by far more than the bound: the FSDP mesh without the SP
+ranks (parameters replicated over the sequence group, its partial gradients never summed), and
+hybrid sharding without its replicate dimension (the groups' gradients never summed).
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def test_hybrid_sharding_equals_full_sharding(results, layout, check):
     _check(results, f"{layout}/{check}")
 
 
+@pytest.mark.parametrize("check", ["dcp_logprob_err", "dcp_next_step_err", "dcp_step_ok"])
+def test_checkpoint_hybrid_loads_fully_sharded(results, check):
+    """Saved at sp2_hsdp after 3 steps, loaded at sp2: same logprobs, and one more step equals
+    the uninterrupted hybrid run (optimizer state and step counter continue)."""
+    _check(results, f"sp2_hsdp_to_sp2/{check}")
+
+
 def test_bytes_per_rank_follow_the_shard_group(results):
     """Parameters and AdamW state per rank: 1/4 of the model sharded over DP 2 x SP 2, 1/2 when
     sharded over the SP pair only (within a row of padding per tensor)."""
@@ -77,5 +85,6 @@ def test_bytes_per_rank_follow_the_shard_group(results):
     assert results["planted_sp_replicated/param_bytes"] >= model / 2
 
 
-def test_planted_sp_replicated_fails(results):
-    assert results["planted_sp_replicated/ref_grad_err"] > 100 * TOL
+@pytest.mark.parametrize("plant", ["sp_replicated", "no_replica_reduce"])
+def test_planted_bugs_fail(results, plant):
+    assert results[f"planted_{plant}/ref_grad_err"] > 100 * TOL

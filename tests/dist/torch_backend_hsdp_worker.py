@@ -14,8 +14,11 @@ Layouts (4 ranks):
   hsdp2      DP 4, dp_shard 2: sharded over pairs of DP ranks, replicated over the 2 pairs
              (the batch split over DP 4 is not ``rank_split``'s: gradients and logprobs only);
   tp2_hsdp   TP 2, DP 2, dp_shard 1: TP shards replicated over DP through FSDP2's 2-D mesh.
-Planted (``planted_sp_replicated``): the FSDP mesh without the SP ranks (parameters replicated
-over the sequence-parallel group, gradients not summed over it).
+Checkpoint: saved at ``sp2_hsdp`` after 3 steps, loaded at ``sp2``: same logprobs, and one
+more step equals the uninterrupted run.
+Planted: ``planted_sp_replicated``, the FSDP mesh without the SP ranks (parameters replicated
+over the sequence-parallel group, gradients not summed over it); ``planted_no_replica_reduce``,
+hybrid sharding without its replicate dimension (gradients not summed over the groups).
 """
 
 from __future__ import annotations
@@ -80,15 +83,21 @@ def max_gap(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-@contextlib.contextmanager
-def planted_sp_replicated():
+def _sp_replicated(mesh, layout):
     """BUG: FSDP over the data-parallel ranks only (the SP group holds whole copies and its
     partial gradients are never summed)."""
+    return mesh["dp_shard"]
+
+
+def _no_replica_reduce(mesh, layout):
+    """BUG: hybrid sharding without the replicate dimension (each shard group keeps its own
+    gradients: the other data-parallel ranks' parts are never added)."""
+    return mesh["dp_shard_in", "ulysses"]._flatten("dp_shard_in_ulysses")
+
+
+@contextlib.contextmanager
+def planted(bad):
     good = backend_mod.fsdp_mesh
-
-    def bad(mesh, layout):
-        return mesh["dp_shard"]
-
     backend_mod.fsdp_mesh = bad
     try:
         yield
@@ -107,7 +116,9 @@ def main() -> None:
     models, work, res = json.loads(a.models), Path(a.work), W.Results()
     path = models["main"]
     for name, layout in LAYOUTS.items():
-        W.check_actor(name, path, layout, res, work)
+        W.check_actor(name, path, layout, res, work, dcp=name == "sp2_hsdp")
+        if name == "sp2_hsdp":  # saved sharded over the SP pair, loaded sharded over all 4
+            W.check_dcp_load("sp2_hsdp_to_sp2", path, LAYOUTS["sp2"], res, work)
 
     # hybrid vs fully sharded: same gradients and weights; bytes per rank
     ref_grads = R.ref_grads(R.reference_model(path), W.BATCH)
@@ -120,10 +131,13 @@ def main() -> None:
         res[f"{name}/ref_grad_err"] = R.max_err(g, {k: ref_grads[k] for k in g})
         res[f"{name}/param_bytes"], res[f"{name}/state_bytes"] = pb, sb
     res["sp2/param_bytes"], res["sp2/state_bytes"] = full[2]
-    with planted_sp_replicated():
+    with planted(_sp_replicated):
         g, w, (pb, sb) = grads_and_bytes(path, {"ulysses": 2})
     res["planted_sp_replicated/ref_grad_err"] = R.max_err(g, {k: ref_grads[k] for k in g})
     res["planted_sp_replicated/param_bytes"] = pb
+    with planted(_no_replica_reduce):
+        g, w, _ = grads_and_bytes(path, {"ulysses": 2, "dp_shard": 1})
+    res["planted_no_replica_reduce/ref_grad_err"] = R.max_err(g, {k: ref_grads[k] for k in g})
     total = sum(t.numel() * t.element_size() for t in W.hf_tensors(path).values())
     res["model_bytes"] = total
     merged = res.merged()
