@@ -61,8 +61,13 @@ class RewardManager:
         self.pool, self.fn, self.strict_ground_truth = pool, fn, strict_ground_truth
         self.last_results: list[RewardResult] = []
 
+    def has_rule(self, data_source: str) -> bool:
+        """Whether responses of ``data_source`` have a rule reward here (the built-in verifiers
+        know only some sources; a custom function or PURE's math check scores every one)."""
+        return self.fn.kind != "default" or verifier_name(data_source) is not None
+
     def _check_source(self, data_source: str) -> None:
-        if self.fn.kind == "default" and verifier_name(data_source) is None:
+        if not self.has_rule(data_source):
             raise _unknown(data_source)
 
     def __call__(
@@ -218,3 +223,40 @@ def make_reward_manager(
     if name in ("naive", "dapo"):
         return MANAGERS[name](pool, spec or DEFAULT_FN, strict_ground_truth)
     return MANAGERS[name](pool, spec, strict_ground_truth)
+
+
+class RuleRewardBesideModel:
+    """A reward manager next to an outcome reward model (whose score is the training reward, as
+    verl's): responses of data sources without a rule reward (``has_rule``; e.g. verl's
+    hh_rlhf preference data) score 0 instead of failing the step, said once per source; the
+    others are scored by ``inner`` as usual (its metrics cover those)."""
+
+    def __init__(self, inner: RewardManager) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._said: set[str] = set()
+
+    def __call__(self, responses: Sequence[str], data_sources: Sequence[str],
+                 ground_truths: Sequence[Any],
+                 extra_infos: Sequence[Mapping[str, Any] | None] | None = None):
+        import torch
+
+        n = len(responses)
+        keep = [i for i in range(n) if self.inner.has_rule(str(data_sources[i]))]
+        for source in sorted({str(d) for d in data_sources} - {str(data_sources[i]) for i in keep}):
+            if source not in self._said:
+                self._said.add(source)
+                logger.warning("data_source=%r has no rule reward: the outcome reward model's "
+                               "score alone rewards it (its reward/score metrics are left out)",
+                               source)
+        scores = torch.zeros(n, dtype=torch.float32)
+        if not keep:
+            return scores, {}
+
+        def pick(seq):
+            return None if seq is None else [seq[i] for i in keep]
+
+        part, metrics = self.inner(pick(responses), pick(data_sources), pick(ground_truths),
+                                   pick(extra_infos))
+        scores[keep] = part.to(torch.float32)
+        return scores, metrics

@@ -347,6 +347,11 @@ def _build_parts(cfg: Any) -> RunParts:
                         "reward_kwargs": dict(custom.reward_kwargs)} if custom.path else None)
         manager = make_reward_manager(rm.reward_manager, pool, custom_spec)
         val_manager = make_reward_manager("naive", pool, custom_spec)
+        if outcome_rm is not None:  # the rule reward is logged only: sources without one pass
+            from megarl.rewards.managers import RuleRewardBesideModel
+
+            manager = RuleRewardBesideModel(manager)
+            val_manager = RuleRewardBesideModel(val_manager)
     overlong = None
     ob = rm.overlong_buffer
     if ob.enable:

@@ -147,3 +147,25 @@ def test_same_tokenizer_reads_the_policy_ids(tmp_path):
     assert load_rm_tokenizer(str(rm), str(rm), policy) is not None
     bare = make_tiny_hf_model(tmp_path / "bare", "qwen2", head="seq_cls", tokenizer=False)
     assert load_rm_tokenizer(str(bare), None, policy) is None
+
+
+def test_rule_reward_beside_an_outcome_rm_skips_sources_without_one():
+    """verl never runs the rule reward when the RM scores (hh_rlhf has none): next to an outcome
+    RM a source without a rule scores 0 instead of failing; the others are scored as usual."""
+    from megarl.rewards import make_reward_manager, make_reward_pool
+    from megarl.rewards.managers import RuleRewardBesideModel
+
+    pool = make_reward_pool("local", num_workers=1, timeout_s=10.0, memory_mb=1024)
+    try:
+        naive = make_reward_manager("naive", pool)
+        with pytest.raises(ValueError, match="no built-in reward"):
+            naive(["x"], ["Dahoas/full-hh-rlhf"], ["a"])
+        beside = RuleRewardBesideModel(naive)
+        scores, metrics = beside(["#### 4", "hello", "#### 5"],
+                                 ["gsm8k", "Dahoas/full-hh-rlhf", "gsm8k"], ["4", None, "4"])
+        assert scores.tolist() == [1.0, 0.0, 0.0]
+        assert metrics["reward/score/mean"] == 0.5  # over the two gsm8k responses
+        scores, metrics = beside(["hi"], ["Dahoas/full-hh-rlhf"], [None])
+        assert scores.tolist() == [0.0] and metrics == {}
+    finally:
+        pool.close()
