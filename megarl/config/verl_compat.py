@@ -58,6 +58,12 @@ OLDER_KEYS: dict[str, Any] = {
     "reward_model.sandbox_fusion.url": None,
     "reward_model.sandbox_fusion.max_concurrent": 64,
     "reward_model.sandbox_fusion.memory_limit_mb": 1024,
+    "actor_rollout_ref.rollout.sglang_rollout_mode": None,
+    "actor_rollout_ref.rollout.server.timeout": 60.0,
+    "actor_rollout_ref.rollout.server.max_attempts": 3,
+    "actor_rollout_ref.rollout.server.retry_delay": 2.0,
+    "actor_rollout_ref.rollout.server.max_connections": 1000,
+    "actor_rollout_ref.rollout.server.max_start_wait_time": 300.0,
 }
 
 # verl sections whose keys are free-form (passed on to megatron-core's TransformerConfig)
@@ -152,8 +158,6 @@ RULES: tuple[Rule, ...] = (
     Rule("data.use_shm", "inert", _MEMORY),
     Rule("data.validation_shuffle", "inert", "validation runs over the whole set; its order "
          "does not change the metrics"),
-    Rule("data.apply_chat_template_kwargs", "rejected", "extra chat-template arguments are not "
-         "passed yet; set data.chat_template to a template of your own"),
     Rule("data.train_max_samples", "rejected", "subsample the parquet file instead"),
     Rule("data.val_max_samples", "rejected", "subsample the parquet file instead"),
     Rule("data.reward_fn_key", "rejected", "rewards are chosen by each row's data_source"),
@@ -196,7 +200,9 @@ RULES: tuple[Rule, ...] = (
     *_each(_FSDP, "offload_policy", "inert", _OFFLOAD),
     # verl's mesh rule (megarl.config.fsdp_size)
     *[Rule(k, "converted", f"{shard} = -1 (all ranks) when {k} is -1 or at least the world "
-           "size (verl's rule), else the value") for k, shard in FSDP_SIZE.items()],
+           f"size (verl's rule), else {k} / the role's ulysses_sequence_parallel_size (verl "
+           "counts world ranks; a value splitting a sequence-parallel group is refused)")
+      for k, shard in FSDP_SIZE.items()],
     Rule(f"{_REF}.fsdp_config.fsdp_size", "inert", "the reference model is sharded like the "
          "actor"),
     Rule(f"{_ACTOR}.fsdp_config.dtype", "mapped", f"{_ARR}.model.dtype"),
@@ -352,8 +358,14 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{_ROLLOUT}.engine_kwargs.trtllm", "rejected", "the TensorRT-LLM engine is not "
          "supported (rollout.name: torch, vllm, sglang)"),
     Rule(f"{_ROLLOUT}.ignore_eos", "rejected", "responses end at EOS"),
-    Rule(f"{_ROLLOUT}.over_sample_rate", "rejected", "over-sampling with early abort is not "
-         "implemented"),
+    Rule(f"{_ROLLOUT}.over_sample_rate", "inert", "verl 0.9.1 reads it nowhere (its only "
+         "reader, the SGLang engine-mode rollout, was removed): rollouts run to completion in "
+         "verl too"),
+    Rule(f"{_ROLLOUT}.sglang_rollout_mode", "inert", "verl 0.9.1 reads it nowhere: its SGLang "
+         "rollout always runs as HTTP servers; megarl's SGLang engine is rollout.name=sglang"),
+    Rule(f"{_ROLLOUT}.server.*", "inert", "HTTP-client timeouts and retries of verl's rollout "
+         "servers (read only by its TensorRT-LLM rollout in 0.9.1); megarl's engines have no "
+         "such client"),
     Rule(f"{_ROLLOUT}.nnodes", "rejected", "rollouts share the training ranks; separate "
          "rollout nodes are not implemented"),
     Rule(f"{_ROLLOUT}.n_gpus_per_node", "inert", "rollouts share the training ranks "

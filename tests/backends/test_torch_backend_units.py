@@ -250,7 +250,7 @@ def test_layout_resolve():
     with pytest.raises(ValueError, match="not divisible"):
         Layout.resolve(6, tp=4)
     with pytest.raises(ValueError, match="data_parallel_shard"):
-        Layout.resolve(8, tp=2, dp_shard=2)
+        Layout.resolve(8, tp=2, dp_shard=3)
 
 
 def test_config_mapping_per_role():

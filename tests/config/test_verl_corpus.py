@@ -50,13 +50,6 @@ NOT_PASSING = {
         {"actor_rollout_ref.model.torch_dtype"},
         "not a key of verl's config either (hydra refuses it in verl too); the dtype is "
         "actor_rollout_ref.model.dtype"),
-    "examples/gmpo_trainer/test_dapo_7b_math.sh#0": (
-        {"actor_rollout_ref.actor.parallel.data_parallel_shard"},
-        "fsdp_size=32 on 64 ranks with Ulysses SP 4: verl's FSDP groups span sequence-parallel "
-        "ranks, megarl's data_parallel_shard counts the 16 data-parallel ranks only"),
-    "examples/gmpo_trainer/test_dapo_qwen3_30b_math.sh#0": (
-        {"actor_rollout_ref.actor.parallel.data_parallel_shard"},
-        "as test_dapo_7b_math.sh"),
     "examples/grpo_trainer/run_gptoss_20b.sh#0": ({"data.train_files"}, _UNSET),
     "examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh#0": (
         {"reward_model.micro_batch_size_per_gpu"},
@@ -88,12 +81,6 @@ NOT_PASSING = {
         f"{_UNSET}; verl's R2 routing replay (megarl has R3)"),
     "examples/sapo_trainer/run_qwen30b_sapo.sh#0": ({"launch.nnodes", "launch.nproc_per_node"},
                                                     _UNSET),
-    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server.sh#0": (
-        {"actor_rollout_ref.rollout.sglang_rollout_mode", "actor_rollout_ref.rollout.server"},
-        "verl's SGLang server mode (keys older than the pinned release's config)"),
-    "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_server.sh#0": (
-        {"actor_rollout_ref.rollout.sglang_rollout_mode", "actor_rollout_ref.rollout.server"},
-        "as run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server.sh"),
     "examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh#0": (
         {"actor_rollout_ref.actor.use_kl_loss"}, _UNSET),
     "examples/sglang_multiturn/search_r1_like/run_qwen2.5-3b_instruct_search_multiturn.sh#0": (
