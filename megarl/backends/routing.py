@@ -11,6 +11,19 @@ REPLAY_KEY = "actor_rollout_ref.actor.router_replay.mode"
 REPLAY_MODES = ("disabled", "R2", "R3")
 
 
+def replay_mode(value: bool | str) -> str:
+    """The mode of a backend's ``router_replay`` argument: False or "disabled" -> "disabled",
+    True -> "R3" (the rollout engine's routing), "R2" / "R3" as given; UserInputError naming
+    the key otherwise."""
+    if value is True:
+        return "R3"
+    if value is False or value is None:
+        return "disabled"
+    if value not in REPLAY_MODES:
+        raise UserInputError(f"{REPLAY_KEY}={value!r}: expected one of {list(REPLAY_MODES)}")
+    return str(value)
+
+
 def check_router_replay(args: Any, role: str, mode: str = "R3") -> None:
     """Refuse routing replay where it cannot apply, naming the key to change.
 

@@ -132,3 +132,12 @@ def test_r2_refuses_dense_models(tmp_path):
     moe_args = type("A", (), {"is_moe": True})()
     with pytest.raises(UserInputError, match="pipeline_model_parallel_size=1"):
         check_r2_layout(moe_args, pp=2, sp=1)
+
+
+def test_replay_mode_of_the_backend_argument():
+    from megarl.backends.routing import replay_mode
+
+    assert [replay_mode(v) for v in (False, None, True, "disabled", "R2", "R3")] == [
+        "disabled", "disabled", "R3", "disabled", "R2", "R3"]
+    with pytest.raises(UserInputError, match=r"router_replay.mode='R1': expected one of"):
+        replay_mode("R1")
