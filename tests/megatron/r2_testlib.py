@@ -50,13 +50,15 @@ def r2_checks(path: Path, **layout) -> dict:
     """Run R2 on an actor at ``layout``; returns the results (all ranks the same):
 
     recorded_ok: the recording equals the float64 row loop at every real token, -1 elsewhere;
-    logprob_gap: its logprobs against a plain ``logprobs`` call; flips: real (token, layer)
+    logprob_gap: its logprobs against a plain ``logprobs`` call; sum_pi_squared_err: the old-
+    logprob pass's sum_v pi_v^2 against transformers' float64 softmax; flips: real (token, layer)
     decisions the moved routers choose differently (the float64 loop); own_mismatch: the
     fraction where the backend's moved routers disagree with that loop; update_ok: the update
     routed by the recording at every real token; update_differs: not by the moved routers."""
     from megarl.backends.megatron import MegatronBackend, replay
     from megarl.backends.protocol import SequenceBatch
     from megarl.models import load_model
+    from megarl.trainer.advantage import old_logprob_pass
 
     be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
                          use_distributed_optimizer=False, router_replay=True, **layout)
@@ -70,6 +72,11 @@ def r2_checks(path: Path, **layout) -> dict:
            and torch.equal(routed.long()[real], want[real]) and bool((routed[~real] == -1).all())}
     plain = SequenceBatch(batch.input_ids, batch.attention_mask, batch.response_length)
     res["logprob_gap"] = float((lp - be.logprobs(plain, temperature=ml.TEMPERATURE)[0]).abs().max())
+    # sum_v pi_v^2 of the same pass (vocab-parallel under TP) against transformers in float64
+    stats = old_logprob_pass(be, plain, ml.TEMPERATURE, sum_pi_squared=True)
+    _, _, logits = lib.hf_logprobs(ml.hf_moe_model(path), batch, temperature=ml.TEMPERATURE)
+    want_sq = torch.softmax(logits.detach(), -1).square().sum(-1) * batch.response_mask
+    res["sum_pi_squared_err"] = float((stats["sum_pi_squared"].double() - want_sq).abs().max())
 
     move_routers(be, ref)
     moved = row_by_row(ref, batch)
@@ -103,6 +110,8 @@ def r2_failures(res: dict) -> list[str]:
         out.append(f"logprob_gap {res['logprob_gap']}")
     if not res["flips"] > 0:
         out.append("no routing decision flipped: the planted case is void")
+    if not res["sum_pi_squared_err"] < 2e-5:
+        out.append(f"sum_pi_squared_err {res['sum_pi_squared_err']}")
     if not res["own_mismatch"] < 0.02:
         out.append(f"own_mismatch {res['own_mismatch']}")
     return out
