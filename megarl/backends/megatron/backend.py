@@ -378,6 +378,10 @@ class MegatronBackend:
         Collective."""
         if self.lora is None:
             return
+        if grads and self.dp_size > 1 and self.modules[0].ddp_config.use_distributed_optimizer:
+            raise RuntimeError("export_adapter(grads=True) with the distributed optimizer needs "
+                               "dp_size == 1 (each DP rank holds its shard of the reduced "
+                               "gradient only)")
         yield from lora_lib.gather_adapters(self.chunks, self.lora_specs, self.args,
                                             self.layout, self.lora.rank, grads=grads)
 
