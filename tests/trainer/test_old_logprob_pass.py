@@ -102,3 +102,32 @@ def test_r2_and_sum_pi_squared_in_one_pass(paths):
     assert torch.equal(res["routed_experts"], routed)
     torch.testing.assert_close(res["old_logprob"], lp, rtol=0, atol=1e-6)
     assert res["sum_pi_squared"].shape == lp.shape
+
+
+@pytest.mark.dist
+@pytest.mark.e2e
+def test_fsdp2_and_ulysses_on_two_ranks(paths, tmp_path):
+    """FSDP2 (rows split over the DP ranks, gathered back): the R2 recording equals one
+    process's and the row loop's; sum_pi_squared equals transformers' float64 at FSDP2 (MoE)
+    and Ulysses (dense; each rank's sequence shard summed over the group)."""
+    from pathlib import Path
+
+    from test_routing_replay_r2 import row_by_row
+    from torchrun import run_torchrun
+
+    seq = batch()
+    torch.save({"seq": seq, "temperature": T, "moe": str(paths["moe"]),
+                "dense": str(paths["dense"])}, tmp_path / "in.pt")
+    worker = Path(__file__).resolve().parents[1] / "dist" / "torch_r2_otb_worker.py"
+    run_torchrun(worker, 2, [str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], timeout=400,
+                 env={"TRITON_INTERPRET": None})
+    got = torch.load(tmp_path / "out.pt")
+    one = TorchBackend("actor", str(paths["moe"]), device="cpu", dtype="fp32",
+                       router_replay=True, lr=1e-3)
+    want = old_logprob_pass(one, seq, T, sum_pi_squared=True, record_routing=True)
+    assert torch.equal(got["fsdp2"]["routed_experts"], want["routed_experts"])
+    assert torch.equal(want["routed_experts"].long(), row_by_row(one, seq))
+    for key in ("old_logprob", "sum_pi_squared"):
+        torch.testing.assert_close(got["fsdp2"][key], want[key], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["ulysses2"]["sum_pi_squared"].double(),
+                               hf_sum_pi_squared(paths["dense"], seq), rtol=2e-5, atol=1e-6)
