@@ -92,7 +92,6 @@ def test_empty_and_torch_backend_head_paths():
 
 
 def test_megatron_fallback_matches_float64():
-    pytest.importorskip("megatron.core")
     from megarl.backends.megatron.heads import torch_sum_pi_squared
 
     hidden, weight, _ = inputs(T=11)
