@@ -121,6 +121,13 @@ class MegatronConfig:
     # e.g. {attention_dropout: 0.1, apply_rope_fusion: true}; fields megarl derives from the
     # HF config or from parallel.* are refused with the key to use
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    # initial weights from a megatron-core dist checkpoint (verl's keys; e.g. written by verl's
+    # scripts/converter_hf_to_mcore.py) instead of model.path's safetensors; config.json and
+    # the tokenizer still come from model.path. The reference (and, for the critic's block,
+    # the critic) loads the same checkpoint
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: str | None = None
+    dist_checkpointing_prefix: str = ""  # the key prefix the checkpoint was saved with
 
 
 @dataclass

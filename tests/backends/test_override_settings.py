@@ -73,3 +73,20 @@ def test_torch_backend_gets_the_hf_overrides_and_refuses_optimizer_fields():
     with pytest.raises(UserInputError, match=rf"^{A}\.optim\.override_optimizer_config=.*read "
                        "by strategy megatron only"):
         torch_kwargs("actor", bad, None)
+
+
+def test_dist_checkpointing_keys_reach_the_megatron_kwargs():
+    dist = [f"{A}.megatron.use_dist_checkpointing=True",
+            f"{A}.megatron.dist_checkpointing_path=/ckpt/mcore"]
+    cfg = load_config("grpo", [*LINE[:4], *dist])
+    for role in ("actor", "ref"):
+        _, kw = megatron_config.backend_kwargs(role, cfg)
+        assert kw["dist_checkpoint"] == "/ckpt/mcore" and kw["dist_checkpoint_prefix"] == ""
+    _, plain = megatron_config.backend_kwargs("actor", load_config("grpo", LINE[:4]))
+    assert "dist_checkpoint" not in plain
+    with pytest.raises(UserInputError, match=rf"^{A}\.megatron\.use_dist_checkpointing=true "
+                       rf"needs {A}\.megatron\.dist_checkpointing_path"):
+        megatron_config.backend_kwargs("actor", load_config("grpo", [*LINE[:4], dist[0]]))
+    torch_line = [*LINE[:3], *dist]
+    with pytest.raises(UserInputError, match=r"read by strategy megatron only"):
+        torch_kwargs("actor", load_config("grpo", torch_line), None)

@@ -10,6 +10,8 @@ prm: the actor's), which only this backend reads:
     moe_aux_loss_coeff      (trainable roles only)
     override_transformer_config  verl's TransformerConfig fields (`apply_transformer_overrides`;
                             actor, ref: the actor's block; critic: its own)
+    use_dist_checkpointing, dist_checkpointing_path, dist_checkpointing_prefix  initial weights
+                            from a megatron-core dist checkpoint (`dist_init`; not the PRM)
 
 The role's ``model.override_config`` (verl's HF config overrides) goes to the backend as
 ``hf_overrides`` (`megarl.models.overrides`); ``optim.override_optimizer_config`` travels in the
@@ -59,6 +61,15 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
     # it is read, transformer_overrides onto the TransformerConfig it builds)
     if s.override_config:
         kwargs["hf_overrides"] = s.override_config
+    if role != "prm" and getattr(mega, "use_dist_checkpointing", False):
+        from megarl.backends.megatron.dist_init import dist_checkpoint_keys
+
+        use_key, path_key = dist_checkpoint_keys(role)
+        if not mega.dist_checkpointing_path:
+            raise UserInputError(f"{use_key}=true needs {path_key}: the folder of a "
+                                 "megatron-core dist checkpoint")
+        kwargs["dist_checkpoint"] = str(mega.dist_checkpointing_path)
+        kwargs["dist_checkpoint_prefix"] = mega.dist_checkpointing_prefix or ""
     tf = getattr(mega, "override_transformer_config", None) if role != "prm" else None
     if transformer_overrides(tf, role):  # names checked here, values by megatron-core
         kwargs["transformer_overrides"] = dict(tf)

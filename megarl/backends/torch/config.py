@@ -34,6 +34,13 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
                 "strategy megatron only; the torch backend's optimizer is torch.optim.AdamW "
                 "(set optim.lr, betas, eps, weight_decay), or use strategy: megatron")
         kw.update(optim)
+    if s.megatron is not None and getattr(s.megatron, "use_dist_checkpointing", False) and (
+            role != "prm"):
+        m = "critic" if role == "critic" else "actor_rollout_ref.actor"
+        raise UserInputError(
+            f"{m}.megatron.use_dist_checkpointing=true: megatron-core dist checkpoints are read "
+            "by strategy megatron only; the torch backend loads model.path's safetensors "
+            "(use strategy: megatron, or an HF folder of the weights)")
     if s.override_config:  # verl's HF config overrides (`megarl.models.overrides`)
         kw["hf_overrides"] = s.override_config
     if role == "actor":
