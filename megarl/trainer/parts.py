@@ -281,6 +281,8 @@ def _build_parts(cfg: Any) -> RunParts:
     device = mdist.resolve_device(cfg.trainer.device)
     paths = _resolve_all(cfg)
     tokenizer = load_tokenizer(paths["tokenizer"])
+    # which reward model: said (or refused) before the minutes spent on data and models
+    rm_kind = resolved_reward_model_kind(cfg, paths["prm"]) if cfg.reward_model.enable else None
     d = cfg.data
     agent = build_agent(cfg, tokenizer)  # a bad tool config fails before data and models
     ds_kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
@@ -325,10 +327,9 @@ def _build_parts(cfg: Any) -> RunParts:
     ref = build_reference(cfg, actor, paths["actor"]) if need_ref else None
     critic = build_backend("critic", cfg, paths["critic"]) if cfg.critic.enable else None
     prm = outcome_rm = None
-    if cfg.reward_model.enable:
-        kind = resolved_reward_model_kind(cfg, paths["prm"])
+    if rm_kind is not None:
         rm_backend = build_backend("prm", cfg, paths["prm"])
-        if kind == "prm":
+        if rm_kind == "prm":
             prm = rm_backend
         else:
             outcome_rm = build_outcome_rm(cfg, rm_backend, paths["prm"], tokenizer)
