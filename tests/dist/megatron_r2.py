@@ -1,6 +1,7 @@
 """Worker (2 ranks): R2 routing replay of the megatron backend (tests/megatron/r2_testlib.py)
-at TP=2 with sequence parallelism (each rank routes half of each sequence) and at DP=2 (each
-rank routes half of the rows); megatron's parallel_state is rebuilt between them.
+at TP=2 with sequence parallelism (each rank routes half of each sequence), at DP=2 (each
+rank routes half of the rows) and on an interleaved pipeline of 2 stages x 2 chunks (each
+stage routes its own layers); megatron's parallel_state is rebuilt between them.
 
 usage: torchrun --standalone --nproc_per_node=2 tests/dist/megatron_r2.py ROOT RESULTS
 """
@@ -15,7 +16,8 @@ import mcore_testlib as lib  # noqa: E402
 import moe_testlib as ml  # noqa: E402
 import r2_testlib as r2  # noqa: E402
 
-LAYOUTS = {"tp2_sp": ("qwen3_moe_kv2", {"tp": 2, "sp": True}), "dp2": ("qwen3_moe", {})}
+LAYOUTS = {"tp2_sp": ("qwen3_moe_kv2", {"tp": 2, "sp": True}), "dp2": ("qwen3_moe", {}),
+           "pp2_vpp2": ("qwen3_moe_4l", {"pp": 2, "vpp": 2})}
 
 
 def main():

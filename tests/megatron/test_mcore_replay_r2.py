@@ -7,7 +7,8 @@ References (brute force): megarl's plain model in float64, one unpadded row at a
 same noise on both models' router weights): some tokens flip (measured: qwen3_moe 25 of 78
 real (token, layer) decisions, qwen3_moe_mixed 19 of 39), so an update without replay would
 route differently; the update's routing (kept by `replay.recording`) equals the recording at
-every real token. TP=2 with sequence parallelism and DP=2: tests/dist/megatron_r2.py.
+every real token. TP=2 with sequence parallelism, DP=2 and an interleaved pipeline (2 stages
+x 2 chunks): tests/dist/megatron_r2.py.
 Planted bugs: the s-major token order read b-major in `_scatter_recorded` (recording differs
 from the row loop), the update not armed with the batch's routing (update_ok fails).
 """
@@ -41,13 +42,13 @@ def test_r2_needs_the_replay_hooks(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.e2e
-def test_r2_at_tp2_sp_and_dp2(tmp_path):
+def test_r2_at_tp2_sp_dp2_and_pp2(tmp_path):
     import json
 
     import mcore_testlib as lib
     import moe_testlib as ml
 
-    for name in ("qwen3_moe_kv2", "qwen3_moe"):  # the worker's models
+    for name in ("qwen3_moe_kv2", "qwen3_moe", "qwen3_moe_4l"):  # the worker's models
         ml.moe_model(tmp_path, name)
     out = tmp_path / "r2.json"
     lib.run_torchrun("megatron_r2.py", 2, [str(tmp_path), str(out)], timeout=400)
@@ -55,4 +56,4 @@ def test_r2_at_tp2_sp_and_dp2(tmp_path):
     for layout, r in res.items():
         print(layout, r)
         assert not r2.r2_failures(r), (layout, r)
-    assert sorted(res) == ["dp2", "tp2_sp"]
+    assert sorted(res) == ["dp2", "pp2_vpp2", "tp2_sp"]
