@@ -43,6 +43,8 @@ def test_grpo_trains_on_outcome_rm_scores(tmp_path, demo_assets, own_template):
     assert ("re-render" in said or "own chat template" in said) == own_template
     rows = train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
+    # some response earned a rule reward: a sum of the two would show in critic/score
+    assert any(r["reward/score/mean"] > 0 for r in rows)
     for row in rows:
         rm_mean = row["reward/rm_score/mean"]
         # the training reward is the RM's score (not the rule reward, not their sum)
