@@ -128,7 +128,8 @@ def test_transformer_override_refusals(mcore_dist):
 
 def test_a_fusion_megatron_core_cannot_run_here_is_a_clear_error(mcore_dist):
     """apply_rope_fusion needs TransformerEngine's fused RoPE: megatron-core's own check
-    refuses it without TE, and the error names the key."""
+    refuses it without TE, and the error names the key; gradient_accumulation_fusion likewise
+    (TE or APEX)."""
     from megarl.backends.megatron.config import apply_transformer_overrides
 
     _, base = _base_config()
@@ -138,6 +139,11 @@ def test_a_fusion_megatron_core_cannot_run_here_is_a_clear_error(mcore_dist):
     with pytest.raises(UserInputError, match=(
             rf"^{TF_KEY}: megatron-core refuses apply_rope_fusion=True: .*TransformerEngine")):
         apply_transformer_overrides(base, {"apply_rope_fusion": True})
+    # verl's examples set this one in 9 lines: megatron-core's ColumnParallelLinear raises a
+    # RuntimeError at model build without TE / APEX (measured); refused here instead
+    with pytest.raises(UserInputError, match=rf"^{TF_KEY}\.gradient_accumulation_fusion=True: "
+                       "megatron-core's linear layers need TransformerEngine"):
+        apply_transformer_overrides(base, {"gradient_accumulation_fusion": True})
 
 
 def test_optimizer_overrides_reach_megatron_cores_optimizer_config():

@@ -208,6 +208,11 @@ def apply_transformer_overrides(config: Any, overrides: Mapping[str, Any] | None
         changes[name] = value
     if not changes:
         return config
+    if changes.get("gradient_accumulation_fusion") and not _grad_fusion_available():
+        raise UserInputError(
+            f"{key}.gradient_accumulation_fusion=True: megatron-core's linear layers need "
+            "TransformerEngine (with CUDA) or APEX's fused_weight_gradient_mlp_cuda for it, "
+            "and neither is available here; drop it (the gradients are the same without)")
     try:
         return dataclasses.replace(config, **changes)
     except (AssertionError, ValueError, TypeError, RuntimeError, ImportError) as e:
@@ -215,6 +220,20 @@ def apply_transformer_overrides(config: Any, overrides: Mapping[str, Any] | None
         from megarl.backends.megatron.optim import te_note
 
         raise UserInputError(f"{key}: megatron-core refuses {said}: {e}{te_note()}") from e
+
+
+def _grad_fusion_available() -> bool:
+    """megatron-core's condition for gradient_accumulation_fusion: TransformerEngine's layers
+    (the TE spec megarl uses with CUDA), else APEX's ``fused_weight_gradient_mlp_cuda``."""
+    from megarl.backends.megatron.model import te_available
+
+    if te_available():
+        return True
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _mcore_version() -> str:
