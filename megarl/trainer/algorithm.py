@@ -291,10 +291,8 @@ def otb_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float) ->
                            "sum_pi_squared=True)")
     policy = t["prox_logprob"] if "prox_logprob" in t else t["old_logprob"]
     adv, ret = algos.optimal_token_baseline(
-        t["token_level_rewards"], batch.response_mask, batch.group_index,
-        policy.to(t["token_level_rewards"].dtype),
-        t["sum_pi_squared"].to(t["token_level_rewards"].dtype),
-        rollout_is_weights=t.get("rollout_is_weights"))
+        t["token_level_rewards"], batch.response_mask, batch.group_index, policy,
+        t["sum_pi_squared"], rollout_is_weights=t.get("rollout_is_weights"))
     t["advantages"] = adv
     t["returns"] = ret
     return metrics

@@ -64,9 +64,10 @@ def test_config_accepts_it_and_the_entry_asks_for_sum_pi_squared():
     assert not A.build_algorithm(load_config("grpo", [])).needs.sum_pi_squared
 
 
-@pytest.mark.parametrize("case", ["plain", "is_weights", "prox"])
+@pytest.mark.parametrize("case", ["plain", "is_weights", "prox", "kl"])
 def test_hook_equals_the_float64_loop(case):
-    cfg = load_config("grpo", ["algorithm.adv_estimator=optimal_token_baseline"])
+    kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl"] if case == "kl" else []
+    cfg = load_config("grpo", ["algorithm.adv_estimator=optimal_token_baseline", *kl])
     algo = A.build_algorithm(cfg)
     batch = _batch()
     t = batch.tensors
@@ -78,18 +79,32 @@ def test_hook_equals_the_float64_loop(case):
     if case == "prox":  # asynchronous rollout: old_logprob is the engine's, prox the trainer's
         t["prox_logprob"] = t["old_logprob"]
         t["old_logprob"] = t["rollout_logprob"]
-    algo.advantages(batch, 0.0)
+    coef = 0.0
+    if case == "kl":  # the reward is the score at the last token minus coef x (old - ref)
+        coef = 0.3
+        t["ref_logprob"] = t["old_logprob"] + 0.5 * torch.rand(t["old_logprob"].shape)
+    algo.advantages(batch, coef)
+    mask = batch.response_mask
+    last = torch.zeros_like(mask)
+    last[torch.arange(mask.shape[0]), mask.sum(-1).long() - 1] = 1.0
+    want_rewards = last * t["verifiable"][:, None]
+    if case == "kl":
+        want_rewards = want_rewards - coef * (t["old_logprob"] - t["ref_logprob"]) * mask
+    torch.testing.assert_close(t["token_level_rewards"], want_rewards, rtol=1e-6, atol=1e-6)
     adv, ret = _loop(batch, policy, w_is)
     torch.testing.assert_close(t["advantages"].double(), adv, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(t["returns"].double(), ret, rtol=1e-6, atol=1e-6)
-    # the outcome sits at each response's last token, so every position of a row has G = score
-    assert t["returns"][0].tolist() == [1.0] * 5
-    assert float(t["advantages"][5].abs().sum() - t["returns"][5].abs().sum()) == 0.0
+    if case != "kl":  # the outcome at each response's last token: G = score everywhere
+        assert t["returns"][0].tolist() == [1.0] * 5
+    assert torch.equal(t["advantages"][5], t["returns"][5])  # a singleton group: no baseline
 
 
 def test_hook_without_sum_pi_squared_says_what_is_missing():
     algo = A.build_algorithm(load_config("grpo", ["algorithm.adv_estimator=optimal_token_baseline"]))
     batch = _batch()
     del batch.tensors["sum_pi_squared"]
-    with pytest.raises(RuntimeError, match="sum_pi_squared"):
+    with pytest.raises(RuntimeError) as err:
         algo.advantages(batch, 0.0)
+    assert str(err.value) == (
+        "optimal_token_baseline needs sum_pi_squared from the actor's old-logprob pass "
+        "(advantage.old_logprob_pass with sum_pi_squared=True)")
