@@ -30,14 +30,15 @@ def demo_rm(folder, own_template: bool):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("own_template", [False, True], ids=["policy_ids", "rerendered"])
-def test_grpo_trains_on_outcome_rm_scores(tmp_path, demo_assets, own_template):
+@pytest.mark.parametrize("backend,own_template", [("torch", False), ("megatron", True)])
+def test_grpo_trains_on_outcome_rm_scores(tmp_path, demo_assets, backend, own_template):
     from trainer_helpers import train, train_rows
 
     rm = demo_rm(tmp_path / "rm", own_template)
     proc = train(tmp_path / "run", "grpo", "trainer.total_training_steps=2",
                  "reward_model.enable=true", f"reward_model.model.path={rm}",
-                 "reward_model.use_dynamic_bsz=true")
+                 "reward_model.use_dynamic_bsz=true",
+                 f"actor_rollout_ref.actor.strategy={backend}")
     said = proc.stdout + proc.stderr
     assert "is an outcome reward model" in said
     assert ("re-render" in said or "own chat template" in said) == own_template

@@ -245,7 +245,8 @@ def expected_model_tensors(args, role: str, num_labels: int | None) -> dict[str,
             out["output_layer.weight"] = (args.vocab_size, h)
     else:
         out["score.weight"] = (num_labels, h)
-        out["score.bias"] = (num_labels,)
+        if args.token_classification_bias:
+            out["score.bias"] = (num_labels,)
     return out
 
 

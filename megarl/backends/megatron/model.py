@@ -219,7 +219,8 @@ class MegarlGPTModel(GPTModel):
     """GPTModel that returns final hidden states; with ``num_labels`` it carries a ``score``
     token-classification head (replicated over TP) instead of the LM output layer."""
 
-    def __init__(self, *args: Any, num_labels: int | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, num_labels: int | None = None, score_bias: bool = True,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.num_labels = num_labels
         if num_labels is not None and self.post_process:
@@ -230,7 +231,7 @@ class MegarlGPTModel(GPTModel):
             self.score = torch.nn.Linear(
                 self.config.hidden_size,
                 num_labels,
-                bias=True,
+                bias=score_bias,
                 dtype=self.config.params_dtype,
                 device=device,
             )
@@ -298,6 +299,7 @@ def build_model_chunks(
             rotary_base=args.rope_theta,
             vp_stage=vp_stage,
             num_labels=num_labels if role in VALUE_ROLES else None,
+            score_bias=args.token_classification_bias,
         )
         if args.rope_scaling is not None:
             model.rotary_pos_emb.inv_freq = llama3_inv_freq(args).to(

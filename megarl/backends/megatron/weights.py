@@ -127,7 +127,8 @@ def chunk_entries(model: MegarlGPTModel, args: ModelArgs) -> list[Entry]:
         out.append(Entry("decoder.final_layernorm.weight", (NORM,), "replicated", None))
         if model.num_labels is not None:
             out.append(Entry("score.weight", (SCORE_W,), "replicated", None))
-            out.append(Entry("score.bias", (SCORE_B,), "replicated", None))
+            if model.score.bias is not None:
+                out.append(Entry("score.bias", (SCORE_B,), "replicated", None))
         elif not model.share_embeddings_and_output_weights:
             out.append(Entry("output_layer.weight", (LM_HEAD,), "row", None))
         elif not model.pre_process:  # tied, PP > 1: the last stage keeps a copy
@@ -148,7 +149,7 @@ def expected_hf_names(args: ModelArgs, role: str) -> list[str]:
         if not args.tie_word_embeddings:
             names.append(LM_HEAD)
     else:
-        names += [SCORE_W, SCORE_B]
+        names += [SCORE_W, SCORE_B] if args.token_classification_bias else [SCORE_W]
     return sorted(names, key=hf_sort_key)
 
 
@@ -397,7 +398,8 @@ def _init_fresh_head(chunk: MegarlGPTModel, args: ModelArgs, seed: int) -> None:
     w = torch.empty(chunk.score.weight.shape, dtype=torch.float32)
     w.normal_(0.0, args.initializer_range, generator=gen)
     chunk.score.weight.copy_(w)
-    chunk.score.bias.zero_()
+    if chunk.score.bias is not None:
+        chunk.score.bias.zero_()
 
 
 # ------------------------------------------------------------------------------- exporting
@@ -510,7 +512,9 @@ def _all_entries(args: ModelArgs, role: str) -> list[Entry]:
         if not args.tie_word_embeddings:
             out.append(Entry("", (LM_HEAD,), "row", None))
     else:
-        out += [Entry("", (SCORE_W,), "replicated", None), Entry("", (SCORE_B,), "replicated", None)]
+        out.append(Entry("", (SCORE_W,), "replicated", None))
+        if args.token_classification_bias:
+            out.append(Entry("", (SCORE_B,), "replicated", None))
     return out
 
 
