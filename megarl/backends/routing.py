@@ -49,14 +49,3 @@ def check_r2_layout(args: Any, *, pp: int, sp: int) -> None:
             "pipeline_model_parallel_size=1 and ulysses_sequence_parallel_size=1, use "
             f"strategy=megatron, or {REPLAY_KEY}=R3")
 
-
-def recording_routing(backend: Any, batch: Any) -> Any:
-    """R2: the context manager of ``backend``'s strategy (torch: `megarl.backends.torch.moe`,
-    megatron: `megarl.backends.megatron.replay`) that records the routing of a no-grad pass
-    over ``batch``: ``with recording_routing(be, batch) as (tagged, out): be.logprobs(tagged)``
-    leaves ``out["routed_experts"]`` [B, P + L, n_sparse, k] int16."""
-    if type(backend).__module__.startswith("megarl.backends.megatron"):
-        from megarl.backends.megatron.replay import recording_routing as rec
-    else:
-        from megarl.backends.torch.moe import recording_routing as rec
-    return rec(backend, batch)
