@@ -46,18 +46,20 @@ class OverrideError(UserInputError):
     """An ``override_config`` entry megarl cannot apply."""
 
 
-def effective_overrides(override_config: Mapping[str, Any] | None) -> dict[str, Any]:
+def effective_overrides(override_config: Mapping[str, Any] | None,
+                        key: str = "actor_rollout_ref.model.override_config") -> dict[str, Any]:
     """The mapping merged into the HF config: ``override_config["model_config"]`` when present
-    (verl's megatron spelling), else the whole block (verl's FSDP spelling)."""
+    (verl's megatron spelling), else the whole block (verl's FSDP spelling); ``key`` names the
+    block in errors."""
     if not override_config:
         return {}
     if not isinstance(override_config, Mapping):
-        raise OverrideError(f"override_config={override_config!r}: expected a mapping of HF "
-                            "config fields, e.g. {max_position_embeddings: 32768}")
+        raise OverrideError(f"{key}={override_config!r}: expected a mapping of HF config "
+                            "fields, e.g. {max_position_embeddings: 32768}")
     block = override_config.get(NESTED_KEY, override_config)
     if not isinstance(block, Mapping):
-        raise OverrideError(f"override_config.{NESTED_KEY}={block!r}: expected a mapping of HF "
-                            "config fields")
+        raise OverrideError(f"{key}.{NESTED_KEY}={block!r}: expected a mapping of HF config "
+                            "fields")
     return _plain(block)
 
 
@@ -68,8 +70,9 @@ def merge_overrides(hf_config: Mapping[str, Any], overrides: Mapping[str, Any]) 
     _merge_into(out, _plain(overrides))
     theta = overrides.get("rope_theta")
     params = out.get("rope_parameters")
-    if theta is not None and isinstance(params, dict) and "rope_theta" not in overrides.get(
-            "rope_parameters", {}):
+    given = overrides.get("rope_parameters")
+    if theta is not None and isinstance(params, dict) and not (
+            isinstance(given, Mapping) and "rope_theta" in given):
         params["rope_theta"] = theta
     return out
 
@@ -80,7 +83,7 @@ def apply_hf_overrides(hf_config: Mapping[str, Any], override_config: Mapping[st
     `effective_overrides`) merged in; refuses an override that changes the model's weights
     (their names or shapes), naming ``key`` and the field. ``hf_config`` is returned as a copy
     unchanged when there is nothing to override."""
-    overrides = effective_overrides(override_config)
+    overrides = effective_overrides(override_config, key)
     if not overrides:
         return dict(hf_config)
     merged = merge_overrides(hf_config, overrides)
@@ -108,7 +111,7 @@ def override_notices(hf_config: Mapping[str, Any], override_config: Mapping[str,
     it). Call after `apply_hf_overrides` accepted the block."""
     from megarl.models.args import ModelArgs
 
-    overrides = effective_overrides(override_config)
+    overrides = effective_overrides(override_config, key)
     if not overrides:
         return []
     base = replace(ModelArgs.from_hf_config(dict(hf_config)), hf_config={})

@@ -16,6 +16,7 @@ from megarl.models.overrides import (
     OverrideError,
     apply_hf_overrides,
     effective_overrides,
+    merge_overrides,
     override_notices,
 )
 from megarl.models.state_dict_adapter import from_hf
@@ -125,5 +126,15 @@ def test_merge_rules():
     assert effective_overrides(None) == {} and effective_overrides({}) == {}
     assert effective_overrides({"model_config": {"a": 1}, "b": 2}) == {"a": 1}
     assert effective_overrides({"b": 2}) == {"b": 2}
-    with pytest.raises(OverrideError, match="expected a mapping"):
+    with pytest.raises(OverrideError, match=rf"^{KEY}\.model_config=3: expected a mapping"):
         effective_overrides({"model_config": 3})
+    # an explicit rope_parameters.rope_theta wins over the top-level spelling
+    merged = apply_hf_overrides({"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8,
+                                 "intermediate_size": 8, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2,
+                                 "rope_parameters": {"rope_theta": 1.0, "rope_type": "default"}},
+                                {"rope_theta": 2.0, "rope_parameters": {"rope_theta": 3.0}})
+    assert merged["rope_parameters"] == {"rope_theta": 3.0, "rope_type": "default"}
+    assert merge_overrides({"rope_parameters": {"rope_theta": 1.0}},
+                           {"rope_theta": 2.0, "rope_parameters": None}) == {
+        "rope_parameters": None, "rope_theta": 2.0}
