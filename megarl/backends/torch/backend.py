@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from megarl.backends.metrics import reduce_metrics
 from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES, LossFn, SequenceBatch
-from megarl.backends.routing import check_router_replay
+from megarl.backends.routing import check_router_replay, replay_mode
 from megarl.backends.torch import checkpoint as ckpt
 from megarl.backends.torch import parallelize as par
 from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scores, value_outputs
@@ -142,7 +142,7 @@ class TorchBackend:
         forward_max_tokens: int | None = 16384,
         forward_micro_batch_size: int | None = None,
         num_labels: int | None = None,
-        router_replay: bool = False,
+        router_replay: bool | str = False,
         lora: LoraSettings | None = None,
         seed: int = 0,
         device: torch.device | str | None = None,
@@ -174,9 +174,10 @@ class TorchBackend:
 
         self.hf_config = read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(self.hf_config)
-        self.router_replay = bool(router_replay)
+        self.router_replay_mode = replay_mode(router_replay)
+        self.router_replay = self.router_replay_mode != "disabled"
         if self.router_replay:
-            check_router_replay(self.args, role)
+            check_router_replay(self.args, role, self.router_replay_mode)
         self._shard = self._seq_shard()
         self.head = "lm" if role in LM_ROLES else "token_cls"
         self.num_labels = None
