@@ -122,6 +122,10 @@ def test_transformer_override_refusals(mcore_dist):
         apply_transformer_overrides(base, {"num_layers_in_last_pipeline_stage": 1})
     with pytest.raises(UserInputError, match=rf"^{TF_KEY}\.hidden_size=128: .* config\.json"):
         apply_transformer_overrides(base, {"hidden_size": 128})
+    with pytest.raises(UserInputError, match=rf"^{TF_KEY}\.moe_grouped_gemm=True: megarl sets "
+                       r"moe_grouped_gemm itself \(False here\); megarl builds the routed "
+                       r"experts as megatron-core's SequentialMLP"):
+        apply_transformer_overrides(base, {"moe_grouped_gemm": True})
     with pytest.raises(UserInputError, match=r"attention_backend='flashy': expected one of"):
         apply_transformer_overrides(base, {"attention_backend": "flashy"})
 

@@ -99,14 +99,16 @@ def recompute_settings(recompute: str | Mapping[str, Any] | None) -> dict[str, A
 
 _HF = "megarl derives it from the model's config.json (actor_rollout_ref.model.override_config " \
       "changes config.json fields that keep the weights' shapes)"
-_PAR = "{m}.parallel.{k}"
-_DTYPE = "actor_rollout_ref.model.dtype (critic.model.dtype) or {m}.megatron.param_dtype"
+_PAR = "use {m}.parallel.{k}"
+_DTYPE = "use actor_rollout_ref.model.dtype (critic.model.dtype) or {m}.megatron.param_dtype"
 _SPLIT = ("megarl splits the layers evenly over the pipeline stages (its weight and checkpoint "
           "layout assume it); choose pipeline_model_parallel_size / "
           "virtual_pipeline_model_parallel_size that divide num_hidden_layers")
 _WIRED = "megarl's backend sets it itself (its schedule and weight handling depend on it)"
+_EXPERTS = ("megarl builds the routed experts as megatron-core's SequentialMLP (its HF weight "
+            "mapping reads their names); grouped GEMM is not wired")
 
-# TransformerConfig fields megarl sets itself: field -> the megarl key to use, or why
+# TransformerConfig fields megarl sets itself: field -> the megarl key to use instead, or why
 MEGARL_FIELDS: dict[str, str] = {
     **{k: _HF for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -123,15 +125,16 @@ MEGARL_FIELDS: dict[str, str] = {
     "sequence_parallel": _PAR.format(m="{m}", k="sequence_parallel"),
     "context_parallel_size": "context parallelism is not implemented (see "
                              "megatron.context_parallel_size)",
-    "expert_model_parallel_size": "{m}.megatron.expert_model_parallel_size",
-    "expert_tensor_parallel_size": "{m}.megatron.expert_tensor_parallel_size",
+    "expert_model_parallel_size": "use {m}.megatron.expert_model_parallel_size",
+    "expert_tensor_parallel_size": "use {m}.megatron.expert_tensor_parallel_size",
     "params_dtype": _DTYPE, "pipeline_dtype": _DTYPE, "bf16": _DTYPE, "fp16": _DTYPE,
-    "moe_aux_loss_coeff": "{m}.megatron.moe_aux_loss_coeff",
-    "moe_router_load_balancing_type": "{m}.megatron.moe_aux_loss_coeff (> 0: aux_loss)",
+    "moe_aux_loss_coeff": "use {m}.megatron.moe_aux_loss_coeff",
+    "moe_router_load_balancing_type": "use {m}.megatron.moe_aux_loss_coeff (> 0: aux_loss)",
     **{k: _SPLIT for k in (
         "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
         "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split")},
+    "moe_grouped_gemm": _EXPERTS, "moe_use_legacy_grouped_gemm": _EXPERTS,
     **{k: _WIRED for k in (
         "variable_seq_lengths", "batch_p2p_comm", "use_cpu_initialization",
         "perform_initialization", "finalize_model_grads_func", "grad_scale_func",
@@ -162,7 +165,8 @@ def transformer_overrides(overrides: Mapping[str, Any] | None, role: str = "acto
     if not isinstance(overrides, Mapping):
         raise UserInputError(f"{key}={overrides!r}: expected a mapping of megatron-core "
                              "TransformerConfig fields, e.g. {attention_dropout: 0.0}")
-    names = {f.name for f in dataclasses.fields(TransformerConfig) if f.init}
+    names = {f.name for f in dataclasses.fields(TransformerConfig)
+             if f.init and not f.name.startswith("_")}
     out: dict[str, Any] = {}
     for name, value in overrides.items():
         if name not in names:
@@ -203,7 +207,7 @@ def apply_transformer_overrides(config: Any, overrides: Mapping[str, Any] | None
                 use = MEGARL_FIELDS[name].format(m=section)
                 raise UserInputError(
                     f"{key}.{name}={value!r}: megarl sets {name} itself "
-                    f"({getattr(config, name)!r} here); use {use}")
+                    f"({getattr(config, name)!r} here); {use}")
             continue
         changes[name] = value
     if not changes:
