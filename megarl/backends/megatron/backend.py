@@ -214,20 +214,20 @@ class MegatronBackend:
     @classmethod
     def from_checkpoint(cls, directory: str, **kwargs: Any) -> MegatronBackend:
         """A backend rebuilt from a checkpoint of `save` alone (role, HF config, label count and
-        dtype from its ``megarl_meta.json``); ``kwargs`` (tp, pp, ..., ``train``, ``dtype``,
-        ``role``) override. Frozen (``train=False``) unless asked otherwise."""
+        dtype from its ``megarl_meta.json``; a LoRA checkpoint's base from its source folder);
+        ``kwargs`` (tp, pp, ..., ``train``, ``dtype``, ``role``) override. Frozen
+        (``train=False``) unless asked otherwise."""
         meta = checkpoint.read_meta(directory)
         role = kwargs.pop("role", meta["role"])
-        if meta.get("lora") is not None:  # adapters only: the base is the source folder
-            kwargs.setdefault("lora", LoraSettings(**meta["lora"]))
-            backend = cls(role, meta["source"], **kwargs)
-            backend.load(directory)
-            return backend
         kwargs.setdefault("dtype", meta.get("dtype", "fp32"))
         kwargs.setdefault("train", False)
         if role == "prm":
             kwargs.setdefault("num_labels", meta.get("num_labels"))
-        backend = cls(role, None, hf_config=meta["hf_config"], **kwargs)
+        if meta.get("lora") is not None:  # adapters only: the base is the source folder
+            kwargs.setdefault("lora", LoraSettings(**meta["lora"]))
+            backend = cls(role, meta["source"], **kwargs)
+        else:
+            backend = cls(role, None, hf_config=meta["hf_config"], **kwargs)
         backend.load(directory)
         return backend
 
