@@ -289,7 +289,8 @@ def _build_parts(cfg: Any) -> RunParts:
                      prompt_key=d.prompt_key, truncation=d.truncation,
                      filter_overlong_prompts=d.filter_overlong_prompts,
                      chat_template=d.chat_template, apply_chat_template=d.apply_chat_template,
-                     on_bad_row=d.on_bad_row)
+                     on_bad_row=d.on_bad_row,
+                     chat_template_kwargs=dict(getattr(d, "apply_chat_template_kwargs", None) or {}))
     if agent is not None:  # the prompts show the tools' schemas, as verl renders them
         from megarl.rollout.agent import tool_schemas
 
@@ -433,7 +434,9 @@ def build_agent(cfg: Any, tokenizer: Any) -> AgentRollout | None:
     tools = load_tools(resolve_path(mt.tool_config_path)) if mt.tool_config_path else {}
     interactions = (load_interactions(resolve_path(mt.interaction_config_path))
                     if mt.interaction_config_path else None)
-    return AgentRollout(tools=tools, settings=AgentLoopSettings.from_config(mt),
+    template_kwargs = dict(getattr(cfg.data, "apply_chat_template_kwargs", None) or {})
+    settings = AgentLoopSettings.from_config(mt, chat_template_kwargs=template_kwargs)
+    return AgentRollout(tools=tools, settings=settings,
                         tokenizer=tokenizer, interactions=interactions)
 
 
