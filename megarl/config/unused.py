@@ -11,7 +11,7 @@ from typing import Any
 # its worker pool and the overlong buffer are read with or without a PRM)
 PRM_ONLY = ("model", "strategy", "parallel", "micro_batch_size_per_gpu", "use_dynamic_bsz",
             "forward_max_token_len_per_gpu", "credit_assignment", "verifiable_reward_coef",
-            "step_separator", "prm_step_token")
+            "step_separator", "prm_step_token", "max_length")
 
 
 def unused_reasons(cfg: Any) -> list[tuple[str, str]]:
