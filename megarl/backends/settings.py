@@ -82,7 +82,7 @@ class RoleSettings:
     seed: int
     optim: OptimSettings | None = None  # actor and critic
     activation_checkpointing: bool = False  # recompute each block in backward
-    router_replay: bool = False  # the actor replays the rollout's MoE routing (R3)
+    router_replay: str = "disabled"  # the actor's MoE routing replay: disabled | R2 | R3
     megatron: Any = None
     # verl's model.override_config block of the role's model (merged into its config.json,
     # `megarl.models.overrides`) and its config key
@@ -135,7 +135,7 @@ def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSet
         seed=int(cfg.trainer.seed),
         optim=optim,
         activation_checkpointing=role != "prm" and bool(own_model.enable_gradient_checkpointing),
-        router_replay=role == "actor" and actor.router_replay.mode == "R3",
+        router_replay=actor.router_replay.mode if role == "actor" else "disabled",
         megatron=cfg.critic.megatron if role == "critic" else actor.megatron,
         override_config=_plain(getattr(own_model, "override_config", None)) or None,
         override_key=override_key(role),

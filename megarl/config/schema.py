@@ -10,7 +10,7 @@ by ``load_config`` (so a loaded config holds the values that will be used).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megarl.config.schema_actor import (
     ActorConfig,
@@ -80,6 +80,8 @@ class DataConfig:
     seed: int | None = 42  # shuffling seed; None = trainer.seed (verl's null)
     chat_template: str | None = None  # Jinja template; None = the tokenizer's own
     apply_chat_template: bool = True  # false: the prompt text is tokenized as is
+    # extra variables for the chat template (verl's spelling), e.g. {enable_thinking: false}
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     dataloader_num_workers: int = 0  # megarl default 0 (verl: 8); CPU cores are scarce
     # a malformed row: "error" stops at load naming file, row and field; "skip" drops it
     # (counted in data/num_bad_rows)

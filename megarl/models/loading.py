@@ -40,6 +40,7 @@ def load_model(
     allow_new_head: bool = False,
     activation_checkpointing: bool = False,
     seed: int = 0,
+    hf_config: dict[str, Any] | None = None,
 ) -> Transformer:
     """Build a `Transformer` from an HF folder and load its safetensors weights.
 
@@ -50,9 +51,11 @@ def load_model(
     allow_new_head: start a freshly initialised head (N(0, initializer_range), zero bias, drawn
                 from ``seed``) when the checkpoint has the other head, e.g. a critic built from an
                 LM checkpoint. Off by default: any missing tensor is an error.
+    hf_config:  the config to build (default: the folder's config.json; e.g. with
+                ``model.override_config`` merged in by ``read_hf_config``).
     """
     path = Path(path)
-    config = read_hf_config(path)
+    config = read_hf_config(path) if hf_config is None else hf_config
     args = ModelArgs.from_hf_config(config)
     if head == "token_cls" and num_labels is None:
         num_labels = num_labels_from_hf_config(config)

@@ -31,6 +31,7 @@ from megarl.metrics import Metric, prefixed
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import generation as R
+from megarl.trainer.advantage import old_logprob_pass
 from megarl.trainer.algorithm import StepContext, build_algorithm
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import HF_FOLDER, CheckpointManager, wants_hf_model, write_hf_model
@@ -221,12 +222,20 @@ class RLTrainer:
             require_rollout_logprobs(batch, rc.rollout_is)
         # On-policy, the update's own forward gives old_logprob (= logprob.detach()), so the
         # separate pass is only run when something else reads it before the update.
+        # optimal_token_baseline reads the pass's sum_pi_squared (also on-policy); routing
+        # replay R2 records the pass's routing for the update to replay
+        need_stats = algo.needs.sum_pi_squared
         if ((not on_policy and not behaviour_only and not bypass) or check
                 or cfg.algorithm.use_kl_in_reward or rc.rollout_is is not None
-                or rc.rollout_rs is not None):
+                or rc.rollout_rs is not None or need_stats):
             with timer("old_log_prob"):
-                old, ent = p.actor.logprobs(seq, temperature=temperature, with_entropy=True)
+                res = old_logprob_pass(p.actor, seq, temperature, sum_pi_squared=need_stats,
+                                       record_routing=a.router_replay.mode == "R2")
+                old, ent = res["old_logprob"], res["entropy"]
                 t["old_logprob"] = old
+                for key in ("sum_pi_squared", "routed_experts"):
+                    if key in res:
+                        t[key] = res[key]
                 if ent is not None:
                     mask = batch.response_mask
                     metrics["actor/old_entropy"] = float(

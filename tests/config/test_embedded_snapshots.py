@@ -14,6 +14,21 @@ from embedded_cases import SNAPSHOTS, cases, resolve
 
 # schema keys added after the snapshots: dotted key -> the value every pinned run resolves to
 ADDED: dict[str, object] = {
+    "data.apply_chat_template_kwargs": {},
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path": None,
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_prefix": "",
+    "actor_rollout_ref.actor.megatron.override_transformer_config": {},
+    "actor_rollout_ref.actor.megatron.use_dist_checkpointing": False,
+    "actor_rollout_ref.actor.optim.override_optimizer_config": None,
+    "actor_rollout_ref.model.override_config": {},
+    "critic.megatron.dist_checkpointing_path": None,
+    "critic.megatron.dist_checkpointing_prefix": "",
+    "critic.megatron.override_transformer_config": {},
+    "critic.megatron.use_dist_checkpointing": False,
+    "critic.optim.override_optimizer_config": None,
+    "reward_model.max_length": None,
+    "reward_model.model.input_tokenizer": None,
+    "reward_model.model.kind": "auto",
     "async_training.engine_cpus": [],
     "async_training.engine_timeout_s": 1800.0,
     "async_training.staleness_threshold": 0,

@@ -35,7 +35,7 @@ def test_defaults_of_inert_and_rejected_keys_say_nothing():
 
 def test_inert_key_set_gives_one_notice_with_its_reason():
     r = _load(f"{A}.ref.fsdp_config.param_offload=True",
-              f"+{A}.actor.megatron.override_transformer_config.apply_rope_fusion=True")
+              f"+{A}.ref.megatron.override_transformer_config.apply_rope_fusion=True")
     assert len(r.notices) == 2
     offload = next(n for n in r.notices if "param_offload" in n)
     assert offload.startswith(f"{A}.ref.fsdp_config.param_offload=True (from override ")
@@ -74,7 +74,8 @@ def test_mapped_keys_land_on_megarl_keys():
     # verl's fsdp_size at least the world size (2): one shard group over all ranks
     assert cfg.actor_rollout_ref.actor.parallel.data_parallel_shard == -1
     assert cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 64
-    assert cfg.actor_rollout_ref.actor.megatron.recompute_granularity == "full"
+    assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config == {
+        "recompute_granularity": "full"}  # applied onto TransformerConfig, as verl does
     assert cfg.custom_reward_function.name == "my_score"
 
 

@@ -42,7 +42,12 @@ from megarl.backends.megatron.batching import (
     split_rows,
     to_micro_batch,
 )
-from megarl.backends.megatron.config import backend_kwargs, recompute_settings
+from megarl.backends.megatron.config import (
+    apply_transformer_overrides,
+    backend_kwargs,
+    recompute_settings,
+)
+from megarl.backends.megatron.dist_init import load_dist_checkpoint
 from megarl.backends.megatron.heads import MegatronHeadOutputs, lm_outputs, value_outputs
 from megarl.backends.megatron.model import (
     Layout,
@@ -55,12 +60,20 @@ from megarl.backends.megatron.model import (
 from megarl.backends.megatron.optim import OptimSettings, build_optimizer, optimizer_step
 from megarl.backends.megatron.weights import export_hf, load_hf_into_chunks
 from megarl.backends.metrics import reduce_metrics
-from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES, LossFn, SequenceBatch
-from megarl.backends.routing import check_router_replay
+from megarl.backends.protocol import (
+    LM_ROLES,
+    ROLES,
+    TRAINABLE_ROLES,
+    VALUE_ROLES,
+    LossFn,
+    SequenceBatch,
+)
+from megarl.backends.routing import check_router_replay, replay_mode
 from megarl.errors import UserInputError
 from megarl.models.args import ModelArgs, num_labels_from_hf_config
 from megarl.models.hf_io import read_hf_config
 from megarl.models.lora import LoraSettings
+from megarl.models.overrides import override_key
 from megarl.utils.dtypes import canonical_dtype, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -128,8 +141,12 @@ class MegatronBackend:
         num_labels: int | None = None,
         hf_config: dict[str, Any] | None = None,
         moe_aux_loss_coeff: float = 0.0,
-        router_replay: bool = False,
+        router_replay: bool | str = False,
         lora: LoraSettings | None = None,
+        hf_overrides: Mapping[str, Any] | None = None,
+        transformer_overrides: Mapping[str, Any] | None = None,
+        dist_checkpoint: str | None = None,
+        dist_checkpoint_prefix: str = "",
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -140,7 +157,8 @@ class MegatronBackend:
         if model_path is None and hf_config is None:
             raise ValueError("MegatronBackend needs model_path (an HF folder) or hf_config")
         self.model_path = None if model_path is None else str(model_path)
-        self.hf_config = dict(hf_config) if model_path is None else read_hf_config(model_path)
+        self.hf_config = dict(hf_config) if model_path is None else read_hf_config(
+            model_path, hf_overrides, key=override_key(role))
         self.args = ModelArgs.from_hf_config(self.hf_config)
         self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp)
         check_supported(self.args, self.layout)
@@ -177,6 +195,7 @@ class MegatronBackend:
             self.args, self.layout, dtype=self.dtype, recompute=recompute_settings(recompute),
             moe_aux_loss_coeff=self.moe_aux_loss_coeff,
         )
+        self.config = apply_transformer_overrides(self.config, transformer_overrides, role)
         with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(vpp):
             self.chunks = build_model_chunks(
                 role,
@@ -187,7 +206,10 @@ class MegatronBackend:
                 num_labels=self.num_labels,
                 use_te=self.use_te,
             )
-            if model_path is not None:
+            if dist_checkpoint is not None:
+                load_dist_checkpoint(self.chunks, dist_checkpoint, prefix=dist_checkpoint_prefix,
+                                     value_model=role in VALUE_ROLES, role=role)
+            elif model_path is not None:
                 load_hf_into_chunks(
                     self.chunks, model_path, self.args, role, self.num_labels, seed
                 )
@@ -197,10 +219,11 @@ class MegatronBackend:
                 Float16Module(self.config, c) if self.dtype == torch.bfloat16 else c
                 for c in self.chunks
             ]
-            self.router_replay = bool(router_replay)
+            self.router_replay_mode = replay_mode(router_replay)
+            self.router_replay = self.router_replay_mode != "disabled"
             self._replays = []
             if self.router_replay:
-                check_router_replay(self.args, role)
+                check_router_replay(self.args, role, self.router_replay_mode)
                 self._replays = replay.install(self.chunks, self.args)
             self._measure_replay = False  # set by replay.replay_metrics
             self.optimizer = None

@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,6 +70,7 @@ from megarl.errors import UserInputError
 from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
 from megarl.models.lora import LoraSettings, adapters_disabled, apply_lora, lora_modules
+from megarl.models.overrides import override_key
 from megarl.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class TorchBackend:
         lora: LoraSettings | None = None,
         seed: int = 0,
         device: torch.device | str | None = None,
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -172,7 +174,7 @@ class TorchBackend:
         self.forward_micro_batch_size = forward_micro_batch_size
         self.step = 0  # optimizer updates applied (the LR schedule position)
 
-        self.hf_config = read_hf_config(model_path)
+        self.hf_config = read_hf_config(model_path, hf_overrides, key=override_key(role))
         self.args = ModelArgs.from_hf_config(self.hf_config)
         self.router_replay_mode = replay_mode(router_replay)
         self.router_replay = self.router_replay_mode != "disabled"
@@ -210,7 +212,7 @@ class TorchBackend:
         model = load_model(
             path, head=self.head, num_labels=self.num_labels, dtype=self.param_dtype,
             device="cpu", allow_new_head=self.role == "critic",
-            activation_checkpointing=ac and self.trainable, seed=seed,
+            activation_checkpointing=ac and self.trainable, seed=seed, hf_config=self.hf_config,
         )
         if self.lora is not None:
             from megarl.backends.torch.lora import apply_actor_lora

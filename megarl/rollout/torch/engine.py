@@ -148,7 +148,9 @@ class TorchRolloutEngine:
         from config.json and generation_config.json (their union).
         """
         path = Path(path)
-        model = load_model(path, head="lm", dtype=dtype, device=device).eval()
+        hf_config = read_hf_config(path, kwargs.pop("hf_overrides", None))
+        model = load_model(path, head="lm", dtype=dtype, device=device,
+                           hf_config=hf_config).eval()
         if "eos_token_ids" not in kwargs:
             kwargs["eos_token_ids"] = _eos_ids(path)
         if tokenizer == "auto":
@@ -183,6 +185,7 @@ class TorchRolloutEngine:
             "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
             "kv_cache_bytes": _cache_budget(device, arr.rollout.gpu_memory_utilization),
             "return_routed_experts": arr.actor.router_replay.mode == "R3",
+            "hf_overrides": dict(arr.model.override_config or {}),
         }
 
     @classmethod

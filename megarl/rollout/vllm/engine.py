@@ -173,6 +173,11 @@ class VLLMEngine:
         extra = engine_args.check_engine_kwargs(engine_args.configured(ro, "vllm"),
                                                 version=vllm.__version__)
         path = resolve_path(model_path)
+        hf_overrides = engine_args.hf_overrides(read_hf_config(path), arr.model.override_config,
+                                                extra)
+        extra = {k: v for k, v in extra.items() if k != "hf_overrides"}
+        if hf_overrides:
+            extra = {"hf_overrides": hf_overrides, **extra}
         max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         dtype = DTYPE_NAMES[arr.model.dtype]
         memory, note = launch.memory_kwargs(
