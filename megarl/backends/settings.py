@@ -164,8 +164,9 @@ def micro_batching(role: str, cfg: Any) -> MicroBatching:
                       c.ppo_micro_batch_size_per_gpu)
     if role == "prm":
         rm = cfg.reward_model
-        return _micro(_first(rm.use_dynamic_bsz, actor_dynamic), rm.forward_max_token_len_per_gpu,
-                      rm.micro_batch_size_per_gpu)
+        # no row count: pack by the token budget (verl's reward loop needs none either)
+        dynamic = _first(rm.use_dynamic_bsz, actor_dynamic) or rm.micro_batch_size_per_gpu is None
+        return _micro(dynamic, rm.forward_max_token_len_per_gpu, rm.micro_batch_size_per_gpu)
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 

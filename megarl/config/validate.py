@@ -432,10 +432,9 @@ def _check_batches(cfg: Config, c: _Checker) -> None:
             c.fail((f"{prefix}.log_prob_micro_batch_size_per_gpu", f"{prefix}.log_prob_use_dynamic_bsz"),
                    f"required when {prefix}.log_prob_use_dynamic_bsz is false; set it or "
                    f"log_prob_use_dynamic_bsz=true")
-    rm = cfg.reward_model
-    if rm.enable and not rm.use_dynamic_bsz and rm.micro_batch_size_per_gpu is None:
-        c.fail(("reward_model.micro_batch_size_per_gpu", "reward_model.use_dynamic_bsz"),
-               "required when reward_model.use_dynamic_bsz is false; set it or use_dynamic_bsz=true")
+    # reward_model.micro_batch_size_per_gpu is optional (verl 0.9.1 scores through its reward
+    # loop by default and skips the check): without it the reward model packs its forwards up
+    # to reward_model.forward_max_token_len_per_gpu (megarl.backends.settings.micro_batching)
 
 
 def _role_strategy(cfg: Config, prefix: str) -> str:

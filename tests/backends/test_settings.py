@@ -95,3 +95,20 @@ def test_megatron_keys_stay_megatrons():
     assert megatron_config.backend_kwargs("critic", cfg, None)[1]["vpp"] == 2
     with pytest.raises(UserInputError, match="critic.parallel.virtual_pipeline"):
         torch_kwargs("critic", cfg, None)
+
+
+@pytest.mark.parametrize("extra,rows,budget", [
+    # verl's reward loop needs no micro size: without one the reward model packs by tokens
+    (["reward_model.use_dynamic_bsz=false", "reward_model.forward_max_token_len_per_gpu=777"],
+     None, 777),
+    (["reward_model.use_dynamic_bsz=false", "reward_model.micro_batch_size_per_gpu=4"], 4, None),
+])
+def test_reward_model_without_a_micro_size_packs_by_its_token_budget(extra, rows, budget):
+    over = [o for o in OVERRIDES if not o.startswith("reward_model.use_dynamic_bsz")]
+    cfg = load_config("ppo", over + ["actor_rollout_ref.actor.use_dynamic_bsz=false",
+                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                     *extra])
+    t = torch_kwargs("prm", cfg, None)[1]
+    assert (t["forward_micro_batch_size"], t["forward_max_tokens"]) == (rows, budget)
+    m = megatron_config.backend_kwargs("prm", cfg, None)[1]
+    assert m["forward_micro_batch_size"] == rows

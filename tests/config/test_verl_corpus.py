@@ -51,22 +51,12 @@ NOT_PASSING = {
         "not a key of verl's config either (hydra refuses it in verl too); the dtype is "
         "actor_rollout_ref.model.dtype"),
     "examples/grpo_trainer/run_gptoss_20b.sh#0": ({"data.train_files"}, _UNSET),
-    "examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh#0": (
-        {"reward_model.micro_batch_size_per_gpu"},
-        "an outcome reward model (scored by megarl, reward_model.model.kind) whose micro-batch "
-        "size megarl still requires where verl packs by forward_max_token_len_per_gpu"),
     "examples/gspo_trainer/run_qwen30b_gspo.sh#0": ({"launch.nnodes", "launch.nproc_per_node"},
                                                     _UNSET),
     "examples/ppo_trainer/run_deepseek7b_llm_pfppo.sh#0": (
         {""}, "the script passes ' ' (a comment after a line continuation ends its command)"),
-    "examples/ppo_trainer/run_deepseek_full_hh_rlhf.sh#0": (
-        {"reward_model.micro_batch_size_per_gpu"}, "as run_mistral13b_skyworkrm_hhrlhf.sh"),
     "examples/ppo_trainer/run_moonlight16b_a3b_gsm8k_megatron.sh#0": (
         {"actor_rollout_ref.model.path"}, _UNSET),
-    "examples/ppo_trainer/run_qwen2-7b_rm.sh#0": (
-        {"reward_model.micro_batch_size_per_gpu"}, "as run_mistral13b_skyworkrm_hhrlhf.sh"),
-    "examples/ppo_trainer/run_qwen2.5-3b_rm_reward_loop_colocate.sh#0": (
-        {"reward_model.micro_batch_size_per_gpu"}, "as run_mistral13b_skyworkrm_hhrlhf.sh"),
     "examples/router_replay/run_qwen30_a3b_megatron_sglang.sh#0": (
         {"data.train_files", "actor_rollout_ref.model.path", "data.train_batch_size",
          "actor_rollout_ref.actor.router_replay.mode"},
