@@ -326,7 +326,8 @@ def test_refusals(runs, tmp_path):
     cfg = load_config("grpo", ["actor_rollout_ref.actor.megatron.router_replay.mode=R3"])
     assert cfg.actor_rollout_ref.actor.router_replay.mode == "R3"  # verl's megatron spelling
     with pytest.raises(ConfigError, match="router_replay.mode"):
-        load_config("grpo", ["actor_rollout_ref.actor.router_replay.mode=R2"])
+        load_config("grpo", ["actor_rollout_ref.actor.router_replay.mode=R4"])
+    load_config("grpo", ["actor_rollout_ref.actor.router_replay.mode=R2"])  # any engine
 
 
 def test_config_turns_on_recording_and_replay(runs):
@@ -335,11 +336,11 @@ def test_config_turns_on_recording_and_replay(runs):
 
     path = str(runs["qwen3_moe"][0])
     cfg = load_config_r3(path)
-    assert backend_kwargs("actor", cfg, None)[1]["router_replay"] is True
+    assert backend_kwargs("actor", cfg, None)[1]["router_replay"] == "R3"
     assert "router_replay" not in backend_kwargs("ref", cfg, None)[1]
     assert TorchRolloutEngine.from_config(cfg, path).return_routed_experts is True
     off = load_config_r3(path, mode="disabled")
-    assert backend_kwargs("actor", off, None)[1]["router_replay"] is False
+    assert backend_kwargs("actor", off, None)[1]["router_replay"] == "disabled"
     assert TorchRolloutEngine.from_config(off, path).return_routed_experts is False
 
 

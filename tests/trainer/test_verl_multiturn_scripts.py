@@ -34,21 +34,19 @@ MT = f"{R}.multi_turn"
 
 # name: (verl's --config-name, the keys the check refuses)
 REFUSED = {
-    "run_qwen2.5-3b_gsm8k_multiturn": ("gsm8k_multiturn_grpo", {f"{R}.over_sample_rate"}),
+    "run_qwen2.5-3b_gsm8k_multiturn": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-3b_gsm8k_multiturn_4xgpu": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction": (
         "gsm8k_multiturn_grpo_w_interaction", {"actor_rollout_ref.actor.fsdp_config.model_dtype"}),
     "run_qwen0.5b_gsm8k_multiturn_curriculum": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp": ("gsm8k_multiturn_grpo",
                                                  {"actor_rollout_ref.actor.use_kl_loss"}),
-    "run_qwen3-4b_gsm8k_multiturn": ("gsm8k_multiturn_grpo", {f"{R}.over_sample_rate"}),
+    "run_qwen3-4b_gsm8k_multiturn": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-3b_gsm8k_tool_agent_mlflow": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-3b_megatron_gsm8k_multiturn": (
         "gsm8k_multiturn_megatron_grpo", {"actor_rollout_ref.actor.megatron.context_parallel_size"}),
-    "run_qwen2.5-3b_gsm8k_multiturn_server": ("gsm8k_multiturn_grpo_server",
-                                              {f"{R}.sglang_rollout_mode", f"{R}.server"}),
-    "run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server": (
-        "gsm8k_multiturn_grpo_server", {f"{R}.sglang_rollout_mode", f"{R}.server"}),
+    "run_qwen2.5-3b_gsm8k_multiturn_server": ("gsm8k_multiturn_grpo_server", set()),
+    "run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server": ("gsm8k_multiturn_grpo_server", set()),
 }
 
 
