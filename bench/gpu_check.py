@@ -163,9 +163,24 @@ def step_pytest(sizes: Sizes, out: Path) -> dict:
         tail = ([x for x in proc.stdout.splitlines() if x.strip()] or ["(no output)"])[-1]
         res[" ".join(paths)] = tail
         if proc.returncode != 0:
-            failed.append(f"pytest {' '.join(paths)}: {tail}")
+            failed.append(f"pytest {' '.join(paths)}: {tail}; {'; '.join(junit_failures(junit))}")
     require(not failed, "; ".join(failed))
     return res
+
+
+def junit_failures(junit: Path, limit: int = 10) -> list[str]:
+    """``test id: first line of its message`` for each failed or erroring test of a JUnit XML
+    report, so that summary.json names them without the step's full log."""
+    import xml.etree.ElementTree as ET
+
+    if not junit.exists():
+        return [f"(no report at {junit})"]
+    out = []
+    for case in ET.parse(junit).iter("testcase"):
+        for bad in (*case.findall("failure"), *case.findall("error")):
+            msg = (bad.get("message") or bad.text or "").strip().splitlines()
+            out.append(f"{case.get('classname')}::{case.get('name')}: {(msg or [''])[0][:300]}")
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 
 
 def step_model(sizes: Sizes, out: Path) -> dict:

@@ -64,3 +64,20 @@ def test_gpu_check_without_wheels_says_what_to_run(tmp_path):
                            "--wheels", str(tmp_path / "none")], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "make gpu-wheels" in proc.stderr
+
+
+def test_failed_pytest_step_names_the_failing_tests(tmp_path):
+    """The pytest step's error names each failing test (read from pytest's JUnit report), so the
+    summary says which test failed without the step's log."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check import junit_failures
+
+    (tmp_path / "test_demo.py").write_text(
+        "def test_ok():\n    pass\n\n\ndef test_bad():\n    assert 1 == 2, 'one is not two'\n")
+    junit = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={junit}", "--rootdir", str(tmp_path),
+                    str(tmp_path / "test_demo.py")], cwd=tmp_path, capture_output=True, timeout=120)
+    got = junit_failures(junit)
+    assert len(got) == 1 and got[0].startswith("test_demo::test_bad: ") and "one is not two" in got[0]
+    assert junit_failures(tmp_path / "missing.xml") == [f"(no report at {tmp_path / 'missing.xml'})"]

@@ -1,9 +1,10 @@
 """torchrun worker: ``sum_v pi_v^2`` under vocabulary-parallel TP=2 (gloo) against a float64
 softmax of the full logits.
 
-Usage: torchrun --standalone --nproc_per_node=2 tests/dist/sum_pi_squared_tp.py
+Usage: torchrun --standalone --nproc_per_node=2 tests/dist/sum_pi_squared_tp.py [cpu|cuda]
 Every rank builds the same full inputs and keeps its vocabulary shard of the weight. Checked:
-``megarl_kernels.linear_logprob_stats`` (torch, and triton when TRITON_INTERPRET=1), the torch
+``megarl_kernels.linear_logprob_stats`` (torch; triton under TRITON_INTERPRET=1 on the CPU, or
+compiled on CUDA tensors with ``cuda``, gloo all-reducing them), the torch
 backend's naive head path and the megatron backend's PyTorch fallback. One "OK" line per check;
 exits 1 on a mismatch.
 """
@@ -11,6 +12,7 @@ exits 1 on a mismatch.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -48,14 +50,19 @@ def main() -> None:
     shard = weight[rank * v_local:(rank + 1) * v_local].clone()
     temperature = 0.6
     want_lp, want_ent, want_sq = reference(hidden, weight, labels, temperature)
-    impls = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
-    if "triton" in impls:
+    on_cuda = len(sys.argv) > 1 and sys.argv[1] == "cuda"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    impls = ["torch"] + (["triton"] if interpreted or on_cuda else [])
+    if interpreted:
         from megarl_kernels import triton_impl
 
         triton_impl.INTERP_MAX_BLOCKS = (16, 32, 16)  # several vocab tiles per shard
     for impl in impls:
-        lp, ent, sq = mk.linear_logprob_stats(hidden, shard, labels, temperature, group,
-                                              impl=impl, chunk_size=(8, 40))
+        dev = torch.device("cuda", torch.cuda.current_device()) if impl == "triton" and on_cuda \
+            else torch.device("cpu")
+        lp, ent, sq = (x.cpu() for x in mk.linear_logprob_stats(
+            hidden.to(dev), shard.to(dev), labels.to(dev), temperature, group, impl=impl,
+            chunk_size=(8, 40)))
         close(f"{impl} logprob", lp, want_lp, 1e-4)
         close(f"{impl} entropy", ent, want_ent, 1e-4)
         close(f"{impl} sum_pi_squared", sq, want_sq, 1e-5)

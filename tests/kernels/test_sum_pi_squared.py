@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernels_device import compiled_triton_on_cuda
 from warm_runs import run_script
 
 import megarl_kernels as mk
@@ -102,15 +103,17 @@ def test_megatron_fallback_matches_float64():
 @pytest.mark.dist
 @pytest.mark.e2e
 def test_tp2_vocab_parallel_matches_float64():
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               TRITON_INTERPRET="1" if "triton" in mk.available_impls() or
-               not torch.cuda.is_available() else "0",
+    # Triton: compiled on CUDA tensors where a GPU runs it (the interpreter may not work
+    # beside a CUDA build's NumPy), else the interpreter on the CPU.
+    on_cuda = compiled_triton_on_cuda()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="0" if on_cuda else "1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = run_script([str(WORKER)], ROOT, env, timeout=240, nproc=2)
+    proc = run_script([str(WORKER), "cuda" if on_cuda else "cpu"], ROOT, env, timeout=240,
+                      nproc=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for rank in (0, 1):
         assert f"rank{rank} OK torch naive" in out and f"rank{rank} OK megatron fallback" in out
         assert f"rank{rank} OK kernel torch" in out, out[-4000:]
-        if env["TRITON_INTERPRET"] == "1" and "triton" in mk.available_impls():
+        if "triton" in mk.available_impls():
             assert f"rank{rank} OK kernel triton" in out, out[-4000:]
