@@ -34,11 +34,6 @@ log = logging.getLogger(__name__)
 def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
     """A Backend for ``role`` with the strategy of the actor (critic: its own strategy)."""
     strategy = cfg.critic.strategy if role == "critic" else cfg.actor_rollout_ref.actor.strategy
-    if strategy == "megatron" and role in ("actor", "ref") and lora_rank(cfg):
-        raise UserInputError(
-            "actor_rollout_ref.model.lora_rank > 0 with actor_rollout_ref.actor.strategy="
-            "megatron: LoRA is implemented on the torch backend only; set "
-            "actor_rollout_ref.actor.strategy=torch (fsdp) or lora_rank=0")
     if strategy == "torch":
         from megarl.backends.torch import TorchBackend
 
@@ -60,8 +55,10 @@ def build_reference(cfg: Any, actor: Backend, model_path: str) -> Backend:
     """The reference policy: with LoRA the actor's own module with its adapters off (no second
     copy of the model), else a frozen backend of its own loaded from ``model_path``."""
     if lora_rank(cfg):
-        from megarl.backends.torch.lora_ref import AdapterOffReference
-
+        if cfg.actor_rollout_ref.actor.strategy == "megatron":
+            from megarl.backends.megatron.lora import AdapterOffReference
+        else:
+            from megarl.backends.torch.lora_ref import AdapterOffReference
         return AdapterOffReference.from_config(actor, cfg)
     return build_backend("ref", cfg, model_path)
 

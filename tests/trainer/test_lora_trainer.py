@@ -15,8 +15,6 @@ import pytest
 import torch
 from trainer_helpers import metrics, train
 
-from megarl.errors import UserInputError
-
 M = "actor_rollout_ref.model"
 # a large learning rate moves the policy far from the base in one step (KL ~0.1), so the
 # engine's logprobs show whether it runs the merged adapters or the base
@@ -110,15 +108,6 @@ def test_grpo_lora_resume_is_exact(runs):
     for name in ("lora_adapter/adapter_model.safetensors", "hf_actor/model.safetensors"):
         wa, wb = load_file(str(straight / name)), load_file(str(resumed / name))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), name
-
-
-def test_megatron_lora_is_refused():
-    from megarl.config import load_config
-    from megarl.trainer.parts import build_backend
-
-    cfg = load_config("grpo", [f"{M}.lora_rank=8", "actor_rollout_ref.actor.strategy=megatron"])
-    with pytest.raises(UserInputError, match="strategy=torch"):
-        build_backend("actor", cfg, "/nonexistent")
 
 
 # runs launch/train.py, appending {"kind", "bytes"} per weight sync of the vLLM engine to argv[1]
