@@ -1,6 +1,6 @@
-"""An outcome reward model (HF *ForSequenceClassification, no score bias) on 2 ranks of the
-torch backend (tensor parallel over both; FSDP2 over both): its scores equal transformers'
-float64 scores of each sequence alone.
+"""An outcome reward model (HF *ForSequenceClassification, no score bias) on 2 ranks of each
+backend (torch: tensor parallel over both, FSDP2 over both; megatron: tensor parallel over
+both), in one world: its scores equal transformers' float64 scores of each sequence alone.
 
 The worker is this file: ``torchrun --nproc_per_node=2 tests/trainer/test_outcome_rm_dist.py
 MODEL OUT_DIR``; rank 0 saves one ``LAYOUT.pt`` per layout."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYOUTS = {"tp2": {"tp": 2}, "fsdp2": {"dp_shard": 2}}
+LAYOUTS = {"torch-tp2": {"tp": 2}, "torch-fsdp2": {"dp_shard": 2}, "megatron-tp2": {"tp": 2}}
 ROWS = [  # (prompt ids, response ids) of the tiny character tokenizer
     ([1, 40, 41, 42, 43, 2, 1, 50], [60, 61, 62, 63, 64, 65, 2]),
     ([1, 44, 45, 2], [70, 71, 72]),
@@ -25,6 +25,7 @@ ROWS = [  # (prompt ids, response ids) of the tiny character tokenizer
 
 
 def _worker(model: str, out_dir: str) -> None:
+    from megarl.backends.megatron import MegatronBackend
     from megarl.backends.torch import TorchBackend
     from megarl.models.testing import make_tiny_tokenizer
     from megarl.trainer.outcome_rm import OutcomeRewardModel
@@ -32,8 +33,9 @@ def _worker(model: str, out_dir: str) -> None:
 
     init_distributed(torch.device("cpu"))
     for name, kw in LAYOUTS.items():
-        orm = OutcomeRewardModel(TorchBackend("prm", model, device="cpu", **kw),
-                                 make_tiny_tokenizer())
+        backend = (MegatronBackend("prm", model, **kw) if name.startswith("megatron")
+                   else TorchBackend("prm", model, device="cpu", **kw))
+        orm = OutcomeRewardModel(backend, make_tiny_tokenizer())
         scores = orm.score([p for p, _ in ROWS], [r for _, r in ROWS])
         if rank() == 0:
             torch.save(scores, os.path.join(out_dir, f"{name}.pt"))
