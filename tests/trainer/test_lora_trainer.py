@@ -1,5 +1,5 @@
-"""GRPO with LoRA on the embedded demo policy (torch backend, 2 steps): the run's outputs read
-back with independent tools. PEFT loads the run's adapter folder onto the demo policy read by
+"""GRPO with LoRA on the embedded demo policy (torch and megatron backends, 2 steps, the torch
+engine receiving merged weights): the run's outputs read back with independent tools. PEFT loads the run's adapter folder onto the demo policy read by
 transformers, and its merged model is the run's ``hf_actor`` (so the base weights the run
 trained on are the folder's: every tensor no adapter touches is bit for bit the folder's);
 the adapters moved; the checkpoint holds the adapters only; the reference is the base model
@@ -21,6 +21,10 @@ M = "actor_rollout_ref.model"
 LORA = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear",
         "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.check_logprobs=true",
         "trainer.save_freq=1", "trainer.export_hf=true"]
+# megatron: the adapters named by megatron-core's four linears (= the seven HF ones)
+STRATEGY = {"torch": [], "megatron": [
+    "actor_rollout_ref.actor.strategy=megatron",
+    f"{M}.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]}
 
 
 def assert_engine_runs_the_adapted_policy(run: Path) -> None:
@@ -33,15 +37,17 @@ def assert_engine_runs_the_adapted_policy(run: Path) -> None:
     assert rows[2]["rollout/logprob_abs_diff_max"] < 1e-3
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(2 steps straight, 1 step then a resume to 2) run directories."""
-    straight, resumed = tmp_path_factory.mktemp("lora_straight"), tmp_path_factory.mktemp("lora_resumed")
-    train(straight, "grpo", *LORA, "trainer.total_training_steps=2")
-    train(resumed, "grpo", *LORA, "trainer.total_training_steps=1")
-    proc = train(resumed, "grpo", *LORA, "trainer.total_training_steps=2", "trainer.resume=auto")
+@pytest.fixture(scope="module", params=list(STRATEGY))
+def runs(request, tmp_path_factory):
+    """(strategy, 2 steps straight, 1 step then a resume to 2) run directories."""
+    args = [*LORA, *STRATEGY[request.param]]
+    straight = tmp_path_factory.mktemp(f"lora_{request.param}_straight")
+    resumed = tmp_path_factory.mktemp(f"lora_{request.param}_resumed")
+    train(straight, "grpo", *args, "trainer.total_training_steps=2")
+    train(resumed, "grpo", *args, "trainer.total_training_steps=1", "trainer.export_hf=false")
+    proc = train(resumed, "grpo", *args, "trainer.total_training_steps=2", "trainer.resume=auto")
     assert "resumed from step 1" in proc.stdout
-    return straight, resumed
+    return request.param, straight, resumed
 
 
 @pytest.mark.e2e
@@ -49,11 +55,13 @@ def test_grpo_lora_two_steps(runs):
     import peft
     import torch.distributed.checkpoint as dcp
     import transformers
+    from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
+    from megarl.backends.megatron import cpu_compat
     from megarl.data import resolve_path
 
-    run = runs[0]
+    strategy, run = runs[0], runs[1]
     base_dir = Path(resolve_path("embedded://policy"))
     base = load_file(str(next(base_dir.glob("*.safetensors"))))
     exported = load_file(str(run / "hf_actor" / "model.safetensors"))
@@ -85,11 +93,18 @@ def test_grpo_lora_two_steps(runs):
         if name in exported:
             assert (t - exported[name].float()).abs().max() <= 1e-6, name
 
+    # the checkpoint holds the adapters (and their optimizer state) only
     ckpt = run / "checkpoints" / "global_step_2" / "actor"
-    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
-    model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
-    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
-    assert len(model_keys) == 2 * len(adapted)
+    if strategy == "torch":
+        meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+        model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+        assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+        assert len(model_keys) == 2 * len(adapted)
+    else:
+        with cpu_compat.cuda_to_cpu():
+            stored = dist_checkpointing.load_tensors_metadata(str(ckpt))
+        model_keys = [k for k in stored if not k.startswith("optimizer.")]
+        assert sorted(model_keys) == sorted(f"lora.{m}.lora_{ab}" for m in adapted for ab in "AB")
 
     assert_engine_runs_the_adapted_policy(run)
 
@@ -101,7 +116,7 @@ def test_grpo_lora_resume_is_exact(runs):
     from safetensors.torch import load_file
     from trainer_helpers import strip_timing, train_rows
 
-    straight, resumed = runs
+    _, straight, resumed = runs
     a, b = train_rows(straight), train_rows(resumed)
     assert [r["step"] for r in a] == [1, 2] == [r["step"] for r in b]
     assert [strip_timing(r) for r in a] == [strip_timing(r) for r in b]
