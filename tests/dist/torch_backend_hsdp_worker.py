@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,7 +40,7 @@ import torch_backend_worker as W  # noqa: E402
 
 from megarl.backends.torch import TorchBackend  # noqa: E402
 from megarl.backends.torch import backend as backend_mod  # noqa: E402
-from megarl.utils.dist import destroy, init_distributed  # noqa: E402
+from megarl.utils.dist import init_distributed  # noqa: E402
 
 LAYOUTS = {
     "sp2": {"ulysses": 2},
@@ -140,12 +139,7 @@ def main() -> None:
     res["planted_no_replica_reduce/ref_grad_err"] = R.max_err(g, {k: ref_grads[k] for k in g})
     total = sum(t.numel() * t.element_size() for t in W.hf_tensors(path).values())
     res["model_bytes"] = total
-    merged = res.merged()
-    if dist.get_rank() == 0:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)
-    dist.barrier()
-    destroy()
+    res.write_and_destroy(a.out)
 
 
 if __name__ == "__main__":

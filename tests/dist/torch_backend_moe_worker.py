@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -32,7 +31,7 @@ from megarl.backends.torch.moe import routing_metrics  # noqa: E402
 from megarl.errors import UserInputError  # noqa: E402
 from megarl.models.moe import capture_router_logits  # noqa: E402
 from megarl.models.moe_metrics import routing_metrics as ref_routing_metrics  # noqa: E402
-from megarl.utils.dist import destroy, init_distributed  # noqa: E402
+from megarl.utils.dist import init_distributed  # noqa: E402
 
 
 def check_metrics(name: str, path: str, res: W.Results) -> None:
@@ -72,12 +71,7 @@ def main() -> None:
         W.check_actor(f"{name}_fsdp2", path, {"dp_shard": 2}, res, Path(a.work))
         check_metrics(name, path, res)
         check_tp_refused(name, path, res)
-    merged = res.merged()
-    if dist.get_rank() == 0:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)
-    dist.barrier()
-    destroy()
+    res.write_and_destroy(a.out)
 
 
 if __name__ == "__main__":

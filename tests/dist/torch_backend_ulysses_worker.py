@@ -43,7 +43,7 @@ from megarl.backends.torch import backend as backend_mod  # noqa: E402
 from megarl.backends.torch import ulysses as U  # noqa: E402
 from megarl.errors import UserInputError  # noqa: E402
 from megarl.models.model import default_position_ids  # noqa: E402
-from megarl.utils.dist import destroy, init_distributed  # noqa: E402
+from megarl.utils.dist import init_distributed  # noqa: E402
 
 SP2 = {"ulysses": 2}
 
@@ -155,12 +155,7 @@ def main() -> None:
     W.check_ref("ref_sp2", models["qwen2"], SP2, res)
     check_refusals(models, res)
     check_planted(models["qwen2"], res, work)
-    merged = res.merged()
-    if dist.get_rank() == 0:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)
-    dist.barrier()
-    destroy()
+    res.write_and_destroy(a.out)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,16 @@ class Results:
                     out[k] = v
         return out
 
+    def write_and_destroy(self, out: str) -> None:
+        """Every rank's results merged into ``out`` (JSON, written by rank 0), then the
+        process group torn down."""
+        merged = self.merged()
+        if dist.get_rank() == 0:
+            with open(out, "w", encoding="utf-8") as f:
+                json.dump(merged, f, indent=1, sort_keys=True)
+        dist.barrier()
+        destroy()
+
 
 def rank_split(dp: int) -> list[list[list[int]]]:
     """Rows of each DP rank's micro-batches (3 unequal micro-batches on one rank)."""
@@ -275,12 +285,7 @@ def main() -> None:
     {"two": scenario_two, "four": scenario_four, "single": scenario_single}[a.scenario](
         json.loads(a.models), Path(a.work), res
     )
-    merged = res.merged()
-    if dist.get_rank() == 0:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)
-    dist.barrier()
-    destroy()
+    res.write_and_destroy(a.out)
 
 
 if __name__ == "__main__":
