@@ -64,6 +64,13 @@ from megarl.backends.torch.packing import (
     packed_length,
 )
 from megarl.backends.torch.pipeline import StageRunner, common_length
+from megarl.backends.torch.precision import (
+    check_resume_dtype,
+    dtype_name,
+    held_dtype,
+    param_dtype_key,
+    rounding_notice,
+)
 from megarl.backends.torch.ulysses import SeqShard, sum_over_group
 from megarl.backends.torch.weights import adapter_specs, iter_full_weights, weight_specs
 from megarl.errors import UserInputError
@@ -92,8 +99,12 @@ class TorchBackend:
                  ulysses)), sequence parallelism inside TP.
     ulysses:     Ulysses sequence-parallel size (FSDP only: tp = pp = 1). Mesh ("pp",
                  "dp_shard", "ulysses", "tp"), TP innermost.
-    dtype:       "fp32" | "bf16". bf16 on a trainable role = FSDP2 mixed precision (bf16 compute,
-                 fp32 master params and gradient reduction); frozen roles hold bf16 weights.
+    dtype:       "fp32" | "bf16": the dtype the model computes in.
+    param_dtype: "fp32" | "bf16" | None: the dtype the parameters are held in, and with them
+                 the gradients and the AdamW state (`precision`). None: fp32 on a trainable
+                 role, ``dtype`` on a frozen one. Parameters held in a wider dtype than
+                 ``dtype`` run under FSDP2 mixed precision (compute in ``dtype``, gradients
+                 reduced in fp32); bf16 parameters with fp32 compute are refused.
     optim:       lr, betas, eps, weight_decay, grad_clip (None/0: off), lr_scheduler_type
                  (constant | cosine), lr_warmup_steps (-1: use the ratio),
                  lr_warmup_steps_ratio, min_lr_ratio, total_training_steps.
@@ -126,6 +137,7 @@ class TorchBackend:
         sp: bool = False,
         ulysses: int = 1,
         dtype: str = "fp32",
+        param_dtype: str | None = None,
         lr: float = 1e-6,
         betas: Sequence[float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -162,13 +174,17 @@ class TorchBackend:
         self.layout = Layout.resolve(world_size(), tp=tp, pp=pp, dp_shard=dp_shard, sp=sp,
                                      ulysses=ulysses)
         self.mesh = build_mesh(self.layout, self.device)
-        self.param_dtype = torch.float32 if self.trainable else self.compute_dtype
+        self.param_dtype = held_dtype(self.compute_dtype, param_dtype, self.trainable,
+                                      param_dtype_key(role))
         self.optim = OptimSettings(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
             lr_scheduler_type=lr_scheduler_type, lr_warmup_steps=lr_warmup_steps,
             lr_warmup_steps_ratio=lr_warmup_steps_ratio, min_lr_ratio=min_lr_ratio,
             total_training_steps=total_training_steps,
         )
+        if self.trainable and self.param_dtype != torch.float32 and dist.get_rank() == 0:
+            logger.warning("%s: %s", role, rounding_notice(self.param_dtype, lr,
+                                                              param_dtype_key(role)))
         self.kernel = {"fused": use_fused_kernels, "impl": kernel_impl, "chunk_size": chunk_size}
         self.forward_max_tokens = forward_max_tokens
         self.forward_micro_batch_size = forward_micro_batch_size
@@ -236,7 +252,7 @@ class TorchBackend:
         model.to(self.device)
         if lay.tp > 1:
             par.apply_tp(model, self.mesh["tp"], lay.sp, is_last=self.is_last_stage)
-        mixed = self.trainable and self.compute_dtype != torch.float32
+        mixed = self.param_dtype != self.compute_dtype
         if lay.dp_shard * lay.ulysses > 1 or mixed:
             par.apply_fsdp(
                 model, fsdp_mesh(self.mesh, lay),
@@ -471,8 +487,8 @@ class TorchBackend:
         return out
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) in HF order and the training params' dtype (fp32 masters
-        under bf16 mixed precision); tied ``lm_head.weight`` omitted as HF does. Collective."""
+        """(HF name, full tensor) in HF order and the parameters' dtype (`param_dtype`); tied
+        ``lm_head.weight`` omitted as HF does. Collective."""
         self._reshard()
         yield from iter_full_weights(
             self.model, self._specs, stage=self.pp_stage,
@@ -514,7 +530,8 @@ class TorchBackend:
         self._reshard()
         lay = self.layout
         meta = {"role": self.role, "tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
-                "sp": lay.sp, "ulysses": lay.ulysses, "source": self.model_path}
+                "sp": lay.sp, "ulysses": lay.ulysses, "source": self.model_path,
+                "param_dtype": dtype_name(self.param_dtype)}
         if self.lora is not None:
             meta["lora"] = dataclasses.asdict(self.lora)
         ckpt.save(directory, self.model, self.optimizer, self.step, meta,
@@ -535,6 +552,8 @@ class TorchBackend:
                 f"checkpoint {directory} holds LoRA adapters {meta['lora']}; this run's are "
                 f"{mine}: resume with the checkpoint's actor_rollout_ref.model.lora_rank, "
                 "lora_alpha, target_modules and exclude_modules")
+        check_resume_dtype(meta, self.role, self.param_dtype, directory,
+                           param_dtype_key(self.role))
         self._reshard()
         _, step = ckpt.load(directory, self.model, self.optimizer,
                             trainable_only=self.lora is not None)

@@ -1,6 +1,7 @@
 """Project config -> `TorchBackend` keyword arguments, per role: the shared settings of
 `megarl.backends.settings` plus what only this backend has (the FSDP shard group and Ulysses
-sizes of the role's ``parallel`` block, ``trainer.device``: auto = this rank's CUDA device, else
+sizes and the parameter dtype (``param_dtype``, `precision`; the reference: the actor's) of the
+role's ``parallel`` block, ``trainer.device``: auto = this rank's CUDA device, else
 CPU), the actor's LoRA adapters (`lora_settings`). ``virtual_pipeline_model_parallel_size`` is
 refused (megatron only)."""
 
@@ -23,7 +24,8 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
     kw = {"seed": s.seed, "device": resolve_device(cfg.trainer.device), "dtype": s.dtype,
           **_layout(s), **_micro(s), "use_fused_kernels": s.kernels.fused,
           "kernel_impl": s.kernels.impl, "chunk_size": s.kernels.chunk_size,
-          "activation_checkpointing": s.activation_checkpointing}
+          "activation_checkpointing": s.activation_checkpointing,
+          "param_dtype": getattr(_parallel_section(role, cfg), "param_dtype", None)}
     if s.optim is not None:
         optim = asdict(s.optim)
         extra = optim.pop("override_optimizer_config")
@@ -69,6 +71,15 @@ def lora_settings(cfg: Any) -> LoraSettings | None:
                         target_modules=target if isinstance(target, str) else list(target),
                         exclude_modules=(exclude if exclude is None or isinstance(exclude, str)
                                          else list(exclude)))
+
+
+def _parallel_section(role: str, cfg: Any) -> Any:
+    """The ``parallel`` block ``role`` reads (actor and reference: the actor's)."""
+    if role == "critic":
+        return cfg.critic.parallel
+    if role == "prm":
+        return cfg.reward_model.parallel
+    return cfg.actor_rollout_ref.actor.parallel
 
 
 def _layout(s: RoleSettings) -> dict[str, Any]:

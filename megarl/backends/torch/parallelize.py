@@ -231,8 +231,9 @@ def apply_fsdp(
     gradient_divide_factor: float | None = None,
 ) -> None:
     """``fully_shard`` every decoder block, then the root (embedding, final norm, head).
-    ``param_dtype`` (bf16) turns on mixed precision: bf16 compute params, fp32 sharded master
-    params, fp32 gradient reduction. The root keeps its parameters unsharded after forward
+    ``param_dtype`` (bf16) turns on mixed precision: bf16 compute params, the sharded params
+    in their own dtype (fp32 masters); gradients are reduced in fp32 in every case (and kept
+    in the parameters' dtype). The root keeps its parameters unsharded after forward
     (the LM-head weight is read by the logprob kernel after the model's forward returns).
     ``gradient_divide_factor``: what the gradient sum over ``dp_mesh`` is divided by (default:
     its size, the mean)."""
