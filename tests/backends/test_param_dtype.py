@@ -16,10 +16,14 @@ correction (update x 3.2) likewise; fp32 parameters fail the dtype checks.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 from torch.distributed.tensor import DTensor
+from warm_runs import run_script
 
 from megarl.backends.protocol import SequenceBatch
 from megarl.backends.torch import TorchBackend
@@ -28,6 +32,7 @@ from megarl.config.schema import Config
 from megarl.errors import UserInputError
 from megarl.utils import dist as mdist
 
+ROOT = Path(__file__).resolve().parents[2]
 BF16 = torch.bfloat16
 BETAS, EPS, WD = (0.9, 0.999), 1e-8, 0.01
 
@@ -92,14 +97,11 @@ def one_step(folder, lr: float, param_dtype: str | None = "bf16"):
     return before, grads, params(a), a
 
 
-def test_parameters_gradients_and_adamw_state_are_bf16_and_the_update_is_adamw(folder):
-    lr = 1e-3
-    before, grads, after, a = one_step(folder, lr)
-    assert a.param_dtype == BF16 and a.compute_dtype == BF16
+def check_update(before: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+                 after: dict[str, torch.Tensor], lr: float) -> None:
+    """``after`` = `adamw_first_step` of ``before`` and ``grads``: exactly for most weights,
+    the rest within one bf16 spacing plus the bf16 rounding of AdamW's own arithmetic."""
     assert {t.dtype for t in [*before.values(), *grads.values(), *after.values()]} == {BF16}
-    state = [a.optimizer.state[p] for p in a.model.parameters()]
-    assert len(state) == len(before)
-    assert {s[k].dtype for s in state for k in ("exp_avg", "exp_avg_sq")} == {BF16}
     total = exact = changed = 0
     for n, new in after.items():
         want = adamw_first_step(before[n], grads[n], lr)
@@ -111,6 +113,34 @@ def test_parameters_gradients_and_adamw_state_are_bf16_and_the_update_is_adamw(f
         changed += int((new != before[n]).sum())
     assert exact / total > 0.97, exact / total
     assert changed / total > 0.85, changed / total  # lr 1e-3 moves most weights
+
+
+def test_parameters_gradients_and_adamw_state_are_bf16_and_the_update_is_adamw(folder):
+    lr = 1e-3
+    before, grads, after, a = one_step(folder, lr)
+    assert a.param_dtype == BF16 and a.compute_dtype == BF16
+    state = [a.optimizer.state[p] for p in a.model.parameters()]
+    assert len(state) == len(before)
+    assert {s[k].dtype for s in state for k in ("exp_avg", "exp_avg_sq")} == {BF16}
+    check_update(before, grads, after, lr)
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_fsdp2_on_two_ranks_holds_bf16_shards_and_applies_adamw(folder, tmp_path):
+    """FSDP2 over 2 gloo ranks (tests/dist/param_dtype_worker.py): the local shards, their
+    gradients (reduced in fp32, kept in bf16) and the AdamW state are bf16; the update of the
+    full parameters is AdamW's on the full gradients."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "out.pt"
+    proc = run_script([str(ROOT / "tests" / "dist" / "param_dtype_worker.py"), str(folder),
+                       str(out)], ROOT, env, timeout=300, nproc=2)
+    if proc.returncode != 0 or not out.is_file():
+        pytest.fail(f"worker failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    r = torch.load(out)
+    assert r["dtypes"] == ["torch.bfloat16"] and r["n_state"] > 0
+    check_update(r["before"], r["grads"], r["after"], r["lr"])
 
 
 def test_small_lr_updates_round_away_as_the_reference_predicts(folder):
