@@ -123,6 +123,8 @@ def test_parameters_gradients_and_adamw_state_are_bf16_and_the_update_is_adamw(f
     assert len(state) == len(before)
     assert {s[k].dtype for s in state for k in ("exp_avg", "exp_avg_sq")} == {BF16}
     check_update(before, grads, after, lr)
+    sent = dict(a.export_weights())  # what engines and the HF export receive: the bf16 weights
+    assert set(sent) == set(after) and all(torch.equal(sent[n], after[n]) for n in sent)
 
 
 @pytest.mark.e2e
