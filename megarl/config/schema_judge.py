@@ -75,3 +75,10 @@ class JudgeRolloutConfig:
     score_min: float | None = None  # a parsed score below it counts as unparsed; None = no bound
     score_max: float | None = None  # a parsed score above it counts as unparsed; None = no bound
     timeout_s: float = 600.0  # seconds one scoring call (a whole batch) may take
+
+
+def judge_enabled(rm: Any) -> bool:
+    """Whether ``rm`` (a ``reward_model`` section) serves a generative judge: verl's
+    ``use_reward_loop`` on and ``rollout.name`` set. ``enable`` then means the judge."""
+    rollout = getattr(rm, "rollout", None)
+    return bool(getattr(rm, "use_reward_loop", False)) and getattr(rollout, "name", None) is not None

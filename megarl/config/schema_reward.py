@@ -19,6 +19,7 @@ from megarl.config.schema_actor import (
     Strategy,
     aliased,
 )
+from megarl.config.schema_judge import JudgeRolloutConfig
 
 
 @dataclass
@@ -102,6 +103,9 @@ class RewardModelConfig:
     PURE modes: VR = enable false + reward_manager prime; PRM = enable true + blank;
     PRM+VR = enable true + prime. Outcome RM (verl): enable true with a sequence classifier; its
     score is the training reward in place of the reward manager's (which is still logged).
+    Generative judge (verl's GenRM): use_reward_loop true + rollout.name set; model.path is the
+    judge model, ``enable`` then means the judge (no PRM / outcome RM is started) and its score
+    is the training reward in place of the reward manager's, as the outcome RM's.
     """
 
     enable: bool = False  # run the reward model (model.kind says which kind)
@@ -134,6 +138,10 @@ class RewardModelConfig:
     memory_mb: int = 1024  # per-worker memory limit, MiB
     ray: RayPoolConfig = field(default_factory=RayPoolConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # verl's reward loop: true with rollout.name set serves model.path as a generative judge
+    # (megarl.rewards.judge); true without rollout.name changes nothing
+    use_reward_loop: bool = False
+    rollout: JudgeRolloutConfig = field(default_factory=JudgeRolloutConfig)  # the judge's engine
 
 
 @dataclass

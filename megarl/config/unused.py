@@ -1,17 +1,27 @@
 """Keys a run does not read: the settings of parts the config switched off (the critic of a run
-without one, the process reward model's when ``reward_model.enable`` is false, megatron-core's
-options on the torch backend). The startup report (``Resolved.report``) lists such values on one
+without one, the process reward model's when ``reward_model.enable`` is false or means the
+generative judge, the judge's engine keys when there is no judge, megatron-core's options on the
+torch backend). The startup report (``Resolved.report``) lists such values on one
 line of their own instead of among the values the run uses."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from megarl.config.schema_judge import judge_enabled
+
 # reward_model keys that only the process reward model reads (the verifiable-reward manager,
 # its worker pool and the overlong buffer are read with or without a PRM)
 PRM_ONLY = ("model", "strategy", "parallel", "micro_batch_size_per_gpu", "use_dynamic_bsz",
             "forward_max_token_len_per_gpu", "credit_assignment", "verifiable_reward_coef",
             "step_separator", "prm_step_token", "max_length")
+# reward_model.model keys the generative judge does not read (it reads model.path only: its
+# dtype is reward_model.rollout.dtype)
+NOT_JUDGE_MODEL = ("dtype", "kind", "input_tokenizer")
+# reward_model.rollout keys only the vLLM judge reads (megarl's torch engine has none of them)
+VLLM_ONLY = ("enforce_eager", "max_num_batched_tokens", "enable_chunked_prefill",
+             "enable_prefix_caching", "engine_kwargs", "cudagraph_capture_sizes",
+             "disable_log_stats", "tensor_model_parallel_size")
 
 
 def unused_reasons(cfg: Any) -> list[tuple[str, str]]:
@@ -25,9 +35,27 @@ def unused_reasons(cfg: Any) -> list[tuple[str, str]]:
                 if name != "enable"]
     elif critic.strategy != "megatron":
         out.append(("critic.megatron", f"critic.strategy={critic.strategy}"))
-    if not rm.enable:
-        out += [(f"reward_model.{name}", "reward_model.enable=false") for name in PRM_ONLY]
-    if actor.strategy != "megatron" and not (rm.enable and rm.strategy == "megatron"):
+    judge = judge_enabled(rm)
+    if judge:
+        why = (f"reward_model.rollout.name={rm.rollout.name}: the generative judge reads "
+               "reward_model.model.path only")
+        out += [(f"reward_model.{name}", why) for name in PRM_ONLY if name != "model"]
+        out += [(f"reward_model.model.{name}", why) for name in NOT_JUDGE_MODEL]
+        out.append(("reward_model.rollout.free_cache_engine",
+                    "the generative judge's engine stays resident (a frozen model)"))
+        if rm.rollout.name == "torch":
+            out += [(f"reward_model.rollout.{name}", "reward_model.rollout.name=torch")
+                    for name in VLLM_ONLY]
+    else:
+        if not rm.enable:
+            out += [(f"reward_model.{name}", "reward_model.enable=false") for name in PRM_ONLY]
+        why = ("reward_model.use_reward_loop=false" if not rm.use_reward_loop else
+               "reward_model.rollout.name=null")
+        out.append(("reward_model.rollout", f"{why} (no generative judge)"))
+        if rm.use_reward_loop:
+            out.append(("reward_model.use_reward_loop", f"{why} (no generative judge)"))
+    prm_on = rm.enable and not judge
+    if actor.strategy != "megatron" and not (prm_on and rm.strategy == "megatron"):
         out.append(("actor_rollout_ref.actor.megatron",
                     f"actor_rollout_ref.actor.strategy={actor.strategy}"))
     return out

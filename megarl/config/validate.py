@@ -12,6 +12,7 @@ import logging
 
 from megarl.config import algorithms as A
 from megarl.config.schema import Config, ParallelConfig
+from megarl.config.schema_judge import judge_enabled
 
 log = logging.getLogger("megarl.config")
 
@@ -145,7 +146,22 @@ def check(cfg: Config, bad_keys: set[str]) -> list[str]:
     _check_layout(cfg, c)
     _check_router_replay(cfg, c)
     _check_multi_turn(cfg, c)
+    _check_judge(cfg, c)
     return c.problems
+
+
+def _check_judge(cfg: Config, c: _Checker) -> None:
+    """The generative judge (reward_model.use_reward_loop + rollout.name) needs its model. Its
+    engine keys and the algorithms it cannot feed are checked at start-up, once
+    reward_model.model.path is known to be generative (a classifier there is verl's "disrm",
+    scored with one forward, whose rollout keys are not read): megarl.trainer.parts."""
+    rm = cfg.reward_model
+    if judge_enabled(rm) and not rm.model.path:
+        c.fail(("reward_model.model.path", "reward_model.rollout.name"),
+               f"required: reward_model.use_reward_loop=true with reward_model.rollout.name="
+               f"{rm.rollout.name} serves a generative judge on this model; set "
+               "reward_model.model.path to the judge model (an HF folder or hub id), or unset "
+               "reward_model.rollout.name")
 
 
 def _check_multi_turn(cfg: Config, c: _Checker) -> None:
@@ -316,11 +332,11 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
     c.positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
     c.positive("pacs.beta", pacs.beta)
 
-    if rm.reward_manager == "blank" and not rm.enable:
+    if rm.reward_manager == "blank" and not rm.enable and not judge_enabled(rm):
         c.fail(("reward_model.reward_manager", "reward_model.enable"),
                "'blank' gives no verifiable reward and reward_model.enable is false: nothing would "
                "produce a reward; set reward_model.enable=true (PRM only) or reward_manager=prime|naive")
-    if rm.enable and not rm.model.path:
+    if rm.enable and not rm.model.path and not judge_enabled(rm):
         c.fail(("reward_model.model.path", "reward_model.enable"),
                "required when reward_model.enable is true (the PRM to load); set "
                "reward_model.model.path=... or reward_model.enable=false")

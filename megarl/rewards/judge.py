@@ -184,12 +184,31 @@ def build_judge(cfg: JudgeRolloutConfig, model_path: str, *, tokenizer_path: str
     return Judge(engine, tokenizer, template, cfg, seed=seed, model_path=path)
 
 
+def is_generative(model_path: str, kind: str = "auto") -> bool:
+    """Whether ``reward_model.model.path`` (a resolved folder) is served as a generative judge:
+    ``reward_model.model.kind`` auto and config.json's architectures name no sequence or token
+    classifier. verl's reward loop serves such classifiers too (its "disrm"): megarl scores them
+    with one forward (the outcome reward model, PURE's PRM) and reads no rollout keys."""
+    from megarl.models import read_hf_config
+    from megarl.models.args import is_sequence_classifier
+
+    if kind != "auto":
+        return False
+    hf = read_hf_config(model_path)
+    token = any(str(a).endswith("ForTokenClassification") for a in hf.get("architectures") or ())
+    return not (is_sequence_classifier(hf) or token)
+
+
 def judge_from_config(cfg: Any, device: torch.device | str = "cpu") -> Judge | None:
-    """The run's judge, or None when it has none: on iff ``reward_model.use_reward_loop`` and
-    ``reward_model.rollout.name`` is set. Reads reward_model.{rollout, model.path} and
-    trainer.seed; the judge model's tokenizer is its own folder's."""
+    """The run's judge, or None when it has none: on iff ``reward_model.use_reward_loop``,
+    ``reward_model.rollout.name`` is set and the model is generative (`is_generative`). Reads
+    reward_model.{rollout, model.path, model.kind} and trainer.seed; the judge model's
+    tokenizer is its own folder's."""
+    from megarl.config.schema_judge import judge_enabled
+    from megarl.data import resolve_path
+
     rm = cfg.reward_model
-    if not getattr(rm, "use_reward_loop", False) or rm.rollout.name is None:
+    if not judge_enabled(rm):
         return None
     if not rm.model.path:
         raise UserInputError(
@@ -197,4 +216,6 @@ def judge_from_config(cfg: Any, device: torch.device | str = "cpu") -> Judge | N
             f"{rm.rollout.name} serves a generative judge, but reward_model.model.path is not "
             "set. Fix: point it at the judge model (an HF folder or hub id), or unset "
             "reward_model.rollout.name")
+    if not is_generative(resolve_path(rm.model.path), getattr(rm.model, "kind", "auto")):
+        return None
     return build_judge(rm.rollout, rm.model.path, device=device, seed=cfg.trainer.seed)

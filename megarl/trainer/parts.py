@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megarl.backends.protocol import Backend
+from megarl.config.schema_judge import judge_enabled
 from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
 from megarl.data.extern import ExternSampler, prompt_dataset, prompt_sampler
 from megarl.errors import UserInputError
@@ -166,15 +167,23 @@ class RunParts:
     agent: AgentRollout | None = None  # rollout.multi_turn.enable: the agent loop's tools
     lock: RunDirLock | None = None  # the run directory's lock (rank 0 only)
     outcome_rm: OutcomeRewardModel | None = None  # verl's reward model (a sequence classifier)
+    judge: Any = None  # the generative judge (megarl.rewards.judge.Judge), this rank's engine
 
     def close(self) -> None:
+        """Release the run's processes and engines. Called after the run's last collective:
+        closing a vLLM engine (the rollout's or the judge's) tears down torch's default
+        process group."""
         try:
             if self.pool is not None:
                 self.pool.close()
             self.engine.close()
         finally:
-            if self.lock is not None:
-                self.lock.release()
+            try:
+                if self.judge is not None:
+                    self.judge.close()
+            finally:
+                if self.lock is not None:
+                    self.lock.release()
 
     def make_logger(self, total_steps: int, resume_step: int | None) -> MetricLogger:
         t = self.cfg.trainer
@@ -217,8 +226,8 @@ def _resolve_all(cfg: Any) -> dict[str, str]:
               "tokenizer": cfg.actor_rollout_ref.model.tokenizer_path}
     if cfg.critic.enable:
         wanted["critic"] = cfg.critic.model.path
-    if cfg.reward_model.enable:
-        wanted["prm"] = cfg.reward_model.model.path
+    if cfg.reward_model.enable or judge_enabled(cfg.reward_model):
+        wanted["prm"] = cfg.reward_model.model.path  # the PRM, outcome RM or judge model
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         if files:
@@ -279,7 +288,9 @@ def _build_parts(cfg: Any) -> RunParts:
     paths = _resolve_all(cfg)
     tokenizer = load_tokenizer(paths["tokenizer"])
     # which reward model: said (or refused) before the minutes spent on data and models
-    rm_kind = resolved_reward_model_kind(cfg, paths["prm"]) if cfg.reward_model.enable else None
+    judge_model = serves_judge(cfg, paths)
+    rm_kind = (resolved_reward_model_kind(cfg, paths["prm"])
+               if cfg.reward_model.enable and not judge_model else None)
     d = cfg.data
     agent = build_agent(cfg, tokenizer)  # a bad tool config fails before data and models
     ds_kwargs = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
@@ -316,6 +327,30 @@ def _build_parts(cfg: Any) -> RunParts:
     # The engine first: it sizes its memory from what is free, before the training backends
     # hold theirs (asleep, it gives its memory back until the first weight sync).
     engine = run_engine(cfg, paths["actor"], device)
+    # the generative judge next, on this rank's device: it sizes its memory from what the
+    # awake rollout engine left free (the engine takes its memory back at each wake)
+    try:
+        judge = build_run_judge(cfg, paths, device) if judge_model else None
+    except BaseException:
+        engine.close()
+        raise
+    try:
+        return _build_rest(cfg, paths, device, tokenizer, rm_kind, agent, train_ds, sampler,
+                           val_items, total_steps, engine, judge)
+    except BaseException:
+        if judge is not None:
+            judge.close()
+        raise
+
+
+def _build_rest(cfg: Any, paths: dict[str, Any], device: torch.device, tokenizer: Any,
+                rm_kind: str | None, agent: AgentRollout | None, train_ds: RLDataset,
+                sampler: PromptSampler | ExternSampler, val_items: list | None,
+                total_steps: int, engine: RolloutEngine, judge: Any) -> RunParts:
+    """The parts built after the engines: the training backends, the reward scoring, the run
+    directory."""
+    rank = mdist.rank()
+    d = cfg.data
     if cfg.actor_rollout_ref.rollout.free_cache_engine:
         engine.sleep()
     torch.manual_seed(cfg.trainer.seed)  # fresh heads (critic) initialise identically everywhere
@@ -346,7 +381,8 @@ def _build_parts(cfg: Any) -> RunParts:
                         "reward_kwargs": dict(custom.reward_kwargs)} if custom.path else None)
         manager = make_reward_manager(rm.reward_manager, pool, custom_spec)
         val_manager = make_reward_manager("naive", pool, custom_spec)
-        if outcome_rm is not None:  # the rule reward is logged only: sources without one pass
+        if outcome_rm is not None or judge is not None:
+            # the rule reward is logged only: sources without one pass
             from megarl.rewards.managers import RuleRewardBesideModel
 
             manager = RuleRewardBesideModel(manager)
@@ -375,8 +411,68 @@ def _build_parts(cfg: Any) -> RunParts:
         val_items=val_items, actor=actor, ref=ref, critic=critic, prm=prm, engine=engine,
         scorer=scorer, val_scorer=val_scorer, total_steps=total_steps,
         model_paths={k: v for k, v in paths.items() if isinstance(v, str)}, pool=pool,
-        agent=agent, outcome_rm=outcome_rm,
+        agent=agent, outcome_rm=outcome_rm, judge=judge,
     )
+
+
+def serves_judge(cfg: Any, paths: dict[str, Any]) -> bool:
+    """Whether the run scores with a generative judge: reward_model.use_reward_loop and
+    rollout.name set, and the model (``paths["prm"]``, resolved) generative
+    (`megarl.rewards.judge.is_generative`; a classifier is verl's "disrm": megarl's outcome RM or
+    PRM, the rollout keys unread). Said at start-up; combinations the judge cannot serve are
+    refused (`refuse_judge_combinations`) before any model is loaded."""
+    rm = cfg.reward_model
+    if not judge_enabled(rm) or "prm" not in paths:
+        return False
+    from megarl.rewards.judge import is_generative
+
+    if not is_generative(paths["prm"], rm.model.kind):
+        if mdist.rank() == 0:
+            log.warning("reward_model: %s is a classifier (or reward_model.model.kind=%s): it is "
+                        "scored with one forward, not served by reward_model.rollout's engine "
+                        "(reward_model.rollout.* not read)", rm.model.path, rm.model.kind)
+        return False
+    refuse_judge_combinations(cfg)
+    if mdist.rank() == 0:
+        say_judge(cfg)
+    return True
+
+
+def refuse_judge_combinations(cfg: Any) -> None:
+    """UserInputError for a run that configures the generative judge together with something
+    it cannot feed: PURE's process-reward modes (reward_model.enable with pure_rloo)."""
+    rm, est = cfg.reward_model, cfg.algorithm.adv_estimator
+    if rm.enable and est == "pure_rloo":
+        raise UserInputError(
+            "reward_model.enable=true with algorithm.adv_estimator=pure_rloo asks for PURE's "
+            "process reward model, but reward_model.use_reward_loop=true with "
+            f"reward_model.rollout.name={rm.rollout.name} serves {rm.model.path} as a generative "
+            "judge, and reward_model.enable then means the judge (one score per response, no "
+            "step scores). Fix: for PURE with a PRM unset reward_model.rollout.name (or set "
+            "reward_model.use_reward_loop=false) and point reward_model.model.path at the PRM; "
+            "for PURE's VR mode on the judge's score set reward_model.enable=false")
+
+
+def say_judge(cfg: Any) -> None:
+    """The start-up line of a run with a generative judge (rank 0)."""
+    rm = cfg.reward_model
+    enable = (" reward_model.enable=true means this judge: no process or outcome reward model "
+              "is started." if rm.enable else "")
+    log.warning("reward_model: the generative judge %s (reward_model.rollout.name=%s engine on "
+                "each rank, one share of the responses each) scores every response; its score "
+                "is the training reward in place of the reward manager's (still logged), and "
+                "validation scores with the reward manager.%s", rm.model.path, rm.rollout.name,
+                enable)
+
+
+def build_run_judge(cfg: Any, paths: dict[str, Any], device: torch.device) -> Any:
+    """This rank's generative judge (`megarl.rewards.judge.judge_from_config`) on the
+    resolved judge model ``paths["prm"]``."""
+    from megarl.rewards.judge import judge_from_config
+
+    rm = cfg.reward_model
+    local = dataclasses.replace(rm, model=dataclasses.replace(rm.model, path=paths["prm"]))
+    return judge_from_config(dataclasses.replace(cfg, reward_model=local), device)
 
 
 def resolved_reward_model_kind(cfg: Any, path: str) -> str:

@@ -1,7 +1,7 @@
 """The RL loop. One step:
 
-  prompts -> rollout (n per prompt) -> verifiable rewards (an outcome reward model's scores in
-  their place when one is enabled) -> algorithm.prepare
+  prompts -> rollout (n per prompt) -> verifiable rewards (an outcome reward model's or the
+  generative judge's scores in their place when one is configured) -> algorithm.prepare
   -> PRM step scores, ref and old logprobs, values -> algorithm.advantages (rewards placed,
   KL in reward) -> actor (and critic) updates over mini-batches and ppo epochs with the
   algorithm's loss -> weight sync to the engine -> metrics, validation, checkpoint.
@@ -28,6 +28,7 @@ from megarl.config.notices import startup_notices
 from megarl.data.extern import CurriculumBatch
 from megarl.errors import UserInputError
 from megarl.metrics import Metric, prefixed
+from megarl.rewards.judge_ranks import judge_samples
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import generation as R
@@ -70,7 +71,7 @@ class RLTrainer:
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         if p.prm is not None:
             self.step_end_ids, self.prm_marker = prm_step_settings(cfg.reward_model, p.tokenizer)
-        if p.outcome_rm is not None and hasattr(self.algorithm, "adv"):
+        if (p.outcome_rm is not None or p.judge is not None) and hasattr(self.algorithm, "adv"):
             # its score is the reward (in place of the verifiable one): no PRM step scores
             self.algorithm.adv = dataclasses.replace(self.algorithm.adv, prm_enabled=False)
         self.rollout_tp = arr.rollout.tensor_model_parallel_size
@@ -140,6 +141,10 @@ class RLTrainer:
                     scores, rm_metrics = score_samples(
                         p.outcome_rm, samples, prompt_messages(samples, items, rnd * per_round))
                 round_metrics.update(rm_metrics)
+            if p.judge is not None:  # the generative judge's scores replace it likewise
+                with timer("judge"):
+                    scores, judge_metrics = judge_samples(p.judge, samples, p.tokenizer)
+                round_metrics.update(judge_metrics)
             rounds.append(round_metrics)
             rnd += 1
             if not fg.enable:
@@ -351,6 +356,8 @@ class RLTrainer:
                               agent=p.agent)
 
         def score(samples: list) -> torch.Tensor:
+            if p.judge is not None:
+                return judge_samples(p.judge, samples, p.tokenizer)[0]
             if p.outcome_rm is not None:
                 return score_samples(p.outcome_rm, samples)[0]
             return p.scorer(samples)[0]

@@ -1,0 +1,146 @@
+"""GRPO trained on a generative judge's verdicts (verl's ``reward_model.use_reward_loop`` with
+``reward_model.rollout.*``) on the embedded demo, the judge served by megarl's torch engine.
+
+The judge is a "scripted" tiny Llama (as in tests/rewards/test_judge.py): identity embeddings,
+blocks that write zeros, and an LM head that maps each character to the next one of a fixed
+successor map, so greedy decoding walks that map from the last character of the judge prompt.
+The template ends with the response, so the verdict of every response is known in plain Python:
+a response ending in one of `SCORED` gets ``\\boxed{7}`` (score 7), one ending elsewhere an
+unparsable or empty verdict (score 0). Responses are cut at 8 tokens, so their last characters
+vary. The test recomputes each response's score from the run's dumped generations and compares
+it with the reward the run trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
+from test_judge import char_id, reference_parse  # noqa: E402
+
+EOS = 2  # the tiny tokenizer's <|im_end|>
+VERDICT = "\\boxed{7}"
+# last characters whose verdict is VERDICT: some digits, the letters outside the verdict's chain
+SCORED = [c for c in "01234abcdefghijklmnopqrstuvwxyz" if c not in VERDICT]
+TEMPLATE = "A: {response}"
+RESPONSE_LENGTH = 16  # verdict tokens at most
+
+
+def successors() -> dict[str, str | None]:
+    """Character -> the next one the scripted judge writes (None: EOS)."""
+    nxt: dict[str, str | None] = {c: VERDICT[0] for c in SCORED}
+    for a, b in zip(VERDICT, VERDICT[1:]):
+        nxt[a] = b
+    nxt[VERDICT[-1]] = None
+    return nxt
+
+
+def expected_score(response: str) -> tuple[float, bool]:
+    """(score, parsed) of a response: its rendered judge prompt's last character walked through
+    `successors` in Python, the verdict read by test_judge's brute-force parser."""
+    nxt, c, verdict = successors(), TEMPLATE.format(response=response)[-1], []
+    while len(verdict) < RESPONSE_LENGTH:
+        c = nxt.get(c)
+        if c is None:
+            break
+        verdict.append(c)
+    value = reference_parse("".join(verdict), "boxed")
+    return (0.0 if value is None else value), value is not None
+
+
+def make_judge_model(path: Path) -> Path:
+    """Write the scripted judge (and the character tokenizer) to ``path``."""
+    import transformers
+
+    from megarl.models.testing import make_tiny_tokenizer, tiny_hf_config
+
+    config = tiny_hf_config("llama", hidden_size=128, intermediate_size=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    head = torch.zeros(128, 128)
+    head[EOS, :] = 1.0
+    for a, b in successors().items():
+        if b is not None:
+            head[EOS, char_id(a)] = 0.0
+            head[char_id(b), char_id(a)] = 1.0
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(128))
+        model.lm_head.weight.copy_(head)
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path)
+    make_tiny_tokenizer(128).save_pretrained(path)
+    return path
+
+
+def judge_overrides(model: Path) -> list[str]:
+    return ["reward_model.enable=true", "reward_model.use_reward_loop=true",
+            "reward_model.rollout.name=torch", f"reward_model.model.path={model}",
+            "reward_model.rollout.dtype=fp32", f"reward_model.rollout.template='{TEMPLATE}'",
+            "reward_model.rollout.apply_chat_template=false",
+            "reward_model.rollout.prompt_length=1024",
+            f"reward_model.rollout.response_length={RESPONSE_LENGTH}",
+            "reward_model.rollout.max_num_seqs=16"]
+
+
+@pytest.mark.e2e
+def test_grpo_trains_on_judge_verdicts(tmp_path, demo_assets):
+    from trainer_helpers import train, train_rows
+
+    model = make_judge_model(tmp_path / "judge")
+    dumps = tmp_path / "gens"
+    t0 = time.perf_counter()
+    proc = train(tmp_path / "run", "grpo", "trainer.total_training_steps=2",
+                 "data.max_response_length=8",
+                 f"trainer.rollout_data_dir={dumps}", *judge_overrides(model))
+    print(f"judge trainer run: {time.perf_counter() - t0:.1f} s")
+    said = proc.stdout + proc.stderr
+    assert "generative judge" in said and "reward_model.enable=true means this judge" in said
+    assert "is an outcome reward model" not in said and "process reward model (PURE)" not in said
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    everything = []
+    for row in rows:
+        lines = (dumps / f"{row['step']}.jsonl").read_text().splitlines()
+        gens = [json.loads(line) for line in lines]
+        assert len(gens) == 16
+        expected = [expected_score(g["output"]) for g in gens]
+        everything += [s for s, _ in expected]
+        # each response's training reward is the judge's verdict, read independently
+        assert [g["score"] for g in gens] == [s for s, _ in expected]
+        mean = sum(s for s, _ in expected) / len(expected)
+        assert math.isclose(row["critic/score/mean"], mean, abs_tol=1e-6)
+        unparsed = sum(not ok for _, ok in expected) / len(expected)
+        assert math.isclose(row["reward/judge_unparsed_ratio"], unparsed, abs_tol=1e-9)
+        assert math.isclose(row["reward/judge_score/mean"], mean, abs_tol=1e-6)
+        assert "reward/score/mean" in row  # the rule reward is still logged
+        assert math.isfinite(row["actor/pg_loss"])
+    assert 0 < sum(s > 0 for s in everything) < len(everything), everything  # verdicts differ
+
+
+@pytest.mark.e2e
+def test_judge_timeout_ends_the_run(tmp_path, demo_assets):
+    """A judge past reward_model.rollout.timeout_s ends the run with JudgeTimeoutError naming the
+    judge (engine, model, batch) and the key; the process exits (nothing left waiting)."""
+    from trainer_helpers import train, train_rows
+
+    model = make_judge_model(tmp_path / "judge")
+    proc = train(tmp_path / "run", "grpo", "trainer.total_training_steps=1",
+                 "data.max_response_length=8", *judge_overrides(model),
+                 "reward_model.rollout.timeout_s=0.001", check=False, timeout=120)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "JudgeTimeoutError" in err, err[-3000:]
+    assert f"the generative judge (torch engine, model {model})" in err, err[-3000:]
+    assert "reward_model.rollout.timeout_s=0.001" in err, err[-3000:]
+    logged = tmp_path / "run" / "metrics.jsonl"
+    assert not logged.exists() or not train_rows(tmp_path / "run")  # no step finished
