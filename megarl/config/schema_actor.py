@@ -47,16 +47,27 @@ class ModelConfig:
     use_fused_kernels: bool = True  # lm_head -> logprob/entropy without materialising [T, V]
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     trust_remote_code: bool = False
-    # LoRA (verl's keys; torch backend): the actor trains rank-``lora_rank`` adapters on the
-    # ``target_modules`` and nothing else (the base weights are frozen and hold no optimizer
-    # state); the reference is the same model with the adapters off (no second copy); the
-    # engine receives the merged weights; the run also writes a PEFT adapter. 0 = off.
+    # LoRA (verl's keys; torch and megatron backends): the actor trains rank-``lora_rank``
+    # adapters on the ``target_modules`` and nothing else (the base weights are frozen and hold
+    # no optimizer state); the reference is the same model with the adapters off (no second
+    # copy); the engine receives the merged weights; the run also writes a PEFT adapter.
+    # 0 = off. verl's megatron block (model.lora.rank, alpha, ...) is read into these keys.
     lora_rank: int = 0
     lora_alpha: float = 16  # the update is scaled by lora_alpha / lora_rank
     # "all-linear" (every linear layer but the output head), a list of module names or name
     # suffixes ([q_proj, v_proj]), or a string: a regular expression over full module names
     target_modules: str | list[str] = "all-linear"
     exclude_modules: str | list[str] | None = None  # same forms; checked before target_modules
+    # how fresh adapters are drawn (Megatron-Bridge's names; verl's model.lora block spells them
+    # lora_A_init_method / lora_B_init_method too): xavier (normal, std sqrt(2 / (in + r))),
+    # kaiming (PEFT's kaiming_uniform_(a=sqrt(5))), normal (std 0.2), zero. A nonzero B makes
+    # the first policy differ from the reference.
+    lora_A_init_method: Literal["xavier", "kaiming", "normal", "zero"] = "kaiming"
+    lora_B_init_method: Literal["xavier", "kaiming", "normal", "zero"] = "zero"
+    # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) the actor's
+    # adapters start from; its r, lora_alpha and target_modules are the adapters' (as verl;
+    # lora_rank 0 = the folder's, another value must equal it)
+    lora_adapter_path: str | None = None
     # verl: copy the model into /dev/shm before loading it (faster loads of big checkpoints).
     # Accepted and inert here: megarl reads the safetensors in place.
     use_shm: bool = False

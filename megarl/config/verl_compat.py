@@ -36,6 +36,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.fsdp_size import FSDP_SIZE
 from megarl.config.global_micro import GLOBAL_MICRO
 from megarl.config.keys import canonical_path, schema_problem
+from megarl.config.verl_lora import LORA_RULES, read_lora_block
 
 VERL_RELEASE = "0.9.1"
 KEYS_FILE = Path(__file__).with_name("verl_keys.yaml")
@@ -100,11 +101,6 @@ _MEMORY = "a memory/speed option of verl's workers; megarl's results do not depe
 _TEXT = "megarl trains text-only language models"
 _OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer states stay on the "
             "device (memory differs, results do not)")
-_LORA = ("LoRA trains the actor only (actor_rollout_ref.model.lora_rank, lora_alpha, "
-         "target_modules, exclude_modules); the critic trains all parameters")
-_LORA_MEGATRON = ("verl's megatron LoRA block (model.lora.*, megatron module names) is not "
-                 f"implemented; LoRA is set with {_ARR}.model.lora_rank, lora_alpha, "
-                 "target_modules and exclude_modules (HF module names)")
 _ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
 _ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
@@ -169,17 +165,7 @@ RULES: tuple[Rule, ...] = (
     *_each(_MODELS, "hf_config_path", "rejected", "the HF config is read from model.path"),
     Rule("critic.model.override_config*", "rejected", "HF config overrides of the critic are "
          "not applied; edit config.json of a copy of the model"),
-    Rule("critic.model.lora_rank", "rejected", _LORA),
-    Rule("critic.model.lora.rank", "rejected", _LORA),
-    Rule(f"{_ARR}.model.lora.rank", "rejected", _LORA_MEGATRON),
-    Rule(f"{_ARR}.model.lora_adapter_path", "rejected", "starting from a saved LoRA adapter is "
-         "not implemented: the adapters start fresh (merge a trained adapter into a copy of the "
-         "model, e.g. with peft's merge_and_unload, and set model.path to it)"),
-    *_each(_MODELS, "lora.*", "inert",
-           _ONLY_WHEN.format(what="verl's megatron LoRA block (model.lora.rank)")),
-    Rule("critic.model.lora*", "inert", _ONLY_WHEN.format(what="critic LoRA (lora_rank)")),
-    *[Rule(f"critic.model.{k}", "inert", _ONLY_WHEN.format(what="LoRA (the actor's)"))
-      for k in ("exclude_modules", "target_modules")],
+    *[Rule(pattern, status, note) for pattern, status, note in LORA_RULES],  # verl_lora
     *_each(_MODELS, "mtp.enable*", "rejected", "multi-token prediction is not implemented"),
     *_each(_MODELS, "mtp*", "inert", _ONLY_WHEN.format(what="mtp.enable")),
     *_each(_MODELS, "tiled_mlp.*", "inert", _MEMORY),
@@ -479,8 +465,10 @@ def _rule_mappings() -> tuple[tuple[str, str], ...]:
 
 def apply_verl_mappings(layer: dict, source: str) -> dict:
     """A copy of ``layer`` with every key of a ``mapped`` rule moved to its megarl key. The
-    verl key and its megarl key both set to different values in one layer is an error."""
+    verl key and its megarl key both set to different values in one layer is an error.
+    verl's megatron LoRA block is read first (`megarl.config.verl_lora`)."""
     layer = copy.deepcopy(layer)
+    read_lora_block(layer, source)
     for dotted, value in list(flatten(layer).items()):
         for verl, megarl in _rule_mappings():
             if dotted == verl or dotted.startswith(verl + "."):

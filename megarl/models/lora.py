@@ -6,7 +6,9 @@ A targeted ``nn.Linear`` becomes a `LoRALinear`: the same ``weight`` / ``bias`` 
     y = x W^T + b + (alpha / r) * dropout(x) A^T B^T
 
 ``lora_A`` is drawn as PEFT draws it (``kaiming_uniform_(a=sqrt(5))``, nn.Linear's default),
-``lora_B`` starts at zero, so a fresh adapter leaves the model's outputs unchanged.
+``lora_B`` starts at zero, so a fresh adapter leaves the model's outputs unchanged. verl's
+megatron LoRA block names other draws (``lora_A_init_method`` / ``lora_B_init_method``, the
+names of Megatron-Bridge's ``get_init_fn``): `init_factor_` implements them.
 
 Which modules (``target_modules``, ``exclude_modules``: verl's keys, PEFT's rules):
 
@@ -53,6 +55,27 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 TargetModules = str | Sequence[str]
 
+# Megatron-Bridge's adapter initialisations (megatron.bridge.peft.utils.get_init_fn), by name
+LORA_INITS = ("xavier", "kaiming", "normal", "zero")
+
+
+def init_factor_(tensor: torch.Tensor, method: str,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill one adapter factor ([out, in]: A is [r, in], B is [out, r]) in place:
+    ``xavier``: normal, std sqrt(2 / (in + out)) (``xavier_normal_``); ``kaiming``:
+    ``kaiming_uniform_(a=sqrt(5))`` (PEFT's and nn.Linear's draw, bound sqrt(1 / in));
+    ``normal``: normal, std 0.2; ``zero``: zeros."""
+    with torch.no_grad():
+        if method == "xavier":
+            return nn.init.xavier_normal_(tensor, generator=generator)
+        if method == "kaiming":
+            return nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+        if method == "normal":
+            return nn.init.normal_(tensor, 0.0, 0.2, generator=generator)
+        if method == "zero":
+            return nn.init.zeros_(tensor)
+    raise UserInputError(f"LoRA init method {method!r}: expected one of {', '.join(LORA_INITS)}")
+
 
 @dataclass(frozen=True)
 class LoraSettings:
@@ -62,6 +85,8 @@ class LoraSettings:
     alpha:   scale numerator: the update is (alpha / rank) B A.
     target_modules / exclude_modules: see the module docstring.
     dropout: probability of dropping adapter inputs in training (0 = none, verl's default).
+    init_a / init_b: how a fresh A / B is drawn (`LORA_INITS`; default PEFT's: kaiming, zero).
+    adapter_path: a PEFT adapter folder the adapters start from instead (`read_peft_adapter`).
     """
 
     rank: int
@@ -69,6 +94,9 @@ class LoraSettings:
     target_modules: TargetModules = ALL_LINEAR
     exclude_modules: TargetModules | None = None
     dropout: float = 0.0
+    init_a: str = "kaiming"
+    init_b: str = "zero"
+    adapter_path: str | None = None
 
     @property
     def scaling(self) -> float:
@@ -82,7 +110,8 @@ class LoRALinear(nn.Linear):
     ``adapter_enabled`` False: the plain linear (the reference model of an RL run)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
-                 *, generator: torch.Generator | None = None) -> None:
+                 *, generator: torch.Generator | None = None, init_a: str = "kaiming",
+                 init_b: str = "zero") -> None:
         nn.Module.__init__(self)
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {rank}")
@@ -95,14 +124,16 @@ class LoRALinear(nn.Linear):
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.adapter_enabled = True
-        self.reset_lora_parameters(generator)
+        self.reset_lora_parameters(generator, init_a, init_b)
 
     @torch.no_grad()
-    def reset_lora_parameters(self, generator: torch.Generator | None = None) -> None:
-        """A: kaiming-uniform with a = sqrt(5) (PEFT's default), B: zeros."""
+    def reset_lora_parameters(self, generator: torch.Generator | None = None,
+                              init_a: str = "kaiming", init_b: str = "zero") -> None:
+        """A, then B, drawn by `init_factor_` (default PEFT's: A kaiming-uniform with
+        a = sqrt(5), B zeros)."""
         if self.lora_A.weight.device.type != "meta":
-            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
-            nn.init.zeros_(self.lora_B.weight)
+            init_factor_(self.lora_A.weight, init_a, generator)
+            init_factor_(self.lora_B.weight, init_b, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -181,11 +212,13 @@ def select_modules(model: nn.Module, target_modules: TargetModules = ALL_LINEAR,
 def apply_lora(model: nn.Module, rank: int, alpha: float,
                target_modules: TargetModules = ALL_LINEAR,
                exclude_modules: TargetModules | None = None, dropout: float = 0.0, *,
-               freeze_base: bool = True, generator: torch.Generator | None = None) -> list[str]:
+               freeze_base: bool = True, generator: torch.Generator | None = None,
+               init_a: str = "kaiming", init_b: str = "zero") -> list[str]:
     """Replace the selected linear layers of ``model`` by `LoRALinear` in place (parameter
     names of the base are unchanged; new ones are ``<module>.lora_A.weight`` /
     ``<module>.lora_B.weight``). ``freeze_base``: every other parameter stops requiring
-    gradients. ``generator`` draws A (default: torch's global RNG). Returns the adapted names."""
+    gradients. ``generator`` draws A then B of each module in module order (default: torch's
+    global RNG), by ``init_a`` / ``init_b`` (`init_factor_`). Returns the adapted names."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise UserInputError(f"actor_rollout_ref.model.lora_rank={rank!r}: expected an integer "
                              "> 0 (0 turns LoRA off)")
@@ -198,7 +231,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float,
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
-        setattr(parent, child, LoRALinear(base, rank, alpha, dropout, generator=generator))
+        setattr(parent, child, LoRALinear(base, rank, alpha, dropout, generator=generator,
+                                          init_a=init_a, init_b=init_b))
     if freeze_base:
         for pname, p in model.named_parameters():
             p.requires_grad_(".lora_A." in pname or ".lora_B." in pname)
@@ -321,3 +355,109 @@ def save_merged(model: nn.Module, directory: str | os.PathLike, *,
 
     return save_hf_checkpoint(directory, merged_state_dict(model), hf_config_for(model),
                               source_dir=source_dir, dtype=dtype, overwrite=overwrite)
+
+
+# ---------------------------------------------------------------------------------------------
+# starting from a saved PEFT adapter (verl: actor_rollout_ref.model.lora_adapter_path)
+# ---------------------------------------------------------------------------------------------
+
+ADAPTER_PATH_KEY = "actor_rollout_ref.model.lora_adapter_path"
+# adapter_config.json fields megarl's adapters cannot reproduce, with the value that is fine
+_PEFT_PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "lora_bias": False,
+               "fan_in_fan_out": False,
+               "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+               "layers_to_transform": None, "lora_dropout": 0.0}
+
+
+def _read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
+    folder = Path(os.path.expanduser(str(path)))
+    config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    for f in (config_file, weights):
+        if not f.is_file():
+            raise UserInputError(f"{ADAPTER_PATH_KEY}={str(path)!r}: {f} does not exist; give a "
+                                 f"PEFT adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}, "
+                                 "as PeftModel.save_pretrained writes it)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserInputError(f"{ADAPTER_PATH_KEY}={str(path)!r}: {config_file} is not JSON "
+                             f"({e})") from e
+    if config.get("peft_type", "LORA") != "LORA" or not isinstance(config.get("r"), int):
+        raise UserInputError(f"{ADAPTER_PATH_KEY}={str(path)!r}: not a LoRA adapter (peft_type="
+                             f"{config.get('peft_type')!r}, r={config.get('r')!r})")
+    for field_name, plain in _PEFT_PLAIN.items():
+        value = config.get(field_name, plain)
+        if value != plain and not (plain in (None, {}) and not value):
+            raise UserInputError(
+                f"{ADAPTER_PATH_KEY}={str(path)!r}: the adapter has {field_name}={value!r}; "
+                f"megarl trains plain LoRA adapters ({field_name}={plain!r})")
+    return config
+
+
+def adapter_settings(path: str | os.PathLike, rank: int, alpha: float) -> LoraSettings:
+    """The adapters a PEFT folder at ``path`` describes (rank ``r``, ``lora_alpha``, its
+    ``target_modules`` / ``exclude_modules``), starting from its tensors. As verl, the folder
+    decides when ``rank`` (the config's lora_rank) is 0; a config rank > 0 must name the same
+    rank and ``alpha`` the same alpha (UserInputError naming the key and both values)."""
+    config = _read_adapter_config(path)
+    r, a = config["r"], config.get("lora_alpha", 8)
+    if rank and rank != r:
+        raise UserInputError(f"actor_rollout_ref.model.lora_rank={rank} but the adapter at "
+                             f"{ADAPTER_PATH_KEY}={str(path)!r} has r={r}: set lora_rank={r} "
+                             "(or 0: the adapter's)")
+    if rank and float(alpha) != float(a):
+        raise UserInputError(f"actor_rollout_ref.model.lora_alpha={alpha} but the adapter at "
+                             f"{ADAPTER_PATH_KEY}={str(path)!r} has lora_alpha={a}: set "
+                             f"lora_alpha={a} (or lora_rank=0: the adapter's rank and alpha)")
+    target = config.get("target_modules") or ALL_LINEAR
+    exclude = config.get("exclude_modules") or None
+    return LoraSettings(rank=r, alpha=float(a),
+                        target_modules=target if isinstance(target, str) else sorted(target),
+                        exclude_modules=(exclude if exclude is None or isinstance(exclude, str)
+                                         else sorted(exclude)),
+                        adapter_path=str(path))
+
+
+def read_adapter_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """{``<module>.lora_{A,B}.weight``: tensor} of a PEFT folder's ``adapter_model.safetensors``
+    (PEFT's ``base_model.model.`` prefix removed); A [r, in], B [out, r], as saved."""
+    from safetensors.torch import load_file
+
+    folder = Path(os.path.expanduser(str(path)))
+    raw = load_file(str(folder / ADAPTER_WEIGHTS))
+    out = {}
+    for name, t in raw.items():
+        short = name.removeprefix(PEFT_PREFIX)
+        if not is_adapter_param(short) or not short.endswith(".weight"):
+            raise UserInputError(f"{ADAPTER_PATH_KEY}={str(path)!r}: {name} is not a LoRA "
+                                 "linear factor (<module>.lora_A/B.weight); megarl adapts "
+                                 "linear layers only")
+        out[short] = t
+    return out
+
+
+def check_adapter_names(path: str | os.PathLike, given: Sequence[str],
+                        want: Sequence[str]) -> None:
+    """UserInputError unless the folder's tensors (``given``) are exactly the adapters this
+    model built (``want``): the folder was saved for another model or other modules."""
+    missing, unexpected = sorted(set(want) - set(given)), sorted(set(given) - set(want))
+    if missing or unexpected:
+        raise UserInputError(
+            f"{ADAPTER_PATH_KEY}={str(path)!r}: the adapter's tensors do not match the model's "
+            f"adapted modules (missing {missing[:3]}, unexpected {unexpected[:3]}); the folder "
+            "must hold a LoRA adapter of this model (actor_rollout_ref.model.path)")
+
+
+@torch.no_grad()
+def load_adapter_into(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy a PEFT folder's A / B into ``model``'s `LoRALinear` adapters (every one; shapes
+    must match)."""
+    tensors = read_adapter_tensors(path)
+    params = dict(adapter_state_dict(model))
+    check_adapter_names(path, list(tensors), list(params))
+    for name, t in tensors.items():
+        p = model.get_parameter(name)
+        if tuple(p.shape) != tuple(t.shape):
+            raise UserInputError(f"{ADAPTER_PATH_KEY}={str(path)!r}: {name} has shape "
+                                 f"{tuple(t.shape)}, the model's is {tuple(p.shape)}")
+        p.copy_(t.to(p.dtype))

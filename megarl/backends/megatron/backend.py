@@ -260,7 +260,7 @@ class MegatronBackend:
         ``model_path`` overrides the section's ``model.path``."""
         path, kwargs = backend_kwargs(role, cfg, model_path)
         if role == "actor":
-            from megarl.backends.torch.config import lora_settings
+            from megarl.backends.torch.lora import lora_settings
 
             kwargs["lora"] = lora_settings(cfg)
         return cls(role, path, **kwargs)

@@ -22,7 +22,9 @@ updates, so the base parameters keep their names and the weight map (`weights.py
 Checkpoint keys are ``lora.<HF module>.lora_{A,B}`` with full shapes (any layout resumes any
 other). A is drawn as PEFT draws it (``kaiming_uniform_(a=sqrt(5))`` on the full [r, in],
 one generator per module seeded from ``seed``, so every TP/PP layout starts from the same
-adapters), B starts at zero.
+adapters), B starts at zero; verl's ``lora_A_init_method`` / ``lora_B_init_method`` choose
+other draws (`megarl.models.lora.init_factor_`), and ``lora_adapter_path`` starts the adapters
+from a PEFT folder's tensors instead.
 
 Module selection follows `megarl.models.lora` (``target_modules`` / ``exclude_modules``: verl's
 keys, PEFT's rules) over the HF module names; a list entry may also name megatron's modules as
@@ -38,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -58,7 +59,15 @@ from megarl.backends.megatron import parallel
 from megarl.backends.megatron.model import Layout, MegarlGPTModel, global_layer_numbers, layer_owner
 from megarl.errors import UserInputError
 from megarl.models.args import ModelArgs
-from megarl.models.lora import ALL_LINEAR, LoraSettings, _excluded, _matches_list
+from megarl.models.lora import (
+    ALL_LINEAR,
+    LoraSettings,
+    _excluded,
+    _matches_list,
+    check_adapter_names,
+    init_factor_,
+    read_adapter_tensors,
+)
 from megarl.models.state_dict_adapter import hf_sort_key
 
 # (HF module under model.layers.{i}., megatron linear under decoder.layers.{j}., parallel kind,
@@ -164,28 +173,33 @@ def _tp_slice(n: int, rank: int, size: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
-def initial_a(spec: AdapterSpec, index: int, rank: int, seed: int) -> torch.Tensor:
-    """The full A [r, in] of the ``index``-th adapted module (float32): PEFT's draw
-    (``kaiming_uniform_(a=sqrt(5))``) from a generator of its own."""
+def initial_factors(spec: AdapterSpec, index: int, settings: LoraSettings,
+                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full A [r, in] and B [out, r] of the ``index``-th adapted module (float32), drawn
+    by ``settings.init_a`` / ``init_b`` (`megarl.models.lora.init_factor_`; default PEFT's:
+    ``kaiming_uniform_(a=sqrt(5))`` and zeros), A then B, from a generator of its own."""
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + index)
-    a = torch.empty(rank, spec.in_features, dtype=torch.float32)
-    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
-    return a
+    a = torch.empty(settings.rank, spec.in_features, dtype=torch.float32)
+    b = torch.empty(spec.out_features, settings.rank, dtype=torch.float32)
+    init_factor_(a, settings.init_a, g)
+    init_factor_(b, settings.init_b, g)
+    return a, b
 
 
 class LoraPair(nn.Module):
     """This TP rank's A [r, in or in/tp] and B [out/tp or out, r] of one HF module."""
 
-    def __init__(self, spec: AdapterSpec, a_full: torch.Tensor, rank: int, tp_rank: int,
-                 tp_size: int, *, dtype: torch.dtype, device: torch.device, sp: bool) -> None:
+    def __init__(self, spec: AdapterSpec, a_full: torch.Tensor, b_full: torch.Tensor,
+                 tp_rank: int, tp_size: int, *, dtype: torch.dtype, device: torch.device,
+                 sp: bool) -> None:
         super().__init__()
         self.spec = spec
         if spec.parallel == "column":
             a = a_full
-            b = torch.zeros(spec.out_features // tp_size, rank)
+            b = b_full[_tp_slice(spec.out_features, tp_rank, tp_size)]
         else:
             a = a_full[:, _tp_slice(spec.in_features, tp_rank, tp_size)]
-            b = torch.zeros(spec.out_features, rank)
+            b = b_full
         self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
         self.lora_B = nn.Parameter(b.to(device=device, dtype=dtype))
         split, replicated = ((self.lora_B, self.lora_A) if spec.parallel == "column"
@@ -290,8 +304,8 @@ def install(chunks: list[MegarlGPTModel], args: ModelArgs, layout: Layout,
         for local, layer in enumerate(global_layer_numbers(chunk)):
             mine = by_layer.get(layer, [])
             for s in mine:
-                a = initial_a(s, index[s.module], settings.rank, seed)
-                pairs[s.key] = LoraPair(s, a, settings.rank, tp_rank, tp_size, dtype=ref.dtype,
+                a, b = initial_factors(s, index[s.module], settings, seed)
+                pairs[s.key] = LoraPair(s, a, b, tp_rank, tp_size, dtype=ref.dtype,
                                         device=ref.device, sp=layout.sp)
             for linear in dict.fromkeys(s.linear for s in mine):
                 parts = _PARTS.get(linear, (None,))
@@ -313,6 +327,11 @@ def install(chunks: list[MegarlGPTModel], args: ModelArgs, layout: Layout,
         chunk.lora = adapters
         for name, p in chunk.named_parameters():
             p.requires_grad_(name.startswith("lora."))
+    if settings.adapter_path:
+        tensors = read_adapter_tensors(settings.adapter_path)
+        want = [f"{sp.module}.lora_{ab}.weight" for sp in specs for ab in "AB"]
+        check_adapter_names(settings.adapter_path, list(tensors), want)
+        set_adapters(chunks, tensors, tp_rank, tp_size)
     return specs
 
 
@@ -432,9 +451,16 @@ def merge_stream(stream: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, 
         yield name, t
 
 
+_START_FIELDS = ("init_a", "init_b", "adapter_path")
+
+
 def settings_json(settings: LoraSettings | None) -> Any:
     """``settings`` as it reads back from a checkpoint's JSON meta (lists, not tuples)."""
-    return None if settings is None else json.loads(json.dumps(asdict(settings)))
+    if settings is None:
+        return None
+    # how the adapters started (their draw, an adapter folder) is not part of what they are
+    kept = {k: v for k, v in asdict(settings).items() if k not in _START_FIELDS}
+    return json.loads(json.dumps(kept))
 
 
 def _device() -> torch.device:
