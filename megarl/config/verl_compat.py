@@ -378,12 +378,10 @@ RULES: tuple[Rule, ...] = (
       for s in ("reward.reward_model", "reward_model")],
     *[Rule(f"{s}.{k}", "inert", "the reward model shares the training ranks")
       for s in ("reward.reward_model", "reward_model") for k in ("n_gpus_per_node", "nnodes")],
-    *[Rule(f"{s}.rollout.*", "inert", "megarl's reward model scores with one forward; "
-           "generative reward models served by an engine are not wired into the trainer yet")
-      for s in ("reward.reward_model", "reward_model")],
+    Rule("reward.reward_model.rollout.*", "inert", "not read in this spelling: a generative "
+         "judge's engine is set under reward_model.rollout.* (with reward_model.use_reward_loop)"),
     Rule("reward_model.model.external_lib", "rejected", "megarl builds its reward model from "
          "the HF config; external model libraries are not imported"),
-    Rule("reward_model.use_reward_loop", "inert", "megarl has one reward path"),
     Rule("reward_model.model.use_remove_padding", "inert", "the PRM packs sequences like the "
          "actor (actor_rollout_ref.model.use_remove_padding)"),
     Rule("reward_model.model.fsdp_config.*", "inert", _OFFLOAD),
