@@ -117,3 +117,16 @@ def test_inert_block_keys_are_accepted_with_a_notice(model):
 def test_adapter_path_is_read(model):
     got = model(f"{M}.lora_adapter_path=/saved/lora_adapter")
     assert got["lora_adapter_path"] == "/saved/lora_adapter" and got["lora_rank"] == 0
+
+
+def test_backends_read_the_block_settings(model):
+    """What both backends build from the resolved config (`lora_settings`): the block's
+    rank, alpha, HF targets and draws. Planted: the init methods not passed on fails."""
+    from megarl.backends.torch.lora import lora_settings
+
+    cfg = resolve_config(str(model.path), [f"{M}.lora.rank=8",
+                                           f"{M}.lora.lora_B_init_method=normal"]).config
+    s = lora_settings(cfg)
+    assert (s.rank, s.alpha, s.target_modules, s.init_a, s.init_b, s.adapter_path) == (
+        8, 32.0, ALL_HF, "xavier", "normal", None)
+    assert lora_settings(resolve_config(str(model.path)).config) is None
