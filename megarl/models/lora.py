@@ -37,7 +37,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,19 @@ class LoraSettings:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+# how the adapters started: not part of what a checkpoint's adapters are
+START_FIELDS = ("init_a", "init_b", "adapter_path")
+
+
+def settings_meta(settings: LoraSettings | None) -> dict[str, Any] | None:
+    """``settings`` as a checkpoint records and compares them (JSON types: lists, not tuples),
+    without `START_FIELDS`; None without LoRA."""
+    if settings is None:
+        return None
+    kept = {k: v for k, v in asdict(settings).items() if k not in START_FIELDS}
+    return json.loads(json.dumps(kept))
 
 
 class LoRALinear(nn.Linear):

@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,6 +66,7 @@ from megarl.models.lora import (
     check_adapter_names,
     init_factor_,
     read_adapter_tensors,
+    settings_meta,
 )
 from megarl.models.state_dict_adapter import hf_sort_key
 
@@ -451,16 +451,10 @@ def merge_stream(stream: Iterable[tuple[str, torch.Tensor]], adapter: dict[str, 
         yield name, t
 
 
-_START_FIELDS = ("init_a", "init_b", "adapter_path")
-
-
 def settings_json(settings: LoraSettings | None) -> Any:
-    """``settings`` as it reads back from a checkpoint's JSON meta (lists, not tuples)."""
-    if settings is None:
-        return None
-    # how the adapters started (their draw, an adapter folder) is not part of what they are
-    kept = {k: v for k, v in asdict(settings).items() if k not in _START_FIELDS}
-    return json.loads(json.dumps(kept))
+    """``settings`` as it reads back from a checkpoint's JSON meta (lists, not tuples; how the
+    adapters started left out: `megarl.models.lora.settings_meta`)."""
+    return settings_meta(settings)
 
 
 def _device() -> torch.device:
