@@ -30,7 +30,12 @@ import torch
 
 from megarl.config.schema_judge import JudgeRolloutConfig
 from megarl.errors import UserInputError
-from megarl.rewards.judge_engine import build_judge_engine, check_judge_config, engine_name
+from megarl.rewards.judge_engine import (
+    build_judge_engine,
+    check_judge_config,
+    check_model_len,
+    engine_name,
+)
 from megarl.rewards.judge_parse import parse_verdict
 from megarl.rewards.judge_template import JudgeTemplate, load_template
 from megarl.rollout.protocol import Completion, RolloutEngine, SamplingParams
@@ -177,6 +182,7 @@ def build_judge(cfg: JudgeRolloutConfig, model_path: str, *, tokenizer_path: str
     check_judge_config(cfg)
     template = load_template(cfg.template)
     path = resolve_path(model_path)
+    check_model_len(cfg, path)
     tok_path = resolve_path(tokenizer_path) if tokenizer_path else path
     tokenizer = load_tokenizer(tok_path)
     seed = int(cfg.seed if cfg.seed is not None else seed)

@@ -108,12 +108,29 @@ def model_len(cfg: JudgeRolloutConfig) -> int:
     return cfg.max_model_len or cfg.prompt_length + cfg.response_length
 
 
+def check_model_len(cfg: JudgeRolloutConfig, model_path: str) -> None:
+    """UserInputError when a judge sequence (`model_len` TOKENS) would pass the judge model's
+    ``max_position_embeddings`` (config.json), before any engine starts."""
+    from megarl.models import read_hf_config
+
+    limit = read_hf_config(model_path).get("max_position_embeddings")
+    length = model_len(cfg)
+    if isinstance(limit, int) and length > limit:
+        what = (f"{KEY}.max_model_len={cfg.max_model_len}" if cfg.max_model_len else
+                f"{KEY}.prompt_length + response_length = {length}")
+        raise UserInputError(
+            f"{what} tokens is more than the judge model's max_position_embeddings={limit} "
+            f"({model_path}); lower {KEY}.prompt_length / response_length so they sum to at "
+            f"most {limit}")
+
+
 def build_judge_engine(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
                        device: torch.device | str = "cpu", seed: int = 0) -> RolloutEngine:
     """The judge's engine (``cfg.name``: torch or vllm) on the frozen judge model."""
     from megarl.utils.dtypes import CONFIG_DTYPES, canonical_dtype, torch_dtype
 
     check_judge_config(cfg)
+    check_model_len(cfg, model_path)
     device = torch.device(device)
     dtype = torch_dtype(cfg.dtype, f"{KEY}.dtype")
     if cfg.name == "torch":

@@ -131,3 +131,20 @@ def test_bad_engine_keys_name_the_key(tmp_path, override, key):
     off = resolve_config("grpo", [*JUDGE, f"reward_model.model.path={model}", override,
                                   "reward_model.use_reward_loop=false"]).config
     assert judge_from_config(off) is None
+
+
+def test_judge_sequence_longer_than_the_model_refused(tmp_path):
+    """prompt_length + response_length past the judge's max_position_embeddings: refused naming
+    the keys before any engine starts (vLLM would fail deep in its own config)."""
+    from megarl.errors import UserInputError
+    from megarl.models import read_hf_config
+
+    model = _model_folder(tmp_path / "lm", "lm")
+    limit = read_hf_config(model)["max_position_embeddings"]
+    cfg = resolve_config("grpo", [*JUDGE, f"reward_model.model.path={model}",
+                                  f"reward_model.rollout.prompt_length={limit}",
+                                  "reward_model.rollout.response_length=1"]).config
+    with pytest.raises(UserInputError) as err:
+        judge_from_config(cfg)
+    text = str(err.value)
+    assert "reward_model.rollout.prompt_length" in text and f"={limit}" in text, text

@@ -82,18 +82,20 @@ def make_judge_model(path: Path) -> Path:
     return path
 
 
-def judge_overrides(model: Path) -> list[str]:
-    return ["reward_model.enable=true", "reward_model.use_reward_loop=true",
-            "reward_model.rollout.name=torch", f"reward_model.model.path={model}",
+def judge_overrides(model: Path, engine: str = "torch") -> list[str]:
+    vllm = ["reward_model.rollout.gpu_memory_utilization=0.05"] if engine == "vllm" else []
+    return [*vllm, "reward_model.enable=true", "reward_model.use_reward_loop=true",
+            f"reward_model.rollout.name={engine}", f"reward_model.model.path={model}",
             "reward_model.rollout.dtype=fp32", f"reward_model.rollout.template='{TEMPLATE}'",
             "reward_model.rollout.apply_chat_template=false",
-            "reward_model.rollout.prompt_length=1024",
+            "reward_model.rollout.prompt_length=256",
             f"reward_model.rollout.response_length={RESPONSE_LENGTH}",
             "reward_model.rollout.max_num_seqs=16"]
 
 
 @pytest.mark.e2e
-def test_grpo_trains_on_judge_verdicts(tmp_path, demo_assets):
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_grpo_trains_on_judge_verdicts(tmp_path, demo_assets, engine):
     from trainer_helpers import train, train_rows
 
     model = make_judge_model(tmp_path / "judge")
@@ -101,10 +103,10 @@ def test_grpo_trains_on_judge_verdicts(tmp_path, demo_assets):
     t0 = time.perf_counter()
     proc = train(tmp_path / "run", "grpo", "trainer.total_training_steps=2",
                  "data.max_response_length=8",
-                 f"trainer.rollout_data_dir={dumps}", *judge_overrides(model))
-    print(f"judge trainer run: {time.perf_counter() - t0:.1f} s")
+                 f"trainer.rollout_data_dir={dumps}", *judge_overrides(model, engine))
+    print(f"judge trainer run ({engine}): {time.perf_counter() - t0:.1f} s")
     said = proc.stdout + proc.stderr
-    assert "generative judge" in said and "reward_model.enable=true means this judge" in said
+    assert f"reward_model.rollout.name={engine} engine" in said and "reward_model.enable=true means this judge" in said
     assert "is an outcome reward model" not in said and "process reward model (PURE)" not in said
     rows = train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
@@ -144,3 +146,42 @@ def test_judge_timeout_ends_the_run(tmp_path, demo_assets):
     assert "reward_model.rollout.timeout_s=0.001" in err, err[-3000:]
     logged = tmp_path / "run" / "metrics.jsonl"
     assert not logged.exists() or not train_rows(tmp_path / "run")  # no step finished
+
+
+def test_rank_shares_merge_to_the_whole_batch(tmp_path):
+    """The shares ranks judge (`share`) cover the batch once, in order, and their metrics merged
+    (`declared` + megarl.metrics.merge, as `judge_samples` gathers them) equal one judge call
+    over the whole batch: counted by hand from the verdicts."""
+    from megarl.config.schema_judge import JudgeRolloutConfig
+    from megarl.metrics import merge
+    from megarl.rewards.judge import build_judge
+    from megarl.rewards.judge_ranks import TIME, declared, share
+
+    for n, world in ((7, 3), (2, 4), (16, 1)):
+        got = [i for r in range(world) for i in share(n, world, r)]
+        assert got == list(range(n)), (n, world)
+    cfg = JudgeRolloutConfig(name="torch", dtype="fp32", template=TEMPLATE,
+                             apply_chat_template=False, prompt_length=12,
+                             response_length=RESPONSE_LENGTH, max_num_seqs=8)
+    judge = build_judge(cfg, str(make_judge_model(tmp_path / "judge")))
+    try:
+        responses = ["x=1", "a", "12+30=42", "b", "q" * 20, "ok!", "7"]  # "q"*20: over 12 tokens
+        whole, _ = judge.score(responses, responses)
+        expected = [expected_score(r) for r in responses]
+        judged = [i for i, r in enumerate(responses) if len(TEMPLATE.format(response=r)) <= 12]
+        assert whole.tolist() == [s if i in judged else 0.0 for i, (s, _) in enumerate(expected)]
+        parts = []
+        for r in range(3):
+            idx = list(share(len(responses), 3, r))
+            _, m = judge.score([responses[i] for i in idx], [responses[i] for i in idx])
+            parts.append(declared(m, len(idx)))
+        merged = merge(parts)
+        unparsed = sum(not expected[i][1] for i in judged) / len(judged)
+        assert math.isclose(merged["reward/judge_unparsed_ratio"].value, unparsed, abs_tol=1e-12)
+        assert math.isclose(merged["reward/judge_overlong_ratio"].value,
+                            1 - len(judged) / len(responses), abs_tol=1e-12)
+        assert math.isclose(merged["reward/judge_score/mean"].value,
+                            float(whole.mean()), abs_tol=1e-6)
+        assert merged[TIME].value == max(p[TIME].value for p in parts)
+    finally:
+        judge.close()
