@@ -6,6 +6,8 @@ line of their own instead of among the values the run uses."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from megarl.config.schema_judge import judge_enabled
@@ -24,6 +26,28 @@ VLLM_ONLY = ("enforce_eager", "max_num_batched_tokens", "enable_chunked_prefill"
              "disable_log_stats", "tensor_model_parallel_size")
 
 
+def judge_model_state(rm: Any) -> bool | None:
+    """Whether ``rm`` (reward_model) serves a generative judge: False without use_reward_loop +
+    rollout.name, with model.kind prm | outcome, or with a classifier in a local model folder
+    (verl's "disrm", scored with one forward); True with a local generative model; None when
+    only start-up can tell (a hub id or embedded:// path: its config.json is not read here)."""
+    if not judge_enabled(rm):
+        return False
+    if getattr(rm.model, "kind", "auto") != "auto":
+        return False
+    path = rm.model.path
+    config = os.path.join(path, "config.json") if isinstance(path, str) else ""
+    if not config or not os.path.isfile(config):
+        return None
+    try:
+        with open(config, encoding="utf-8") as f:
+            arch = [str(a) for a in json.load(f).get("architectures") or ()]
+    except (OSError, ValueError, AttributeError):
+        return None
+    return not any(a.endswith(("ForSequenceClassification", "ForTokenClassification"))
+                   for a in arch)
+
+
 def unused_reasons(cfg: Any) -> list[tuple[str, str]]:
     """[(dotted prefix, why)] of the subtrees ``cfg`` (a loaded, filled Config) does not read;
     a key is unused when it equals a prefix or lies under one."""
@@ -35,7 +59,7 @@ def unused_reasons(cfg: Any) -> list[tuple[str, str]]:
                 if name != "enable"]
     elif critic.strategy != "megatron":
         out.append(("critic.megatron", f"critic.strategy={critic.strategy}"))
-    judge = judge_enabled(rm)
+    judge = judge_model_state(rm)
     if judge:
         why = (f"reward_model.rollout.name={rm.rollout.name}: the generative judge reads "
                "reward_model.model.path only")
@@ -47,14 +71,18 @@ def unused_reasons(cfg: Any) -> list[tuple[str, str]]:
             out += [(f"reward_model.rollout.{name}", "reward_model.rollout.name=torch")
                     for name in VLLM_ONLY]
     else:
-        if not rm.enable:
-            out += [(f"reward_model.{name}", "reward_model.enable=false") for name in PRM_ONLY]
-        why = ("reward_model.use_reward_loop=false" if not rm.use_reward_loop else
-               "reward_model.rollout.name=null")
-        out.append(("reward_model.rollout", f"{why} (no generative judge)"))
-        if rm.use_reward_loop:
-            out.append(("reward_model.use_reward_loop", f"{why} (no generative judge)"))
-    prm_on = rm.enable and not judge
+        if not rm.enable:  # neither a PRM nor an outcome RM; a judge may read model.path
+            out += [(f"reward_model.{name}", "reward_model.enable=false") for name in PRM_ONLY
+                    if judge is False or name != "model"]
+        if judge is False:
+            why = ("reward_model.use_reward_loop=false" if not rm.use_reward_loop else
+                   "reward_model.rollout.name=null" if rm.rollout.name is None else
+                   "reward_model.model.path is a classifier, scored with one forward"
+                   if rm.model.kind == "auto" else f"reward_model.model.kind={rm.model.kind}")
+            out.append(("reward_model.rollout", f"{why} (no generative judge)"))
+            if rm.use_reward_loop:
+                out.append(("reward_model.use_reward_loop", f"{why} (no generative judge)"))
+    prm_on = rm.enable and judge is not True
     if actor.strategy != "megatron" and not (prm_on and rm.strategy == "megatron"):
         out.append(("actor_rollout_ref.actor.megatron",
                     f"actor_rollout_ref.actor.strategy={actor.strategy}"))

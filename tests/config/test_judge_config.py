@@ -30,9 +30,11 @@ def _problems(recipe: str, overrides: list[str]) -> str:
     return str(err.value)
 
 
-def test_judge_keys_read_when_on_prm_keys_not():
+def test_judge_keys_read_when_on_prm_keys_not(tmp_path):
     """Planted: judge keys flagged unused while the judge is on, or the PRM's keys read."""
+    model = _model_folder(tmp_path / "lm", "lm")
     report = resolve_config("grpo", [*JUDGE, "reward_model.enable=true",
+                                     f"reward_model.model.path={model}",
                                      "reward_model.rollout.prompt_length=512",
                                      "reward_model.credit_assignment=min"]).report()
     unused = _unused_line(report)
@@ -53,9 +55,26 @@ def test_judge_keys_unused_when_off():
         assert judge_from_config(cfg.config) is None
 
 
-def test_torch_judge_does_not_read_vllm_keys():
-    report = resolve_config("grpo", [*JUDGE, "reward_model.rollout.enforce_eager=false"]).report()
+def test_torch_judge_does_not_read_vllm_keys(tmp_path):
+    model = _model_folder(tmp_path / "lm", "lm")
+    report = resolve_config("grpo", [*JUDGE, "reward_model.rollout.enforce_eager=false",
+                                     f"reward_model.model.path={model}"]).report()
     assert "reward_model.rollout.enforce_eager" in _unused_line(report)
+
+
+def test_classifier_rollout_keys_unused_unknown_model_says_nothing(tmp_path):
+    """verl's "disrm" (a classifier under use_reward_loop + rollout.name): the rollout keys are
+    named unused; a hub id (not read before start-up) leaves the judge's and the RM's keys
+    unlisted either way."""
+    model = _model_folder(tmp_path / "rm", "seq_cls")
+    keys = ["reward_model.enable=true", "reward_model.rollout.prompt_length=512",
+            "reward_model.credit_assignment=min"]
+    unused = _unused_line(resolve_config(
+        "grpo", [*JUDGE, *keys, f"reward_model.model.path={model}"]).report())
+    assert "reward_model.rollout.prompt_length" in unused and "classifier" in unused, unused
+    assert "reward_model.credit_assignment" not in unused  # the outcome RM's settings
+    unused = _unused_line(resolve_config("grpo", [*JUDGE, *keys]).report())
+    assert "reward_model.rollout" not in unused and "credit_assignment" not in unused, unused
 
 
 def test_enable_means_the_judge_no_prm_checks():
