@@ -177,10 +177,24 @@ def test_grpo_lora_vllm_engine_gets_the_adapters(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.vllm
-def test_grpo_lora_vllm_two_ranks(tmp_path):
-    """2 data-parallel ranks, one vLLM engine in each (adapter sync: tensor_model_parallel_size
-    1, no engine process): every rank's engine samples from the adapted policy."""
-    train(tmp_path, "grpo", *LORA, "trainer.total_training_steps=2", "trainer.save_freq=-1",
-          "trainer.export_hf=false", "actor_rollout_ref.rollout.name=vllm",
+@pytest.mark.parametrize("layout", [
+    [],  # torch: 2 data-parallel ranks
+    [*STRATEGY["megatron"], "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+], ids=["torch-dp2", "megatron-tp2"])
+def test_grpo_lora_vllm_two_ranks(tmp_path, layout):
+    """2 ranks, one vLLM engine in each (adapter sync: tensor_model_parallel_size 1, no engine
+    process), the actor data parallel (torch) or tensor parallel with its adapters split
+    (megatron): every rank's engine samples from the adapted policy."""
+    train(tmp_path, "grpo", *LORA, *layout, "trainer.total_training_steps=2",
+          "trainer.save_freq=-1", "trainer.export_hf=false", "actor_rollout_ref.rollout.name=vllm",
           "actor_rollout_ref.rollout.enforce_eager=true", nproc=2)
     assert_engine_runs_the_adapted_policy(tmp_path)
+    # each sync moved the adapters (whole, TP-split ones gathered), not merged weights
+    from safetensors.torch import load_file
+
+    from megarl.data import resolve_path
+
+    base = load_file(str(next(Path(resolve_path("embedded://policy")).glob("*.safetensors"))))
+    synced = [r["rollout/weight_sync_bytes"] for r in metrics(tmp_path) if r["step"] > 0]
+    assert len(synced) == 2 and len(set(synced)) == 1
+    assert 0 < synced[0] * 10 < sum(t.numel() * 4 for t in base.values()), synced
