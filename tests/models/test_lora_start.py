@@ -106,6 +106,32 @@ def test_adapter_path_gives_peft_logits(tmp_path):
         for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj") for ab in "AB")
 
 
+def test_torch_backend_from_config_starts_from_the_adapter_folder(tmp_path):
+    """The trainer's path (TorchBackend.from_config): the actor's adapters are the folder's
+    tensors (planted: the folder ignored, B drawn as zeros: fails) and only they train."""
+    from safetensors.torch import load_file
+
+    from megarl.backends.torch import TorchBackend
+    from megarl.utils.dist import init_distributed
+
+    init_distributed(torch.device("cpu"))  # a world of one
+    folder, adapter, _ = _peft_folder(tmp_path)
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(
+        "data: {train_files: t.parquet, train_batch_size: 8, max_response_length: 64}\n"
+        f"actor_rollout_ref: {{model: {{path: {folder}, lora_adapter_path: {adapter}}}, "
+        "actor: {ppo_mini_batch_size: 8}, rollout: {n: 2}}\nalgorithm: {adv_estimator: grpo}\n")
+    actor = TorchBackend.from_config("actor", resolve_config(str(cfg_file)).config, str(folder))
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    trained = {n: p for n, p in actor.model.named_parameters() if p.requires_grad}
+    assert len(trained) == len(saved) > 0
+    for name, t in saved.items():
+        ours = name.removeprefix("base_model.model.")
+        got = trained[ours].detach()
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got  # FSDP2's DTensor
+        assert torch.equal(got.cpu(), t.to(got.dtype)), name  # the folder is float64
+
+
 def test_adapter_path_refusals_name_the_key(tmp_path):
     folder, adapter, _ = _peft_folder(tmp_path)
     with pytest.raises(UserInputError, match=r"lora_rank=8 .* has r=4"):

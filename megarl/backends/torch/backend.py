@@ -28,7 +28,6 @@ per-rank grouping (pass the trainer's split through `interleave_rank_splits`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -76,7 +75,13 @@ from megarl.backends.torch.weights import adapter_specs, iter_full_weights, weig
 from megarl.errors import UserInputError
 from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
-from megarl.models.lora import LoraSettings, adapters_disabled, apply_lora, lora_modules
+from megarl.models.lora import (
+    LoraSettings,
+    adapters_disabled,
+    apply_lora,
+    lora_modules,
+    settings_meta,
+)
 from megarl.models.overrides import override_key
 from megarl.utils.dtypes import torch_dtype
 
@@ -533,7 +538,7 @@ class TorchBackend:
                 "sp": lay.sp, "ulysses": lay.ulysses, "source": self.model_path,
                 "param_dtype": dtype_name(self.param_dtype)}
         if self.lora is not None:
-            meta["lora"] = dataclasses.asdict(self.lora)
+            meta["lora"] = settings_meta(self.lora)
         ckpt.save(directory, self.model, self.optimizer, self.step, meta,
                   trainable_only=self.lora is not None)
 
@@ -546,7 +551,7 @@ class TorchBackend:
                 f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
                 f"{self.role}"
             )
-        mine = dataclasses.asdict(self.lora) if self.lora is not None else None
+        mine = settings_meta(self.lora)
         if meta.get("lora", mine) != mine:
             raise UserInputError(
                 f"checkpoint {directory} holds LoRA adapters {meta['lora']}; this run's are "

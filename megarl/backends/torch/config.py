@@ -11,8 +11,8 @@ from dataclasses import asdict
 from typing import Any
 
 from megarl.backends.settings import RoleSettings, role_settings
+from megarl.backends.torch.lora import lora_settings
 from megarl.errors import UserInputError
-from megarl.models.lora import LoraSettings
 from megarl.utils.dist import resolve_device
 
 _PARALLEL_KEYS = {"critic": "critic.parallel", "prm": "reward_model.parallel"}
@@ -49,28 +49,6 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
         kw["router_replay"] = s.router_replay
         kw["lora"] = lora_settings(cfg)
     return s.model_path, kw
-
-
-def lora_settings(cfg: Any) -> LoraSettings | None:
-    """The actor's LoRA adapters from ``actor_rollout_ref.model.{lora_rank, lora_alpha,
-    target_modules, exclude_modules}``; None when ``lora_rank`` is 0."""
-    m = cfg.actor_rollout_ref.model
-    rank = getattr(m, "lora_rank", 0)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise UserInputError(f"actor_rollout_ref.model.lora_rank={rank!r}: expected a whole "
-                             "number >= 0 (0 = no LoRA; e.g. 8, 16, 32, 64)")
-    if rank == 0:
-        return None
-    alpha = m.lora_alpha
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise UserInputError(f"actor_rollout_ref.model.lora_alpha={alpha!r}: expected a number "
-                             "> 0 (the adapters' update is scaled by lora_alpha / lora_rank)")
-    target = m.target_modules
-    exclude = m.exclude_modules
-    return LoraSettings(rank=rank, alpha=float(alpha),
-                        target_modules=target if isinstance(target, str) else list(target),
-                        exclude_modules=(exclude if exclude is None or isinstance(exclude, str)
-                                         else list(exclude)))
 
 
 def _parallel_section(role: str, cfg: Any) -> Any:
