@@ -19,6 +19,7 @@ from typing import Any
 
 from megarl.config.provenance import Sources, sources_of
 from megarl.config.schema import Config, PureConfig
+from megarl.config.schema_judge import judge_enabled
 
 _ALL_CONTENTS = ["model", "optimizer", "extra"]
 _DEFAULT_EPOCHS = 30
@@ -97,7 +98,7 @@ def _micro_notices(cfg: Config) -> list[str]:
         roles.append(("critic", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
                       "ppo_max_token_len_per_gpu", c.ppo_micro_batch_size_per_gpu,
                       c.use_dynamic_bsz))
-    if cfg.reward_model.enable:
+    if cfg.reward_model.enable and not judge_enabled(cfg.reward_model):
         rm = cfg.reward_model
         roles.append(("reward_model", "micro_batch_size_per_gpu", "use_dynamic_bsz",
                       "forward_max_token_len_per_gpu", rm.micro_batch_size_per_gpu,

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from megarl.config.schema_judge import judge_enabled
 from megarl.utils import hub
 
 MODEL_HINT = "give a local HF model folder, a hub id (org/name) or embedded://policy"
@@ -34,7 +35,7 @@ def model_keys(cfg: Any) -> list[tuple[str, Any, str]]:
                     "tokenizer_config.json"))
     if cfg.critic.enable and cfg.critic.model.path != arr.model.path:
         out.append(("critic.model.path", cfg.critic.model.path, "config.json"))
-    if cfg.reward_model.enable:
+    if cfg.reward_model.enable or judge_enabled(cfg.reward_model):
         out.append(("reward_model.model.path", cfg.reward_model.model.path, "config.json"))
     return out
 

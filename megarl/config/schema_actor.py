@@ -111,6 +111,12 @@ class ParallelConfig:
     # torch backend: Ulysses sequence parallelism (verl's key): this many ranks split each packed
     # micro-batch's tokens, attention all-to-alls heads; data parallel = world / (SP x TP x PP)
     ulysses_sequence_parallel_size: int = 1
+    # torch backend: the dtype parameters, their gradients and AdamW state are held in (verl's
+    # fsdp_config.model_dtype); None = fp32 on actor / critic (compute in model.dtype through
+    # FSDP2 mixed precision), model.dtype on frozen roles; bf16 needs model.dtype bf16 and
+    # loses small updates to rounding (logged at start). The reference follows the actor's.
+    # strategy megatron: megatron.param_dtype
+    param_dtype: Dtype | None = aliased(None, DTYPE_ALIASES)
 
 
 @dataclass

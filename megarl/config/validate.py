@@ -549,6 +549,10 @@ def _check_layout(cfg: Config, c: _Checker) -> None:
         p = f"{prefix}.parallel"
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         sp = par.ulysses_sequence_parallel_size
+        if par.param_dtype is not None and _role_strategy(cfg, prefix) != "torch":
+            c.fail((f"{p}.param_dtype", f"{prefix}.strategy"),
+                   f"{par.param_dtype}: read by the torch backend only; with strategy megatron "
+                   f"set {prefix}.megatron.param_dtype instead")
         if tp <= 0 or pp <= 0 or sp <= 0:
             c.positive(f"{p}.tensor_model_parallel_size", tp)
             c.positive(f"{p}.pipeline_model_parallel_size", pp)

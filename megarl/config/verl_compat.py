@@ -196,8 +196,11 @@ RULES: tuple[Rule, ...] = (
     Rule("critic.model.fsdp_config.dtype", "mapped", "critic.model.dtype"),
     Rule(f"{_REF}.fsdp_config.dtype", "inert", "the reference model computes in "
          "actor_rollout_ref.model.dtype"),
-    *_each(_FSDP, "model_dtype", "rejected", "megarl keeps the parameters the optimizer "
-           "updates in fp32"),
+    Rule(f"{_ACTOR}.fsdp_config.model_dtype", "mapped", f"{_ACTOR}.parallel.param_dtype"),
+    *_each(("critic.fsdp", "critic.model.fsdp_config"), "model_dtype", "mapped",
+           "critic.parallel.param_dtype"),
+    Rule(f"{_REF}.fsdp_config.model_dtype", "inert", "the reference holds the actor's "
+         "parameter dtype (actor_rollout_ref.actor.parallel.param_dtype; unset: model.dtype)"),
     Rule(f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size", "mapped", _ULYSSES_ACTOR),
     Rule(f"{_REF}.fsdp_config.ulysses_sequence_parallel_size", "inert", _REF_LAYOUT),
     *_each(("critic.fsdp", "critic.model.fsdp_config"), "ulysses_sequence_parallel_size",
@@ -378,8 +381,22 @@ RULES: tuple[Rule, ...] = (
       for s in ("reward.reward_model", "reward_model")],
     *[Rule(f"{s}.{k}", "inert", "the reward model shares the training ranks")
       for s in ("reward.reward_model", "reward_model") for k in ("n_gpus_per_node", "nnodes")],
-    Rule("reward.reward_model.rollout.*", "inert", "not read in this spelling: a generative "
-         "judge's engine is set under reward_model.rollout.* (with reward_model.use_reward_loop)"),
+    # verl 0.9.1's spelling of the served reward model's engine (its reward loop always runs:
+    # a rollout.name here also sets reward_model.use_reward_loop, see apply_verl_mappings)
+    *[Rule(f"reward.reward_model.rollout.{k}", "inert", "an engine scheduling / weight-loading "
+           "detail of verl's reward loop; the judge's verdicts do not depend on it")
+      for k in ("scheduling_policy", "layered_summon", "multi_stage_wake_up", "full_determinism",
+                "mtp", "disaggregation.bootstrap_port", "disaggregation.decode_replicas",
+                "disaggregation.decode_tensor_model_parallel_size", "disaggregation.ib_device",
+                "disaggregation.prefill_replicas", "disaggregation.transfer_backend")],
+    Rule("reward.reward_model.rollout.n", "rejected", "the judge gives one verdict per response"),
+    *[Rule(f"reward.reward_model.rollout.{k}", "rejected", f"{why} is not implemented for the "
+           "judge's engine") for k, why in (
+        ("pipeline_model_parallel_size", "pipeline parallelism"),
+        ("quantization", "quantization"), ("quantization_config_file", "quantization"),
+        ("ignore_eos", "ignoring the end-of-sequence token"),
+        ("disaggregation.enabled", "prefill / decode disaggregation"))],
+    Rule("reward.reward_model.rollout.*", "mapped", "reward_model.rollout.*"),
     Rule("reward_model.model.external_lib", "rejected", "megarl builds its reward model from "
          "the HF config; external model libraries are not imported"),
     Rule("reward_model.model.use_remove_padding", "inert", "the PRM packs sequences like the "
@@ -464,10 +481,16 @@ def _rule_mappings() -> tuple[tuple[str, str], ...]:
 def apply_verl_mappings(layer: dict, source: str) -> dict:
     """A copy of ``layer`` with every key of a ``mapped`` rule moved to its megarl key. The
     verl key and its megarl key both set to different values in one layer is an error.
-    verl's megatron LoRA block is read first (`megarl.config.verl_lora`)."""
+    verl's megatron LoRA block is read first (`megarl.config.verl_lora`); verl 0.9.1's
+    ``reward.reward_model.rollout.name`` also sets ``reward_model.use_reward_loop`` (that
+    release always serves its reward model through the reward loop)."""
     layer = copy.deepcopy(layer)
     read_lora_block(layer, source)
+    if flatten(layer).get("reward.reward_model.rollout.name") is not None:
+        layer.setdefault("reward_model", {}).setdefault("use_reward_loop", True)
     for dotted, value in list(flatten(layer).items()):
+        if (verdict := classify(dotted)) is not None and verdict.status in ("inert", "rejected"):
+            continue  # a rule for this key comes before the section's mapping
         for verl, megarl in _rule_mappings():
             if dotted == verl or dotted.startswith(verl + "."):
                 target = megarl + dotted[len(verl):]

@@ -109,13 +109,15 @@ def read_lora_block(layer: dict, source: str) -> None:
     """Read verl's megatron LoRA block of one config ``layer`` (nested, in place) into megarl's
     keys of ``actor_rollout_ref.model``: the keys it reads leave the block; the others stay for
     the rules table (inert / rejected). ConfigError when a block key and its megarl spelling
-    are both set to different values."""
+    are both set to different values while the block's rank is set (without it verl does not
+    read the block, and the megarl key wins)."""
     model = layer.get("actor_rollout_ref", {}).get("model")
     if not isinstance(model, dict) or not isinstance(model.get("lora"), dict):
         return
     block = model["lora"]
     given = {k: block[k] for k in _READ_AS if k in block}
-    if block.get("rank"):
+    in_use = bool(block.get("rank"))
+    if in_use:
         given.update({k: v for k, v in BLOCK_DEFAULTS.items()
                       if k not in given and _READ_AS[k] not in model})
     for key in ("target_modules", "exclude_modules"):
@@ -124,6 +126,9 @@ def read_lora_block(layer: dict, source: str) -> None:
     for key, value in given.items():
         target = _READ_AS[key]
         if target in model and model[target] is not None and model[target] != value:
+            if not in_use:  # verl reads the block only with its rank set
+                block.pop(key, None)
+                continue
             raise ConfigError(
                 f"{BLOCK}.{key}={block.get(key, value)!r} and {_M}.{target}={model[target]!r} "
                 f"(from {source}): both set the actor's LoRA {target}; set one of them")

@@ -48,8 +48,12 @@ def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
 
 
 def lora_rank(cfg: Any) -> int:
-    """``actor_rollout_ref.model.lora_rank`` (0: the actor trains all its parameters)."""
-    return int(getattr(cfg.actor_rollout_ref.model, "lora_rank", 0) or 0)
+    """The actor's LoRA rank: ``actor_rollout_ref.model.lora_rank``, or the adapter folder's
+    with ``lora_adapter_path`` (0: the actor trains all its parameters)."""
+    from megarl.backends.torch.lora import lora_settings
+
+    settings = lora_settings(cfg)
+    return settings.rank if settings is not None else 0
 
 
 def build_reference(cfg: Any, actor: Backend, model_path: str) -> Backend:

@@ -45,7 +45,11 @@ MEANING = (
     "actor_rollout_ref.rollout.n",
     "critic.enable", "critic.model.path", "critic.optim.", "critic.ppo_mini_batch_size",
     "critic.ppo_epochs",
-    "reward_model.enable", "reward_model.model.path", "custom_reward_function.",
+    "reward_model.enable", "reward_model.model.path", "reward_model.use_reward_loop",
+    *(f"reward_model.rollout.{k}" for k in (  # what the judge's verdicts depend on
+        "template", "apply_chat_template", "score_parse", "score_min", "score_max",
+        "temperature", "do_sample", "top_p", "top_k", "response_length")),
+    "custom_reward_function.",
     "pacs.",
 )
 # never compared: the resume setting itself, and the schedules' length that the trainer fills

@@ -234,3 +234,20 @@ def test_each_role_reads_its_parallel_blocks_param_dtype():
     got = {r: backend_kwargs(r, cfg, "/m")[1]["param_dtype"]
            for r in ("actor", "ref", "critic", "prm")}
     assert got == {"actor": "bf16", "ref": "bf16", "critic": "fp32", "prm": "fp32"}
+
+
+def test_verl_model_dtype_keys_and_the_megatron_refusal():
+    """verl's fsdp_config.model_dtype lands on each trained role's parallel.param_dtype (the
+    reference's is inert: it follows the actor); under strategy megatron the key is refused
+    naming megatron.param_dtype."""
+    from megarl.config import ConfigError
+    from megarl.config.loader import resolve_config
+
+    cfg = resolve_config("ppo", ["actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16",
+                                 "critic.model.fsdp_config.model_dtype=fp32",
+                                 "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32"]).config
+    assert cfg.actor_rollout_ref.actor.parallel.param_dtype == "bf16"
+    assert cfg.critic.parallel.param_dtype == "fp32"
+    with pytest.raises(ConfigError, match=r"actor\.megatron\.param_dtype"):
+        resolve_config("grpo", ["actor_rollout_ref.actor.strategy=megatron",
+                                "actor_rollout_ref.actor.parallel.param_dtype=bf16"])

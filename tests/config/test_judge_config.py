@@ -167,3 +167,22 @@ def test_judge_sequence_longer_than_the_model_refused(tmp_path):
         judge_from_config(cfg)
     text = str(err.value)
     assert "reward_model.rollout.prompt_length" in text and f"={limit}" in text, text
+
+
+def test_verl_091_spelling_sets_the_judge_engine_and_turns_the_loop_on():
+    """verl 0.9.1's reward.reward_model.rollout.* lands on reward_model.rollout.*, and its
+    rollout.name turns the reward loop on (that release always serves its reward model through
+    it); engine details are inert, settings megarl lacks are refused by name. Planted: the
+    section left inert (the judge never starts), or the loop not switched on."""
+    rm = resolve_config("grpo", ["reward.reward_model.enable=true",
+                                 "reward.reward_model.model_path=some/judge",
+                                 "reward.reward_model.rollout.name=torch",
+                                 "reward.reward_model.rollout.temperature=0.5",
+                                 "reward.reward_model.rollout.scheduling_policy=fcfs"]).config.reward_model
+    assert rm.use_reward_loop is True and rm.enable is True
+    assert (rm.rollout.name, rm.rollout.temperature, rm.model.path) == ("torch", 0.5, "some/judge")
+    # without a rollout.name, the loop stays off (an outcome RM / PRM path)
+    assert resolve_config("grpo", ["reward.reward_model.rollout.temperature=0.5"]
+                          ).config.reward_model.use_reward_loop is False
+    assert "reward.reward_model.rollout.n" in _problems(
+        "grpo", ["reward.reward_model.rollout.name=torch", "reward.reward_model.rollout.n=4"])

@@ -141,7 +141,7 @@ def test_rejected_features_are_named_with_the_reason(today):
             if reason is not None:
                 assert p.endswith(f"not supported by megarl: {reason}"), p
                 seen += 1
-    assert seen >= 20
+    assert seen >= 12  # the not-built features still named in the corpus (15 now)
 
 
 def test_dropping_the_not_built_keys_makes_a_line_pass(today):
@@ -167,4 +167,4 @@ def test_dropping_the_not_built_keys_makes_a_line_pass(today):
         else:
             pytest.fail(f"{lid}: still refused without its not-built keys")
         checked += 1
-    assert checked >= 5
+    assert checked >= 3  # the lines refused only for not-built keys (4 now)

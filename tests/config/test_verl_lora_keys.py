@@ -130,3 +130,13 @@ def test_backends_read_the_block_settings(model):
     assert (s.rank, s.alpha, s.target_modules, s.init_a, s.init_b, s.adapter_path) == (
         8, 32.0, ALL_HF, "xavier", "normal", None)
     assert lora_settings(resolve_config(str(model.path)).config) is None
+
+
+def test_block_without_rank_leaves_the_flat_keys(model):
+    """verl reads the megatron block only with its rank set: verl's own defaults of both
+    spellings together (lora.alpha 32 beside lora_alpha 16) load, the flat key winning; with
+    the block's rank set the same pair is a conflict."""
+    got = model(f"{M}.lora.alpha=32", f"{M}.lora_alpha=16", f"{M}.lora_rank=8")
+    assert (got["lora_rank"], got["lora_alpha"]) == (8, 16)
+    with pytest.raises(ConfigError, match=f"{M}.lora.alpha"):
+        model(f"{M}.lora.rank=8", f"{M}.lora.alpha=32", f"{M}.lora_alpha=16")
