@@ -36,6 +36,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.fsdp_size import FSDP_SIZE
 from megarl.config.global_micro import GLOBAL_MICRO
 from megarl.config.keys import canonical_path, schema_problem
+from megarl.config.verl_judge import JUDGE_RULES, read_judge_loop
 from megarl.config.verl_lora import LORA_RULES, read_lora_block
 
 VERL_RELEASE = "0.9.1"
@@ -304,7 +305,9 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{_ACTOR}.policy_loss.dro_beta", "inert", _ONLY_WHEN.format(what="loss_mode=dro")),
     Rule(f"{_ACTOR}.use_fused_kernels", "mapped", f"{_ARR}.model.use_fused_kernels"),
     Rule(f"{_ACTOR}.use_remove_padding", "mapped", f"{_ARR}.model.use_remove_padding"),
-    Rule(f"{_ACTOR}.use_prefix_grouper", "rejected", "shared-prefix grouping is not implemented"),
+    Rule(f"{_ACTOR}.use_prefix_grouper", "inert", "verl's shared-prefix forward (each prompt "
+         "computed once for its n responses) is a speed / memory option with the same results; "
+         "megarl computes each response with its own copy of the prompt"),
     Rule(f"{_ACTOR}.qat.enable", "rejected", "quantization-aware training is not implemented"),
     Rule(f"{_ACTOR}.qat.*", "inert", _ONLY_WHEN.format(what="qat.enable")),
     # rollout
@@ -381,22 +384,8 @@ RULES: tuple[Rule, ...] = (
       for s in ("reward.reward_model", "reward_model")],
     *[Rule(f"{s}.{k}", "inert", "the reward model shares the training ranks")
       for s in ("reward.reward_model", "reward_model") for k in ("n_gpus_per_node", "nnodes")],
-    # verl 0.9.1's spelling of the served reward model's engine (its reward loop always runs:
-    # a rollout.name here also sets reward_model.use_reward_loop, see apply_verl_mappings)
-    *[Rule(f"reward.reward_model.rollout.{k}", "inert", "an engine scheduling / weight-loading "
-           "detail of verl's reward loop; the judge's verdicts do not depend on it")
-      for k in ("scheduling_policy", "layered_summon", "multi_stage_wake_up", "full_determinism",
-                "mtp", "disaggregation.bootstrap_port", "disaggregation.decode_replicas",
-                "disaggregation.decode_tensor_model_parallel_size", "disaggregation.ib_device",
-                "disaggregation.prefill_replicas", "disaggregation.transfer_backend")],
-    Rule("reward.reward_model.rollout.n", "rejected", "the judge gives one verdict per response"),
-    *[Rule(f"reward.reward_model.rollout.{k}", "rejected", f"{why} is not implemented for the "
-           "judge's engine") for k, why in (
-        ("pipeline_model_parallel_size", "pipeline parallelism"),
-        ("quantization", "quantization"), ("quantization_config_file", "quantization"),
-        ("ignore_eos", "ignoring the end-of-sequence token"),
-        ("disaggregation.enabled", "prefill / decode disaggregation"))],
-    Rule("reward.reward_model.rollout.*", "mapped", "reward_model.rollout.*"),
+    # verl 0.9.1's spelling of the judge's engine (megarl.config.verl_judge)
+    *[Rule(pattern, status, note) for pattern, status, note in JUDGE_RULES],
     Rule("reward_model.model.external_lib", "rejected", "megarl builds its reward model from "
          "the HF config; external model libraries are not imported"),
     Rule("reward_model.model.use_remove_padding", "inert", "the PRM packs sequences like the "
@@ -486,8 +475,7 @@ def apply_verl_mappings(layer: dict, source: str) -> dict:
     release always serves its reward model through the reward loop)."""
     layer = copy.deepcopy(layer)
     read_lora_block(layer, source)
-    if flatten(layer).get("reward.reward_model.rollout.name") is not None:
-        layer.setdefault("reward_model", {}).setdefault("use_reward_loop", True)
+    read_judge_loop(layer)
     for dotted, value in list(flatten(layer).items()):
         if (verdict := classify(dotted)) is not None and verdict.status in ("inert", "rejected"):
             continue  # a rule for this key comes before the section's mapping
