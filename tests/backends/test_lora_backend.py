@@ -9,8 +9,8 @@ import peft
 import pytest
 import torch
 import transformers
+from policy_batch import loss_fn, make_batch
 
-from megarl.backends.protocol import SequenceBatch
 from megarl.backends.torch import TorchBackend
 from megarl.backends.torch.lora import apply_actor_lora
 from megarl.backends.torch.lora_ref import AdapterOffReference
@@ -29,21 +29,6 @@ def folder(tmp_path_factory):
     mdist.init_distributed(torch.device("cpu"))
     return make_tiny_hf_model(tmp_path_factory.mktemp("lora") / "m", "qwen2", tokenizer=False,
                               lm_head_scale=3.0)
-
-
-def make_batch(seed: int = 0, B: int = 4, P: int = 5, L: int = 4) -> SequenceBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (B, P + L), generator=g)
-    mask = torch.ones(B, P + L, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[1, -1] = 0
-    return SequenceBatch(ids * mask, mask, L, {"adv": torch.randn(B, L, generator=g),
-                                               "mask": mask[:, P:].float()})
-
-
-def loss_fn(out, mb):
-    m = mb.tensors["mask"]
-    return -(out.logprob * mb.tensors["adv"] * m).sum() / m.sum(), {}
 
 
 def actor(folder, **kw) -> TorchBackend:

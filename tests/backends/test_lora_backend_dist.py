@@ -14,27 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from policy_batch import loss_fn, make_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {"fsdp2": {"dp_shard": 2}, "pp2": {"pp": 2}, "ulysses2": {"ulysses": 2}}
 RANK = 4
-
-
-def make_batch(seed: int, B: int = 4, P: int = 5, L: int = 4):
-    from megarl.backends.protocol import SequenceBatch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (B, P + L), generator=g)
-    mask = torch.ones(B, P + L, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[1, -1] = 0
-    return SequenceBatch(ids * mask, mask, L, {"adv": torch.randn(B, L, generator=g),
-                                               "mask": mask[:, P:].float()})
-
-
-def loss_fn(out, mb):
-    m = mb.tensors["mask"]
-    return -(out.logprob * mb.tensors["adv"] * m).sum() / max(float(m.sum()), 1.0), {}
 
 
 def _worker(model: str, out_dir: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from policy_batch import loss_fn, make_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 # dp2: both ranks take the same batch, so the DP average is one process's gradient; the
@@ -22,23 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "dp2": {}}
 RANK, ALPHA, T = 4, 8.0, 0.7
 OPTIM = {"lr": 1e-2, "weight_decay": 0.0, "eps": 1e-8}
-
-
-def make_batch(seed: int, B: int = 4, P: int = 5, L: int = 4):
-    from megarl.backends.protocol import SequenceBatch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (B, P + L), generator=g)
-    mask = torch.ones(B, P + L, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[1, -1] = 0
-    return SequenceBatch(ids * mask, mask, L, {"adv": torch.randn(B, L, generator=g),
-                                               "mask": mask[:, P:].float()})
-
-
-def loss_fn(out, mb):
-    m = mb.tensors["mask"]
-    return -(out.logprob * mb.tensors["adv"] * m).sum() / max(float(m.sum()), 1.0), {}
 
 
 def start_adapter(model: str) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from policy_batch import loss_fn, make_batch
 from torch.distributed.tensor import DTensor
 from warm_runs import run_script
 
@@ -44,21 +45,6 @@ def folder(tmp_path_factory):
     mdist.init_distributed(torch.device("cpu"))
     return make_tiny_hf_model(tmp_path_factory.mktemp("param_dtype") / "m", "qwen2",
                               tokenizer=False, lm_head_scale=3.0)
-
-
-def make_batch(seed: int = 0, B: int = 4, P: int = 5, L: int = 4) -> SequenceBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (B, P + L), generator=g)
-    mask = torch.ones(B, P + L, dtype=torch.long)
-    mask[0, :2] = 0
-    mask[1, -1] = 0
-    return SequenceBatch(ids * mask, mask, L, {"adv": torch.randn(B, L, generator=g),
-                                               "mask": mask[:, P:].float()})
-
-
-def loss_fn(out, mb):
-    m = mb.tensors["mask"]
-    return -(out.logprob * mb.tensors["adv"] * m).sum() / m.sum(), {}
 
 
 def actor(folder, lr: float = 1e-3, param_dtype: str | None = "bf16") -> TorchBackend:
