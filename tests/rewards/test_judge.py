@@ -57,8 +57,9 @@ def expected_verdict(prompt_text: str, max_tokens: int) -> tuple[str, str]:
     return "".join(out), "length"
 
 
-def make_scripted_judge(path) -> str:
-    """Write the scripted judge model (and the character tokenizer) to ``path``."""
+def make_scripted_judge(path, successors: dict[str, str | None] | None = None) -> str:
+    """Write the scripted judge model (and the character tokenizer) to ``path``: greedy
+    decoding writes ``successors[c]`` after character c (None: EOS; default `successor_map`)."""
     import transformers
 
     from megarl.models.testing import make_tiny_tokenizer, tiny_hf_config
@@ -67,9 +68,8 @@ def make_scripted_judge(path) -> str:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     head = torch.zeros(128, 128)
-    nxt = successor_map()
-    for i in range(128):
-        head[EOS, i] = 1.0
+    nxt = successor_map() if successors is None else successors
+    head[EOS, :] = 1.0
     for a, b in nxt.items():
         if b is not None:
             head[EOS, char_id(a)] = 0.0

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))
-from test_judge import char_id, reference_parse  # noqa: E402
+from test_judge import make_scripted_judge, reference_parse  # noqa: E402
 
 EOS = 2  # the tiny tokenizer's <|im_end|>
 VERDICT = "\\boxed{7}"
@@ -57,29 +56,7 @@ def expected_score(response: str) -> tuple[float, bool]:
 
 def make_judge_model(path: Path) -> Path:
     """Write the scripted judge (and the character tokenizer) to ``path``."""
-    import transformers
-
-    from megarl.models.testing import make_tiny_tokenizer, tiny_hf_config
-
-    config = tiny_hf_config("llama", hidden_size=128, intermediate_size=256)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    head = torch.zeros(128, 128)
-    head[EOS, :] = 1.0
-    for a, b in successors().items():
-        if b is not None:
-            head[EOS, char_id(a)] = 0.0
-            head[char_id(b), char_id(a)] = 1.0
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(torch.eye(128))
-        model.lm_head.weight.copy_(head)
-        model.model.norm.weight.fill_(1.0)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    model.save_pretrained(path)
-    make_tiny_tokenizer(128).save_pretrained(path)
-    return path
+    return Path(make_scripted_judge(path, successors()))
 
 
 def judge_overrides(model: Path, engine: str = "torch") -> list[str]:
