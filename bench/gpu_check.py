@@ -29,9 +29,19 @@ the Triton kernels under the interpreter, so that every step and key runs in ``m
   (merged weights at each sync), bf16: reference = actor with its adapters off, the engine
   follows the adapted policy, the exported actor = base + (alpha / r) B A with every other
   tensor the base's, PEFT's merge of the exported adapter folder equals it.
+- ``grpo_megatron_lora``: the same on the megatron backend, verl's megatron module names as the
+  targets (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``).
+- ``grpo_bf16_params``: grpo_torch with ``actor.parallel.param_dtype=bf16``, 2 steps at lr 1e-4
+  (an update bf16 rounding keeps): finite gradient norms, KL 0 then > 0, the gap within the
+  bound, peak memory below grpo_torch's.
 - ``grpo_tools``: multi-turn GRPO with the calculator tool, 2 steps (every turn read as a
   call: the random policy writes none): turns, tool calls, appended tokens, logprob gap.
 - ``generate``: our engine vs transformers' ``generate`` on the same model and prompts (tok/s).
+
+At the end ``run`` packs ``DIR/summary.json`` and every ``DIR/STEP.json`` / ``DIR/STEP.log``
+(with the pytest step's JUnit reports and the install log) into one small ``DIR/results.tgz``
+and prints its path: the one file to copy back from the GPU machine (never the model or
+``DIR/site``).
 """
 
 from __future__ import annotations
@@ -63,14 +73,26 @@ from gpu_check_lib import (
     work_dir,
 )
 from gpu_check_numerics import step_kernels, step_megatron_vs_hf
-from gpu_check_rl import step_grpo_lora, step_grpo_megatron, step_grpo_tools, step_grpo_torch
+from gpu_check_rl import (
+    step_grpo_bf16_params,
+    step_grpo_lora,
+    step_grpo_megatron,
+    step_grpo_megatron_lora,
+    step_grpo_tools,
+    step_grpo_torch,
+)
 
 # (step, timeout s on the GPU); the order they run in. pytest runs beside the others. The
 # training steps come first (grpo_torch's gap bound reads megatron_vs_hf's record); the steps
 # that already passed on a GPU close the list, where a short --budget leaves them unrun.
+# grpo_bf16_params compares its peak memory with grpo_torch's record.
 STEPS = {"env": 60, "pytest": 330, "model": 120, "megatron_vs_hf": 120, "grpo_torch": 200,
-         "grpo_lora": 150, "grpo_tools": 150, "grpo_megatron": 200, "kernels": 150,
-         "generate": 120, "kernel_bench": 200}
+         "grpo_lora": 150, "grpo_tools": 150, "grpo_megatron": 200, "grpo_megatron_lora": 150,
+         "grpo_bf16_params": 150, "kernels": 150, "generate": 120, "kernel_bench": 200}
+# seconds for all steps (--budget): room for every step up to grpo_bf16_params at the times
+# of the last GPU run (369 s through grpo_megatron) plus ~130 s for the two after it
+BUDGET = 510.0
+RESULTS = "results.tgz"  # summary.json and every step's STEP.json / STEP.log, nothing else
 BACKGROUND = ("pytest",)
 # The GRPO steps' reward: the share of digits in a response, so that responses to one prompt
 # score differently and the update has a gradient (the random policy never solves a prompt).
@@ -288,9 +310,11 @@ def step_generate(sizes: Sizes, out: Path) -> dict:
 STEP_FUNCS = {"env": step_env, "kernels": step_kernels, "kernel_bench": step_kernel_bench,
               "pytest": step_pytest, "model": step_model, "grpo_torch": step_grpo_torch,
               "grpo_megatron": step_grpo_megatron, "megatron_vs_hf": step_megatron_vs_hf,
-              "grpo_lora": step_grpo_lora, "grpo_tools": step_grpo_tools, "generate": step_generate}
+              "grpo_lora": step_grpo_lora, "grpo_tools": step_grpo_tools, "generate": step_generate,
+              "grpo_megatron_lora": step_grpo_megatron_lora,
+              "grpo_bf16_params": step_grpo_bf16_params}
 NEEDS_MODEL = ("grpo_torch", "grpo_megatron", "grpo_lora", "grpo_tools", "megatron_vs_hf",
-               "generate")
+               "generate", "grpo_megatron_lora", "grpo_bf16_params")
 
 
 # ----------------------------------------------------------------------------- driver
@@ -371,7 +395,26 @@ def run_all(steps: list[str], out: Path, dry_run: bool, budget: float) -> int:
     summary = [records[n] for n in steps]
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"[gpu_check] {sum(r['ok'] for r in summary)}/{len(summary)} steps passed", flush=True)
+    path = write_results(out, steps)
+    print(f"[gpu_check] results: {path} ({path.stat().st_size / 1024:.0f} KiB; bring it back "
+          f"with: cp {path} $OUT/)", flush=True)
     return 0 if all(r["ok"] for r in summary) else 1
+
+
+def write_results(out: Path, steps: list[str]) -> Path:
+    """``out/results.tgz``: summary.json, each step's STEP.json and STEP.log, the pytest step's
+    JUnit reports and the install log (those that exist); never the work or site folders."""
+    import tarfile
+
+    names = ["summary.json", "install_megarl.log",
+             *(f"{n}.{ext}" for n in steps for ext in ("json", "log"))]
+    files = [out / n for n in names] + sorted(work_dir(out).glob("pytest_*.xml"))
+    path = out / RESULTS
+    with tarfile.open(path, "w:gz") as tar:
+        for f in files:
+            if f.is_file():
+                tar.add(f, arcname=str(f.relative_to(out)))
+    return path
 
 
 def _print_record(rec: dict) -> None:
@@ -387,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="every step (or --steps), each in its own process")
     r.add_argument("--steps", default=",".join(STEPS))
-    r.add_argument("--budget", type=float, default=480.0, help="seconds for all steps")
+    r.add_argument("--budget", type=float, default=BUDGET, help="seconds for all steps")
     s = sub.add_parser("step", help="one step in this process")
     s.add_argument("name", choices=sorted(STEP_FUNCS))
     for p in (r, s):

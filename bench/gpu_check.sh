@@ -8,13 +8,18 @@
 #    then megarl itself, into DIR/site with pip --no-index --no-deps;
 # 2. runs every step under its own timeout, writing DIR/STEP.json and DIR/STEP.log, and
 #    DIR/summary.json; exit status 0 when every step passed. MEGARL_GPU_CHECK_PYTEST="a b;c"
-#    replaces the pytest step's test files (runs separated by ;).
+#    replaces the pytest step's test files (runs separated by ;);
+# 3. packs summary.json and every STEP.json / STEP.log into ONE small archive, DIR/results.tgz
+#    (never the model or DIR/site), and prints its path: copy that file back (cp DIR/results.tgz
+#    $OUT/ on a machine that returns only a few files).
+# --budget S: seconds for all steps (default 510); the steps that already passed on a GPU run
+# last and are the ones a short budget leaves unrun.
 # --dry-run: the same on the CPU with tiny shapes (in `make test`, so the check cannot rot).
 # PYTHON (default python3) is the interpreter to install into and run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DRY=0 OUT=gpu_check_out WHEELS=gpu-wheels STEPS="" BUDGET=480
+DRY=0 OUT=gpu_check_out WHEELS=gpu-wheels STEPS="" BUDGET=510
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY=1; shift ;;
@@ -57,4 +62,12 @@ else
     ARGS=()
 fi
 [ -n "$STEPS" ] && ARGS+=(--steps "$STEPS")
-exec "$PYTHON" bench/gpu_check.py run --out "$OUT" --budget "$BUDGET" "${ARGS[@]}"
+rc=0
+rm -f "$OUT/results.tgz"
+"$PYTHON" bench/gpu_check.py run --out "$OUT" --budget "$BUDGET" "${ARGS[@]}" || rc=$?
+if [ ! -s "$OUT/results.tgz" ]; then  # the driver died before packing: pack what is there
+    (cd "$OUT" && tar -czf results.tgz $(ls ./*.json ./*.log 2>/dev/null)) || true
+    echo "[gpu_check] results: $OUT/results.tgz (packed by gpu_check.sh; bring it back with:" \
+         "cp $OUT/results.tgz \$OUT/)"
+fi
+exit "$rc"

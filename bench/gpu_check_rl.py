@@ -10,6 +10,13 @@ check's random model, each checked from the run's own outputs (metrics.jsonl, ex
   base plus (alpha / r) B A in float64 with every other tensor bit for bit the base's (the base
   weights were not trained); PEFT's own merge of the exported adapter folder equals it (when
   peft is installed: ``make gpu-wheels`` carries it).
+- ``grpo_megatron_lora``: the same on the megatron backend, the targets named as verl's megatron
+  LoRA block names them (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``: the
+  exported folder names the seven HF projections they hold).
+- ``grpo_bf16_params``: grpo_torch with ``actor.parallel.param_dtype=bf16`` (parameters,
+  gradients and AdamW state in bf16), 2 steps at a learning rate bf16 rounding keeps: finite
+  gradient norms, KL 0 then > 0, the gap within the bound, on CUDA peak memory below
+  grpo_torch's.
 - ``grpo_tools``: the ``grpo_tools`` recipe (multi-turn GRPO with configs/tools/calculator.yml,
   hermes format), 2 steps, at most 2 assistant turns. The random
   policy writes no tool calls, so in the training process every assistant turn is read as one
@@ -36,8 +43,13 @@ from gpu_check_lib import REPO, Sizes, model_dir, require, work_dir
 from results import check_ran
 
 A, M = "actor_rollout_ref", "actor_rollout_ref.model"
-LORA = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear"]
+MEGATRON_TARGETS = "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"  # verl's megatron LoRA names
+# grpo_megatron_lora runs without activation recompute: megatron's full recompute (the recipes'
+# enable_gradient_checkpointing: true) leaves the adapters without a gradient when every
+# weight below them is frozen (grad norm 0, the policy never moves), on the CPU as on CUDA
+NO_RECOMPUTE = (f"{M}.enable_gradient_checkpointing=false",)
 LORA_SCALE = 16 / 8
+BF16_GAP_BOUND = 0.02  # grpo_bf16_params on the dry run (fp32 elsewhere): GPU.logprob_gap_bound
 # launch/train.py (argv[1]) with every assistant turn read as one call to the calculator
 EVERY_TURN_CALLS = """
 import runpy, sys
@@ -55,9 +67,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def train(sizes: Sizes, out: Path, name: str, overrides: list[str], steps: int,
           strategy: str = "torch", lr: float = 1e-6, response_len: int | None = None,
-          wrapper: Path | None = None, config: str = "grpo") -> tuple[Path, list[dict], float]:
-    """``launch/train.py --config CONFIG`` on the check's model and prompts; (run folder, the
-    training steps' metric rows, wall seconds). Every step logged, finite loss and gradient."""
+          wrapper: Path | None = None, config: str = "grpo",
+          dtype: str | None = None) -> tuple[Path, list[dict], float]:
+    """``launch/train.py --config CONFIG`` on the check's model and prompts (``dtype``: the
+    model.dtype, default the run's); (run folder, the training steps' metric rows, wall
+    seconds). Every step logged, finite loss and gradient."""
     run_dir = work_dir(out) / name
     cmd = [sys.executable, *([str(wrapper)] if wrapper else []), str(REPO / "launch" / "train.py"),
            "--config", config,
@@ -66,7 +80,8 @@ def train(sizes: Sizes, out: Path, name: str, overrides: list[str], steps: int,
            f"data.train_batch_size={sizes.prompts}", "data.max_prompt_length=64",
            f"data.max_response_length={response_len or sizes.response_len}",
            f"{A}.actor.strategy={strategy}", f"{A}.actor.ppo_mini_batch_size={sizes.prompts}",
-           f"{M}.dtype={sizes.dtype}", f"{A}.rollout.name=torch", f"{A}.rollout.n={sizes.n}",
+           f"{M}.dtype={dtype or sizes.dtype}", f"{A}.rollout.name=torch",
+           f"{A}.rollout.n={sizes.n}",
            f"{A}.actor.optim.lr={lr}",
            f"custom_reward_function.path={work_dir(out) / 'reward.py'}",
            f"trainer.total_training_steps={steps}", f"trainer.device={sizes.device}",
@@ -85,7 +100,8 @@ def train(sizes: Sizes, out: Path, name: str, overrides: list[str], steps: int,
     for r in rows:
         require(all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm")),
                 f"non-finite loss or gradient norm at step {r['step']}")
-        require(r["actor/grad_norm"] > 0, f"no gradient at step {r['step']} (all advantages 0)")
+        require(r["actor/grad_norm"] > 0, f"no gradient at step {r['step']} (advantages in "
+                f"[{r.get('critic/advantages/min')}, {r.get('critic/advantages/max')}])")
     return run_dir, rows, wall
 
 
@@ -145,35 +161,99 @@ def step_grpo_megatron(sizes: Sizes, out: Path) -> dict:
 
 
 def step_grpo_lora(sizes: Sizes, out: Path) -> dict:
-    """2 GRPO steps with LoRA. A large learning rate moves the policy far from the base in one
-    update (an engine left on the base weights would be off by that move); 1e-2 on the GPU's
-    24 layers keeps the adapted model's bf16 forward about as well conditioned as the base's."""
+    return lora_grpo(sizes, out, "grpo_lora", "torch", "all-linear")
+
+
+def step_grpo_megatron_lora(sizes: Sizes, out: Path) -> dict:
+    """LoRA on the megatron backend, named as verl's megatron LoRA block names the modules (its
+    four linears hold the seven HF projections the exported adapter folder names). The dry run
+    leaves out PEFT's merge (3-4 s of imports; grpo_lora runs the same comparison there and
+    tests/trainer/test_lora_trainer.py runs PEFT on the megatron export)."""
+    return lora_grpo(sizes, out, "grpo_megatron_lora", "megatron", MEGATRON_TARGETS,
+                     NO_RECOMPUTE, peft_merge=sizes.device == "cuda")
+
+
+def lora_grpo(sizes: Sizes, out: Path, name: str, strategy: str, targets: str,
+              extra: tuple[str, ...] = (), peft_merge: bool = True) -> dict:
+    """2 GRPO steps with LoRA (rank 8, alpha 16, ``targets``) on ``strategy``. A large learning
+    rate moves the policy far from the base in one update (an engine left on the base weights
+    would be off by that move); 1e-2 on the GPU's 24 layers keeps the adapted model's bf16
+    forward about as well conditioned as the base's."""
     lr = 3e-2 if sizes.device == "cpu" else 1e-2
-    run_dir, rows, wall = train(sizes, out, "grpo_lora", [
-        *LORA, f"{A}.rollout.check_logprobs=true", "trainer.export_hf=true"], 2, lr=lr)
-    res = {"ran": check_ran(run_dir, engine="torch", backend="torch", dtype=sizes.dtype,
-                            device=sizes.device), "lr": lr, **timings(rows, wall)}
-    kl = [r["actor/kl_loss"] for r in rows]
+    lora = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules={targets}"]
+    run_dir, rows, wall = train(sizes, out, name, [
+        *lora, *extra, f"{A}.rollout.check_logprobs=true", "trainer.export_hf=true"], 2,
+        strategy, lr=lr)
+    res = {"ran": check_ran(run_dir, engine="torch", backend=strategy, dtype=sizes.dtype,
+                            device=sizes.device), "lr": lr, "target_modules": targets,
+           **timings(rows, wall)}
     gap = [r["rollout/logprob_abs_diff_mean"] for r in rows]
     bound = gap_bound(sizes, out)
-    res.update(kl_loss=kl, logprob_gap_mean=gap, gap_bound=bound,
+    res.update(logprob_gap_mean=gap, gap_bound=bound,
                logprob_gap_max=[r["rollout/logprob_abs_diff_max"] for r in rows])
-    # B = 0 before the first update: actor = reference (bitwise on the dry run's fp32 CPU; in
-    # bf16 on CUDA the actor's and the reference's micro-batches may pick different kernels)
-    kl0_bound = 0.0 if sizes.dtype == "fp32" else 0.01 * kl[1]
-    require(kl[0] <= kl0_bound, f"KL {kl[0]:.3g} at step 1 (> {kl0_bound:.3g}): the reference "
-            "is not the actor with its adapters off", res)
-    require(kl[1] > 0.0, "KL 0 at step 2: the adapters did not move the policy", res)
+    # B = 0 before the first update: actor = reference
+    check_policy_moved(rows, sizes.dtype, res, "the reference is not the actor with its "
+                       "adapters off", "the adapters did not move the policy")
     require(all(g <= bound for g in gap), f"engine-vs-trainer logprob gap {gap} > {bound:.3g} "
             "(step 2: the engine is not sampling from the merged adapters)", res)
-    res["export"] = check_lora_export(sizes, out, run_dir)
+    res["export"] = check_lora_export(sizes, out, run_dir, peft_merge)
     return res
 
 
-def check_lora_export(sizes: Sizes, out: Path, run_dir: Path) -> dict:
+def check_policy_moved(rows: list[dict], dtype: str, res: dict, at_start: str,
+                       unmoved: str) -> None:
+    """Two steps' ``actor/kl_loss`` (recorded in ``res``): 0 at step 1, where the actor is the
+    reference (bitwise in fp32; in bf16 on CUDA the actor's and the reference's micro-batches
+    may pick different kernels: at most 1% of step 2's), > 0 at step 2 after one update."""
+    kl = [r["actor/kl_loss"] for r in rows]
+    res["kl_loss"] = kl
+    kl0_bound = 0.0 if dtype == "fp32" else 0.01 * kl[1]
+    require(kl[0] <= kl0_bound, f"KL {kl[0]:.3g} at step 1 (> {kl0_bound:.3g}): {at_start}", res)
+    require(kl[1] > 0.0, f"KL 0 at step 2: {unmoved}", res)
+
+
+def step_grpo_bf16_params(sizes: Sizes, out: Path) -> dict:
+    """grpo_torch with the parameters, gradients and AdamW state held in bf16
+    (``parallel.param_dtype=bf16``, verl's fsdp_config.model_dtype; model.dtype bf16, which it
+    needs, on the dry run too), 2 steps. The learning rate is one whose AdamW steps bf16
+    rounding keeps: an update survives on weights below about 512 lr in magnitude, so 1e-4 on
+    the GPU moves the weights below 0.05 (the rescaled matrices' std is 0.033 and 0.014) and
+    1e-3 on the dry run those below 0.5 (std 0.125 and 0.088); at grpo_torch's 1e-6 nearly
+    every update would be lost. Checked: finite gradient norms, KL 0 at step 1 (the reference
+    holds bf16 too) and > 0 at step 2 (the rounded update moved the policy), the engine-vs-
+    trainer gap within the bound at both steps (the engine receives the bf16 weights), and on
+    CUDA peak memory below grpo_torch's (fp32 parameters, gradients and AdamW state)."""
+    lr = 1e-3 if sizes.device == "cpu" else 1e-4
+    run_dir, rows, wall = train(sizes, out, "grpo_bf16_params", [
+        f"{A}.actor.parallel.param_dtype=bf16", f"{A}.rollout.check_logprobs=true"], 2,
+        lr=lr, dtype="bf16")
+    res = {"ran": check_ran(run_dir, engine="torch", backend="torch", dtype="bf16",
+                            device=sizes.device), "lr": lr, "param_dtype": "bf16",
+           **timings(rows, wall), "grad_norm": [r["actor/grad_norm"] for r in rows]}
+    gap = [r["rollout/logprob_abs_diff_mean"] for r in rows]
+    bound = gap_bound(sizes, out) if sizes.dtype == "bf16" else BF16_GAP_BOUND
+    res.update(logprob_gap_mean=gap, gap_bound=bound,
+               logprob_gap_max=[r["rollout/logprob_abs_diff_max"] for r in rows])
+    check_policy_moved(rows, "bf16", res, "the reference is not the actor's weights",
+                       "bf16 rounding lost the update (learning rate too small)")
+    require(all(g <= bound for g in gap), f"engine-vs-trainer logprob gap {gap} > {bound:.3g}",
+            res)
+    try:
+        fp32 = json.loads((out / "grpo_torch.json").read_text())["result"]["peak_mem_gb"]
+    except (OSError, KeyError, TypeError, ValueError):
+        fp32 = None  # grpo_torch not run or failed: nothing to compare with
+    res["grpo_torch_peak_mem_gb"] = fp32
+    if sizes.device == "cuda" and fp32 is not None:
+        require(res["peak_mem_gb"] < fp32, f"peak memory {res['peak_mem_gb']} GB with bf16 "
+                f"parameters, not below grpo_torch's {fp32} GB (fp32 parameters)", res)
+    return res
+
+
+def check_lora_export(sizes: Sizes, out: Path, run_dir: Path, peft_merge: bool = True) -> dict:
     """The run's hf_actor against the base folder and its lora_adapter folder: adapted weights
     = base + (alpha / r) B A (float64, within a rounding of the exported dtype), every other
-    tensor bit for bit the base's; then PEFT's merge of the folder onto transformers' base."""
+    tensor bit for bit the base's; then (``peft_merge``) PEFT's merge of the folder onto
+    transformers' base."""
     from safetensors.torch import load_file
 
     def folder(path: Path) -> dict:
@@ -188,14 +268,16 @@ def check_lora_export(sizes: Sizes, out: Path, run_dir: Path) -> dict:
     require(config["r"] == 8 and config["lora_alpha"] == 16, f"adapter config {config}")
     adapted = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in adapter}
     layers = 1 + max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
-    require(len(adapted) == 7 * layers, f"{len(adapted)} adapted modules, all-linear on "
-            f"{layers} layers is {7 * layers}")
+    require(len(adapted) == 7 * layers, f"{len(adapted)} adapted modules, every linear "
+            f"(7 per layer) of {layers} layers is {7 * layers}")
     b_norm = sum(float(t.float().norm()) for k, t in adapter.items() if ".lora_B." in k)
     require(b_norm > 0, "every lora_B is zero: the adapters did not train")
     worst, untouched = merge_error(exported, base, adapter, adapted, "hf_actor", sizes.device)
     res = {"adapted_modules": len(adapted), "untouched_tensors": untouched,
            "merge_err_eps": worst, "lora_B_norm": round(b_norm, 4),
            "exported_dtype": str(next(iter(exported.values())).dtype)}
+    if not peft_merge:
+        return {**res, "peft": "not compared (dry run)"}
     try:
         import peft
     except Exception as err:  # not installed, or not importable beside this transformers

@@ -8,13 +8,15 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = ["env", "pytest", "model", "megatron_vs_hf", "grpo_torch", "grpo_lora", "grpo_tools",
-         "grpo_megatron", "kernels", "generate", "kernel_bench"]
+         "grpo_megatron", "grpo_megatron_lora", "grpo_bf16_params", "kernels", "generate",
+         "kernel_bench"]
 
 
 @pytest.mark.e2e
@@ -31,6 +33,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert [r["step"] for r in summary] == STEPS
+    # one archive holds every record and log, and nothing of the model or the install
+    assert f"results: {out / 'results.tgz'}" in proc.stdout
+    with tarfile.open(out / "results.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"summary.json", *(f"{s}.{e}" for s in STEPS for e in ("json", "log"))} <= names
+    assert not any(n.startswith(("site", "work/qwen2")) for n in names), names
     assert all(r["ok"] for r in summary), summary
     # the install is the one that ran: megarl and its needs from the check's own site folder
     env_rec = json.loads((out / "env.json").read_text())["result"]
@@ -52,6 +60,20 @@ def test_gpu_check_dry_run(tmp_path):
     assert max(lora["logprob_gap_mean"]) < 1e-4
     assert lora["export"]["adapted_modules"] == 7 * 2 and lora["export"]["untouched_tensors"] > 0
     assert lora["export"]["peft_merge_err_eps"] <= 1 and lora["export"]["merge_err_eps"] <= 1
+    # megatron LoRA (verl's megatron module names): the same checks as grpo_lora's
+    mlora = res["grpo_megatron_lora"]
+    assert mlora["ran"]["backend"] == "megatron"
+    assert mlora["kl_loss"][0] == 0.0 < mlora["kl_loss"][1]
+    assert max(mlora["logprob_gap_mean"]) < 1e-4
+    assert mlora["export"]["adapted_modules"] == 7 * 2 and mlora["export"]["merge_err_eps"] <= 1
+    # bf16 parameters (model.dtype bf16 on the dry run too): the rounded update moved the
+    # policy, finite gradients, the gap within the bf16 bound, both peaks recorded
+    bf16 = res["grpo_bf16_params"]
+    assert bf16["ran"]["dtype"] == "bf16" and bf16["param_dtype"] == "bf16"
+    assert bf16["kl_loss"][0] == 0.0 < bf16["kl_loss"][1]
+    assert all(0 < g < float("inf") for g in bf16["grad_norm"])
+    assert max(bf16["logprob_gap_mean"]) <= bf16["gap_bound"] == 0.02
+    assert bf16["grpo_torch_peak_mem_gb"] == res["grpo_torch"]["peak_mem_gb"]
     # multi-turn: every trajectory model turn, calculator answer, model turn
     for row in res["grpo_tools"]["metrics"]:
         assert row["multi_turn/assistant_turns/mean"] == 2 and row["num_turns/mean"] == 4
@@ -81,3 +103,23 @@ def test_failed_pytest_step_names_the_failing_tests(tmp_path):
     got = junit_failures(junit)
     assert len(got) == 1 and got[0].startswith("test_demo::test_bad: ") and "one is not two" in got[0]
     assert junit_failures(tmp_path / "missing.xml") == [f"(no report at {tmp_path / 'missing.xml'})"]
+
+
+def test_results_archive_holds_the_records_and_logs_only(tmp_path):
+    """results.tgz: summary.json, each step's record and log, the install log and the pytest
+    step's JUnit reports; never the model's work folder or the install's site folder."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check import write_results
+
+    for name in ("summary.json", "env.json", "env.log", "model.json", "model.log",
+                 "install_megarl.log", "work/pytest_0.xml", "work/qwen2_random/model.safetensors",
+                 "work/train.parquet", "site/megarl/__init__.py", "notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    path = write_results(tmp_path, ["env", "model", "grpo_torch"])  # grpo_torch: no files
+    assert path == tmp_path / "results.tgz"
+    with tarfile.open(path) as tar:
+        assert sorted(tar.getnames()) == sorted([
+            "summary.json", "env.json", "env.log", "model.json", "model.log",
+            "install_megarl.log", "work/pytest_0.xml"])
+        assert tar.extractfile("env.log").read() == b"env.log"
