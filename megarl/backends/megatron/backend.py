@@ -34,14 +34,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.backends.megatron import checkpoint, cpu_compat, moe, parallel, replay
 from megarl.backends.megatron import lora as lora_lib
-from megarl.backends.megatron.batching import (
-    MicroBatch,
-    chunk_rows,
-    pad_rows,
-    pad_to,
-    split_rows,
-    to_micro_batch,
-)
+from megarl.backends.megatron.batching import MicroBatch, pad_to, to_micro_batch
 from megarl.backends.megatron.config import (
     apply_transformer_overrides,
     backend_kwargs,
@@ -57,6 +50,7 @@ from megarl.backends.megatron.model import (
     te_available,
     transformer_config,
 )
+from megarl.backends.megatron.no_grad import forward_no_grad
 from megarl.backends.megatron.optim import OptimSettings, build_optimizer, optimizer_step
 from megarl.backends.megatron.weights import export_hf, load_hf_into_chunks
 from megarl.backends.metrics import reduce_metrics
@@ -69,7 +63,6 @@ from megarl.backends.protocol import (
     SequenceBatch,
 )
 from megarl.backends.routing import check_router_replay, replay_mode
-from megarl.errors import UserInputError
 from megarl.models.args import ModelArgs, num_labels_from_hf_config
 from megarl.models.hf_io import read_hf_config
 from megarl.models.lora import LoraSettings
@@ -469,48 +462,19 @@ class MegatronBackend:
         return out.permute(1, 2, 0).contiguous()
 
     def save(self, directory: str, include_optimizer: bool = True) -> None:
-        meta = {
-            "role": self.role,
-            "hf_config": self.hf_config,
-            "num_labels": self.num_labels,
-            "tp": self.layout.tp,
-            "pp": self.layout.pp,
-            "vpp": self.layout.vpp,
-            "ep": self.layout.ep,
-            "etp": self.layout.expert_tp,
-            "dtype": self.dtype_name,
-            "step": self.step,
-            "source": self.model_path,
-        }
-        if self.lora is not None:  # adapters (+ their optimizer state) only
-            meta["lora"] = lora_lib.settings_json(self.lora)
-        optimizer = self.optimizer if include_optimizer else None
-        checkpoint.save(directory, self.chunks, optimizer, meta,
-                        adapters_only=self.lora is not None)
+        """Collective: the model (+ optimizer, step) via megatron's dist checkpointing;
+        loadable at another layout (`checkpoint.save_backend`)."""
+        checkpoint.save_backend(self, directory, include_optimizer)
 
     def load(self, directory: str) -> None:
-        meta = checkpoint.read_meta(directory)
-        if meta.get("role") not in (self.role,) and {meta.get("role"), self.role} - set(LM_ROLES):
-            raise ValueError(
-                f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
-                f"{self.role}"
-            )
-        mine = lora_lib.settings_json(self.lora)
-        if meta.get("lora") != mine:
-            raise UserInputError(
-                f"checkpoint {directory} holds LoRA adapters {meta.get('lora')}; this run's are "
-                f"{mine}: resume with the checkpoint's actor_rollout_ref.model.lora_rank, "
-                "lora_alpha, target_modules and exclude_modules")
-        meta = checkpoint.load(directory, self.chunks, self.optimizer,
-                               adapters_only=self.lora is not None)
-        if meta.get("has_optimizer") and self.optimizer is not None:
-            self.step = int(meta.get("step", 0))
+        """Collective: inverse of `save` (at this backend's layout)."""
+        checkpoint.load_backend(self, directory)
 
     # ------------------------------------------------------------------------- internals
 
     def _prepare(self, batch: SequenceBatch) -> MicroBatch:
         pad = self.layout.tp if self.layout.sp else 1
-        return to_micro_batch(batch, _device(), pad_multiple=pad)
+        return to_micro_batch(batch, parallel.device(), pad_multiple=pad)
 
     def _head_outputs(
         self, hidden: torch.Tensor, mb: MicroBatch, temperature: float
@@ -584,39 +548,6 @@ class MegatronBackend:
         )
 
     def _forward_no_grad(self, batch: SequenceBatch, collect, temperature: float, width: int):
-        """[width, B, L] of ``collect(outputs)`` ([width, b, L] per micro-batch) for the full
-        batch, computed over this rank's DP share and gathered on every rank."""
-        B, L = batch.batch_size, batch.response_length
-        share, _ = split_rows(batch, self.dp_size, self.dp_rank)
-        per = share.batch_size
-        size = self.forward_micro_batch_size or max(1, -(-per // self.layout.pp))
-        pieces = chunk_rows(share, size)
-        if self.layout.vpp:  # interleaving needs a multiple of pp micro-batches
-            while len(pieces) % self.layout.pp:
-                pieces.append(pad_rows(share.select(slice(0, 0)), 1))
-        mbs = [self._prepare(p) for p in pieces]
-
-        def loss_func(mb: MicroBatch, hidden: torch.Tensor, non_loss_data: bool = False):
-            return collect(self._head_outputs(hidden, mb, temperature)).float()
-
-        for m in self.modules:
-            m.eval()
-        with torch.no_grad():
-            stored = self._run_schedule(mbs, loss_func, forward_only=True)
-        out = torch.zeros((width, per, L), dtype=torch.float32, device=_device())
-        if parallel.is_last_stage():
-            local = torch.cat([s for s in stored], dim=1)[:, :per]
-            out.copy_(local)
-        if self.layout.pp > 1:
-            dist.broadcast(out, src=parallel.pp_ranks()[-1], group=parallel.pp_group())
-        if self.dp_size > 1:
-            parts = [torch.empty_like(out) for _ in range(self.dp_size)]
-            dist.all_gather(parts, out, group=parallel.dp_group())
-            out = torch.cat(parts, dim=1)
-        return out[:, :B].cpu()
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        """[width, B, L] of ``collect(outputs)`` for the full batch on every rank
+        (`no_grad.forward_no_grad`)."""
+        return forward_no_grad(self, batch, collect, temperature, width)

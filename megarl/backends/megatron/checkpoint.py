@@ -21,7 +21,9 @@ from megatron.core import parallel_state as ps
 
 from megarl.backends import checkpoint_meta
 from megarl.backends.megatron import cpu_compat
+from megarl.backends.megatron import lora as lora_lib
 from megarl.backends.protocol import LM_ROLES
+from megarl.backends.resume_checks import check_role_and_adapters
 
 FORMAT = "megarl-megatron-v1"
 
@@ -114,6 +116,45 @@ def load(
         elif optimizer is not None:
             optimizer.reload_model_params()  # fp32 main params from the loaded weights
     return meta
+
+
+def save_backend(backend: Any, directory: str, include_optimizer: bool = True
+                 ) -> None:
+    """`MegatronBackend.save`: ``backend``'s chunks (+ optimizer unless not
+    ``include_optimizer``) with the role, HF config, layout, dtype, step, source folder and
+    LoRA settings in the meta (with LoRA the adapters and their optimizer state only).
+    Collective."""
+    lay = backend.layout
+    meta = {
+        "role": backend.role,
+        "hf_config": backend.hf_config,
+        "num_labels": backend.num_labels,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "vpp": lay.vpp,
+        "ep": lay.ep,
+        "etp": lay.expert_tp,
+        "dtype": backend.dtype_name,
+        "step": backend.step,
+        "source": backend.model_path,
+    }
+    if backend.lora is not None:  # adapters (+ their optimizer state) only
+        meta["lora"] = lora_lib.settings_json(backend.lora)
+    optimizer = backend.optimizer if include_optimizer else None
+    save(directory, backend.chunks, optimizer, meta, adapters_only=backend.lora is not None)
+
+
+def load_backend(backend: Any, directory: str) -> None:
+    """`MegatronBackend.load`: refuse a checkpoint of another role or other LoRA adapters,
+    then load it into ``backend`` (and its step, when it has the optimizer's state and the
+    backend trains). Collective."""
+    meta = read_meta(directory)
+    check_role_and_adapters(directory, meta, backend.role, lora_lib.settings_json(backend.lora),
+                            meta.get("lora"))
+    meta = load(directory, backend.chunks, backend.optimizer,
+                adapters_only=backend.lora is not None)
+    if meta.get("has_optimizer") and backend.optimizer is not None:
+        backend.step = int(meta.get("step", 0))
 
 
 @torch.no_grad()

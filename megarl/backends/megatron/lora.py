@@ -54,6 +54,7 @@ from megatron.core.utils import (
 )
 from torch import nn
 
+from megarl.backends import lora_reference
 from megarl.backends.megatron import parallel
 from megarl.backends.megatron.model import Layout, MegarlGPTModel, global_layer_numbers, layer_owner
 from megarl.errors import UserInputError
@@ -462,17 +463,18 @@ def _device() -> torch.device:
         torch.device("cpu"))
 
 
-class AdapterOffReference:
+class AdapterOffReference(lora_reference.AdapterOffReference):
     """A `megarl.backends.protocol.Backend` of role ``ref`` over a megatron LoRA actor: the
     actor's chunks with their adapters off (the frozen base is the initial policy), with the
-    reference's own no-grad micro size. Logprobs only."""
+    reference's own no-grad micro size. Logprobs only (the shared part is
+    `megarl.backends.lora_reference.AdapterOffReference`)."""
 
-    role = "ref"
+    micro_settings = ("forward_micro_batch_size",)
 
     def __init__(self, actor: Any, *, forward_micro_batch_size: int | None = None) -> None:
         if getattr(actor, "lora", None) is None:
             raise ValueError("AdapterOffReference needs a megatron actor with LoRA adapters")
-        self.actor = actor
+        super().__init__(actor)
         self.forward_micro_batch_size = forward_micro_batch_size
 
     @classmethod
@@ -482,47 +484,8 @@ class AdapterOffReference:
         _, kw = backend_kwargs("ref", cfg, actor.model_path)
         return cls(actor, forward_micro_batch_size=kw["forward_micro_batch_size"])
 
-    @property
-    def dp_rank(self) -> int:
-        return self.actor.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.actor.dp_size
-
     def logprobs(self, batch: Any, temperature: float = 1.0, with_entropy: bool = False,
                  micro_batches: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base model's no-grad (logprob [B, L], entropy [B, L] or None), float32."""
-        a = self.actor
-        saved = a.forward_micro_batch_size
-        a.forward_micro_batch_size = self.forward_micro_batch_size
-        try:
-            with a.adapters_off():
-                return a.logprobs(batch, temperature, with_entropy)
-        finally:
-            a.forward_micro_batch_size = saved
-
-    def _frozen(self, what: str):
-        raise TypeError(f"the LoRA reference (the actor with adapters off) has no {what}")
-
-    def values(self, batch: Any) -> torch.Tensor:
-        self._frozen("values")
-
-    def token_scores(self, batch: Any) -> torch.Tensor:
-        self._frozen("token scores")
-
-    def train_step(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        self._frozen("optimizer")
-
-    def routing_metrics(self, batch: Any, rollout_logprob: Any = None,
-                        temperature: float = 1.0) -> dict[str, float]:
-        return {}
-
-    def export_weights(self):
-        self._frozen("weights of its own (export the actor's)")
-
-    def save(self, directory: str) -> None:
-        self._frozen("checkpoint of its own (the actor's holds the adapters)")
-
-    def load(self, directory: str) -> None:
-        self._frozen("checkpoint of its own (the actor's holds the adapters)")
+        with self._as_reference() as a:
+            return a.logprobs(batch, temperature, with_entropy)

@@ -166,3 +166,10 @@ def pp_ranks() -> list[int]:
 
 def is_last_stage() -> bool:
     return pp_rank() == ps.get_pipeline_model_parallel_world_size() - 1
+
+
+def device() -> torch.device:
+    """This rank's device: the current CUDA device, or the CPU without CUDA."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

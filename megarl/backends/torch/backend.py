@@ -46,6 +46,7 @@ from megarl.backends.torch import parallelize as par
 from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scores, value_outputs
 from megarl.backends.torch.layout import Layout, build_mesh, fsdp_mesh, world_size
 from megarl.backends.torch.moe import pipeline_routing, replay_routing
+from megarl.backends.torch.no_grad import forward_no_grad
 from megarl.backends.torch.optim import (
     OptimSettings,
     align_grad_placements,
@@ -54,34 +55,15 @@ from megarl.backends.torch.optim import (
     set_lr,
     total_grad_norm,
 )
-from megarl.backends.torch.packing import (
-    Packed,
-    default_row_split,
-    empty_batch,
-    given_row_split,
-    pack,
-    packed_length,
-)
+from megarl.backends.torch.packing import Packed, empty_batch, pack, packed_length
 from megarl.backends.torch.pipeline import StageRunner, common_length
-from megarl.backends.torch.precision import (
-    check_resume_dtype,
-    dtype_name,
-    held_dtype,
-    param_dtype_key,
-    rounding_notice,
-)
+from megarl.backends.torch.precision import held_dtype, param_dtype_key, rounding_notice
 from megarl.backends.torch.ulysses import SeqShard, sum_over_group
 from megarl.backends.torch.weights import adapter_specs, iter_full_weights, weight_specs
 from megarl.errors import UserInputError
 from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
-from megarl.models.lora import (
-    LoraSettings,
-    adapters_disabled,
-    apply_lora,
-    lora_modules,
-    settings_meta,
-)
+from megarl.models.lora import LoraSettings, adapters_disabled, apply_lora, lora_modules
 from megarl.models.overrides import override_key
 from megarl.utils.dtypes import torch_dtype
 
@@ -532,38 +514,11 @@ class TorchBackend:
     def save(self, directory: str) -> None:
         """Collective: model (+ optimizer, step) via DCP; loadable at any other layout. With
         LoRA only the adapters and their optimizer state (the base is ``model_path``)."""
-        self._reshard()
-        lay = self.layout
-        meta = {"role": self.role, "tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
-                "sp": lay.sp, "ulysses": lay.ulysses, "source": self.model_path,
-                "param_dtype": dtype_name(self.param_dtype)}
-        if self.lora is not None:
-            meta["lora"] = settings_meta(self.lora)
-        ckpt.save(directory, self.model, self.optimizer, self.step, meta,
-                  trainable_only=self.lora is not None)
+        ckpt.save_backend(self, directory)
 
     def load(self, directory: str) -> None:
         """Collective: inverse of `save` (at this backend's layout)."""
-        meta = ckpt.read_meta(directory)
-        roles = {meta.get("role"), self.role}
-        if meta.get("role") != self.role and not roles <= set(LM_ROLES):
-            raise ValueError(
-                f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
-                f"{self.role}"
-            )
-        mine = settings_meta(self.lora)
-        if meta.get("lora", mine) != mine:
-            raise UserInputError(
-                f"checkpoint {directory} holds LoRA adapters {meta['lora']}; this run's are "
-                f"{mine}: resume with the checkpoint's actor_rollout_ref.model.lora_rank, "
-                "lora_alpha, target_modules and exclude_modules")
-        check_resume_dtype(meta, self.role, self.param_dtype, directory,
-                           param_dtype_key(self.role))
-        self._reshard()
-        _, step = ckpt.load(directory, self.model, self.optimizer,
-                            trainable_only=self.lora is not None)
-        if step is not None:
-            self.step = step
+        ckpt.load_backend(self, directory)
 
     # ------------------------------------------------------------------ internals
 
@@ -605,40 +560,5 @@ class TorchBackend:
         width: int,
         micro_batches: Sequence[Sequence[int]] | None,
     ) -> torch.Tensor:
-        """[B, L, width] float32 of ``collect(output, packed)`` ([b, L, width] per micro-batch)
-        for the full batch on every rank (see module docstring)."""
-        B, L = batch.batch_size, batch.response_length
-        lengths = batch.attention_mask.bool().sum(1).tolist()
-        if micro_batches is not None:
-            split = given_row_split(micro_batches, B, self.dp_size)
-        else:
-            split = default_row_split(
-                lengths, self.dp_size, self.forward_max_tokens, self.forward_micro_batch_size
-            )
-        n = max(len(s) for s in split) or 1
-        mine = list(split[self.dp_rank]) + [[]] * (n - len(split[self.dp_rank]))
-        pieces = [batch.select(rows) if rows else empty_batch(batch) for rows in mine]
-        pad_to = None
-        if self._runner is not None:
-            pad_to = common_length([packed_length(p) for p in pieces], self._multiple)
-        packed = [pack(pc, self.device, multiple=self._multiple, pad_to=pad_to) for pc in pieces]
-
-        out = torch.zeros((B, L, width), dtype=torch.float32, device=self.device)
-        self.model.eval()
-        with torch.no_grad():
-            if self._runner is None:
-                outputs = []
-                for pc, p in zip(pieces, packed):
-                    outputs.append(self._run(p, replay_routing(self, pc, p)))
-            else:
-                outputs = self._runner.forward(packed, pipeline_routing(self, pieces, packed))
-            for rows, p, o in zip(mine, packed, outputs):
-                if rows:
-                    out[torch.tensor(rows, device=self.device)] = collect(o, p).float()
-        self._reshard()
-        if self.layout.pp > 1:
-            src = dist.get_process_group_ranks(self.pp_group)[-1]
-            dist.broadcast(out, src=src, group=self.pp_group)
-        if self.dp_size > 1:
-            dist.all_reduce(out, group=self.dp_group)
-        return out.to(batch.input_ids.device)
+        """[B, L, width] float32 for the full batch on every rank (`no_grad.forward_no_grad`)."""
+        return forward_no_grad(self, batch, collect, width, micro_batches)

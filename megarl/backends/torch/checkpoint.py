@@ -30,7 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from megarl.backends import checkpoint_meta
+from megarl.backends.resume_checks import check_role_and_adapters
+from megarl.backends.torch.precision import check_resume_dtype, dtype_name, param_dtype_key
 from megarl.errors import UserInputError
+from megarl.models.lora import settings_meta
 
 FORMAT = "megarl-torch-dcp-v1"
 
@@ -127,3 +130,33 @@ def _fill_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict[s
     for group, own in zip(optimizer.param_groups, settings):
         for key, value in own.items():
             group.setdefault(key, value)
+
+
+def save_backend(backend: Any, directory: str) -> None:
+    """`TorchBackend.save`: ``backend``'s model (+ optimizer, step) with its role, layout,
+    source folder, parameter dtype and LoRA settings in the meta. Collective."""
+    backend._reshard()
+    lay = backend.layout
+    meta = {"role": backend.role, "tp": lay.tp, "pp": lay.pp, "dp_shard": lay.dp_shard,
+            "sp": lay.sp, "ulysses": lay.ulysses, "source": backend.model_path,
+            "param_dtype": dtype_name(backend.param_dtype)}
+    if backend.lora is not None:
+        meta["lora"] = settings_meta(backend.lora)
+    save(directory, backend.model, backend.optimizer, backend.step, meta,
+         trainable_only=backend.lora is not None)
+
+
+def load_backend(backend: Any, directory: str) -> None:
+    """`TorchBackend.load`: refuse a checkpoint of another role, other LoRA adapters or
+    another parameter dtype, then load it (and its step, when it has the optimizer's state)
+    into ``backend``. Collective."""
+    meta = read_meta(directory)
+    mine = settings_meta(backend.lora)
+    check_role_and_adapters(directory, meta, backend.role, mine, meta.get("lora", mine))
+    check_resume_dtype(meta, backend.role, backend.param_dtype, directory,
+                       param_dtype_key(backend.role))
+    backend._reshard()
+    _, step = load(directory, backend.model, backend.optimizer,
+                   trainable_only=backend.lora is not None)
+    if step is not None:
+        backend.step = step
