@@ -37,7 +37,7 @@ REFUSED = {
     "run_qwen2.5-3b_gsm8k_multiturn": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-3b_gsm8k_multiturn_4xgpu": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction": (
-        "gsm8k_multiturn_grpo_w_interaction", {"actor_rollout_ref.actor.fsdp_config.model_dtype"}),
+        "gsm8k_multiturn_grpo_w_interaction", set()),
     "run_qwen0.5b_gsm8k_multiturn_curriculum": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp": ("gsm8k_multiturn_grpo",
                                                  {"actor_rollout_ref.actor.use_kl_loss"}),
