@@ -194,7 +194,7 @@ def test_bf16_lora_checkpoint_rebuilds_and_resumes(tmp_path):
     source folder, the saved dtype) with the same adapters, and the next update is the same bit
     for bit; a run with other LoRA settings is refused naming the keys. Planted: the rebuilt
     backend in fp32 (the saved dtype ignored): adapters differ by ~1e-5."""
-    from test_megatron_lora_dist import loss_fn, make_batch
+    from policy_batch import loss_fn, make_batch
 
     from megarl.backends.megatron import MegatronBackend, parallel
     from megarl.errors import UserInputError
@@ -227,3 +227,31 @@ def test_bf16_lora_checkpoint_rebuilds_and_resumes(tmp_path):
     with pytest.raises(UserInputError, match="lora_rank"):
         other.load(str(tmp_path / "ck"))
     parallel.reset_model_parallel()
+
+
+def test_adapters_train_under_activation_recompute(tmp_path):
+    """With megatron's full activation recompute (verl's enable_gradient_checkpointing) the
+    adapters get the same update as without it. Planted: the frozen embedding's output left
+    without requires_grad (the reentrant checkpoint then passes no gradient): the adapters do
+    not move."""
+    from policy_batch import loss_fn, make_batch
+
+    from megarl.backends.megatron import MegatronBackend, parallel
+    from megarl.models.lora import LoraSettings
+
+    lib.ensure_dist()
+    path = lib.make_model(tmp_path / "qwen2", "qwen2", "lm")
+    lora = LoraSettings(rank=RANK, alpha=ALPHA, target_modules="all-linear", init_b="normal")
+    kw = {"use_fused_kernels": False, "optim_config": {"lr": 1e-2}, "dtype": "fp32"}
+    updates = {}
+    for recompute in (None, "full"):
+        parallel.reset_model_parallel()
+        actor = MegatronBackend("actor", str(path), lora=lora, recompute=recompute, **kw)
+        before = {n: t.clone() for n, t in actor.export_adapter()}
+        actor.train_step([make_batch(3)], loss_fn)
+        updates[recompute] = {n: t - before[n] for n, t in actor.export_adapter()}
+    parallel.reset_model_parallel()
+    plain, recomputed = updates[None], updates["full"]
+    assert all(float(d.abs().max()) > 1e-4 for d in plain.values())
+    for n, d in recomputed.items():
+        torch.testing.assert_close(d, plain[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -284,6 +284,14 @@ class _LinearHook:
         return y + delta.to(y.dtype), bias
 
 
+def _output_requires_grad(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """The frozen embedding's output marked as needing a gradient: megatron's activation
+    recompute runs each block under a reentrant checkpoint, which passes gradients only to
+    blocks whose input needs one (transformers' ``enable_input_require_grads``)."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
 def install(chunks: list[MegarlGPTModel], args: ModelArgs, layout: Layout,
             settings: LoraSettings, seed: int) -> list[AdapterSpec]:
     """Add the adapters of ``settings`` to this rank's chunks (`ChunkAdapters` as
@@ -328,6 +336,8 @@ def install(chunks: list[MegarlGPTModel], args: ModelArgs, layout: Layout,
         chunk.lora = adapters
         for name, p in chunk.named_parameters():
             p.requires_grad_(name.startswith("lora."))
+        if getattr(chunk, "embedding", None) is not None:
+            chunk.embedding.register_forward_hook(_output_requires_grad)
     if settings.adapter_path:
         tensors = read_adapter_tensors(settings.adapter_path)
         want = [f"{sp.module}.lora_{ab}.weight" for sp in specs for ab in "AB"]
