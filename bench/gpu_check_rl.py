@@ -44,10 +44,9 @@ from results import check_ran
 
 A, M = "actor_rollout_ref", "actor_rollout_ref.model"
 MEGATRON_TARGETS = "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"  # verl's megatron LoRA names
-# grpo_megatron_lora runs without activation recompute: megatron's full recompute (the recipes'
-# enable_gradient_checkpointing: true) leaves the adapters without a gradient when every
-# weight below them is frozen (grad norm 0, the policy never moves), on the CPU as on CUDA
-NO_RECOMPUTE = (f"{M}.enable_gradient_checkpointing=false",)
+# grpo_megatron_lora runs with activation recompute on (megatron's full recompute passes the
+# adapters a gradient only because the frozen embedding's output is marked as needing one)
+RECOMPUTE = (f"{M}.enable_gradient_checkpointing=true",)
 LORA_SCALE = 16 / 8
 BF16_GAP_BOUND = 0.02  # grpo_bf16_params on the dry run (fp32 elsewhere): GPU.logprob_gap_bound
 # launch/train.py (argv[1]) with every assistant turn read as one call to the calculator
@@ -170,7 +169,7 @@ def step_grpo_megatron_lora(sizes: Sizes, out: Path) -> dict:
     leaves out PEFT's merge (3-4 s of imports; grpo_lora runs the same comparison there and
     tests/trainer/test_lora_trainer.py runs PEFT on the megatron export)."""
     return lora_grpo(sizes, out, "grpo_megatron_lora", "megatron", MEGATRON_TARGETS,
-                     NO_RECOMPUTE, peft_merge=sizes.device == "cuda")
+                     RECOMPUTE, peft_merge=sizes.device == "cuda")
 
 
 def lora_grpo(sizes: Sizes, out: Path, name: str, strategy: str, targets: str,
