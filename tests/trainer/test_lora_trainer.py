@@ -177,14 +177,12 @@ def test_grpo_lora_vllm_engine_gets_the_adapters(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.vllm
-@pytest.mark.parametrize("layout", [
-    [],  # torch: 2 data-parallel ranks
-    [*STRATEGY["megatron"], "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
-], ids=["torch-dp2", "megatron-tp2"])
-def test_grpo_lora_vllm_two_ranks(tmp_path, layout):
+def test_grpo_lora_vllm_two_ranks(tmp_path):
     """2 ranks, one vLLM engine in each (adapter sync: tensor_model_parallel_size 1, no engine
-    process), the actor data parallel (torch) or tensor parallel with its adapters split
-    (megatron): every rank's engine samples from the adapted policy."""
+    process), the megatron actor tensor parallel with its adapters split over the ranks (the
+    torch actor's adapter sync: test_grpo_lora_vllm_engine_gets_the_adapters): every rank's
+    engine samples from the adapted policy."""
+    layout = [*STRATEGY["megatron"], "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
     train(tmp_path, "grpo", *LORA, *layout, "trainer.total_training_steps=2",
           "trainer.save_freq=-1", "trainer.export_hf=false", "actor_rollout_ref.rollout.name=vllm",
           "actor_rollout_ref.rollout.enforce_eager=true", nproc=2)
