@@ -20,7 +20,6 @@ def pipeline_checks(res, root, key, **layout):
     import torch
 
     from megarl.backends.megatron import MegatronBackend
-    from megarl.utils import dist as mdist
     from megarl.models.hf_io import load_hf_state_dict
 
     path = lib.zoo_model(root, "llama4_tied")

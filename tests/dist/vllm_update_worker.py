@@ -24,6 +24,7 @@ Rank 0 writes, from its engine's outputs on the updated weights:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,13 +33,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rollout_reshard_worker import build, hf_float64, make_batch, pg_loss  # noqa: E402
+
 from megarl.rollout.consistency import (  # noqa: E402
     METRIC_MAX,
     completions_to_batch,
     logprob_diff_metrics,
 )
 from megarl.rollout.protocol import SamplingParams  # noqa: E402
-from rollout_reshard_worker import build, hf_float64, make_batch, pg_loss  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 14], [1, 30, 31], [1, 77, 78, 79, 80, 81], [1, 40]]
 NEW = 8
@@ -76,12 +78,25 @@ def tp_shm_name() -> str | None:
     return _CPUSHMDistributed.make_group_name(comm)
 
 
+def plant_stale_tp_segment() -> Path:
+    """A segment named as this job's TP communicator's, as a dead job on the same port leaves
+    it: vLLM's O_EXCL create failed on it (errno 17) until megarl removed such leftovers."""
+    from megarl.rollout.vllm import cpu_shm, launch
+
+    path = cpu_shm.SHM_DIR / f"{launch.cpu_shm_ident('external_launcher')}-tp:0-[0-1]-cpushm_0"
+    if dist.get_rank() == 0:
+        path.write_bytes(b"\0" * 4096)
+    dist.barrier()
+    return path
+
+
 def main() -> None:
     backend_name, layout, engine_tp, model_dir, out = sys.argv[1:6]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from megarl.rollout.vllm import VLLMEngine
 
+    stale = plant_stale_tp_segment() if engine_tp == "2" else None
     engine = VLLMEngine(model_dir, dtype="float32", tensor_parallel_size=int(engine_tp),
                         distributed_executor_backend="external_launcher", max_num_seqs=8,
                         max_model_len=128, kv_cache_memory_bytes=32 * 2**20,
@@ -131,6 +146,11 @@ def main() -> None:
         Path(out).write_text(json.dumps(res))
     dist.barrier()
     engine.close()  # vLLM's teardown also destroys the default process group
+    # no shared memory outlives the engine: this rank's own segments and the dead job's
+    Path(f"{out}.shm{os.environ['RANK']}").write_text(json.dumps({
+        "segments": [str(p) for p in engine.shm_segments],
+        "left": [str(p) for p in [*engine.shm_segments, *([stale] if stale else [])]
+                 if p.exists()]}))
 
 
 def _folder_state(path: str) -> dict[str, torch.Tensor]:

@@ -80,3 +80,8 @@ def test_vllm_update_from_layout(tmp_path, models, backend, layout, engine_tp, m
         # its shared memory is named after this torchrun job, not vLLM's "//" for every
         # external_launcher engine (two jobs on one host collided: errno 17)
         assert res["shm_name"].startswith("megarl-"), res["shm_name"]
+    # closed engines leave no shared memory, not even the dead job's segment planted for TP=2
+    for rank in (0, 1):
+        shm = json.loads(Path(f"{out}.shm{rank}").read_text())
+        assert shm["left"] == [], shm
+        assert bool(shm["segments"]) == (engine_tp == 2), shm  # TP=2's communicator is on shm

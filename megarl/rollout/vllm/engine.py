@@ -24,7 +24,6 @@ the sampled token only; ``flat_logprobs`` must stay off).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -41,7 +40,7 @@ from megarl.rollout._adapter import (
     missing_engine,
 )
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
-from megarl.rollout.vllm import engine_args, launch
+from megarl.rollout.vllm import cpu_shm, engine_args, launch
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +131,9 @@ class VLLMEngine:
                 **engine_kwargs,
             })
         self.llm = llm
+        # this rank's shared-memory segments (vLLM's CPU communicators), removed on close
+        self.shm_segments = cpu_shm.own_segments() if launch.vllm_platform().is_cpu() else []
+        cpu_shm.unlink_at_exit(self.shm_segments)
         # the adapter every request runs with (`megarl.rollout.vllm.lora`); None: plain weights
         self.lora_request: Any = None
         self.last_sync_bytes = 0  # bytes the last weight sync handed the engine
@@ -285,6 +287,7 @@ class VLLMEngine:
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+        cpu_shm.unlink(self.shm_segments)
 
 
 def refresh_tied_lm_head(worker: Any) -> bool:
@@ -349,30 +352,8 @@ def _build_llm(vllm: Any, model: str, tokenizer: str, kwargs: dict[str, Any]) ->
     threads = torch.get_num_threads()
     ident = launch.cpu_shm_ident(kwargs.get("distributed_executor_backend", ""))
     try:
-        with _cpu_shm_named(ident if launch.vllm_platform().is_cpu() else None):
+        with cpu_shm.named_after_job(ident if launch.vllm_platform().is_cpu() else None):
             return vllm.LLM(model=model, tokenizer=tokenizer, **kwargs)
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def _cpu_shm_named(ident: str | None) -> Iterator[None]:
-    """While the engine starts, vLLM's CPU worker sets ``VLLM_DIST_IDENT`` just before it
-    initialises its process groups; the ident is put in between (None: vLLM's own)."""
-    if ident is None:
-        yield
-        return
-    from vllm.v1.worker import cpu_worker
-
-    original = cpu_worker.init_worker_distributed_environment
-
-    def init_with_ident(*args: Any, **kwargs: Any) -> Any:
-        os.environ["VLLM_DIST_IDENT"] = ident
-        return original(*args, **kwargs)
-
-    cpu_worker.init_worker_distributed_environment = init_with_ident
-    try:
-        yield
-    finally:
-        cpu_worker.init_worker_distributed_environment = original
