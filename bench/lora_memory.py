@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.results import print_table  # noqa: E402
 
 
 def _rss_mib() -> float:
@@ -99,10 +102,7 @@ def main() -> None:
                                  text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"qwen2, hidden {args.hidden}, {args.layers} layers, LoRA rank {args.rank} all-linear")
-    keys = list(rows[0])
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r[k]) for k in keys))
+    print_table(rows)
 
 
 if __name__ == "__main__":

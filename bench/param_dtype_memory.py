@@ -25,6 +25,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.results import print_table  # noqa: E402
 
 
 def _rss_mib() -> float:
@@ -144,10 +147,7 @@ def main() -> None:
         shares.append(_child(env, "share", args.policy))
     print(f"qwen2, hidden {args.hidden}, {args.layers} layers, bf16 compute")
     for table in (rows, shares):
-        keys = list(table[0])
-        print(" | ".join(keys))
-        for r in table:
-            print(" | ".join(str(r[k]) for k in keys))
+        print_table(table)
 
 
 if __name__ == "__main__":

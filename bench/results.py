@@ -36,6 +36,14 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def print_table(rows: list[dict]) -> None:
+    """Rows of one kind as ``a | b | c`` lines under a header of their keys (the first row's)."""
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in keys))
+
+
 # What a launch/train.py run really ran, read from its resolved config (run_dir/config.yaml),
 # so a benchmark labels its rows by the run, not by the script's intent.
 RAN_KEYS = {"engine": "actor_rollout_ref.rollout.name", "backend": "actor_rollout_ref.actor.strategy",

@@ -215,3 +215,26 @@ def hf_grads_by_checkpoint_name(model) -> dict:
         else:
             out[name] = g
     return out
+
+
+def save_random_peft_adapter(model_folder: str | os.PathLike, out: str | os.PathLike,
+                             target_modules: list[str], r: int = 4, lora_alpha: float = 12,
+                             seed: int = 3, scale: float = 0.3, **lora_config: Any
+                             ) -> tuple[Path, torch.Generator]:
+    """A PEFT LoRA adapter of the HF model in ``model_folder``, saved by peft itself to ``out``,
+    with every A and B drawn from N(0, scale^2) (float64; a fresh adapter's B is zero and would
+    test nothing). Returns the folder and the generator, seeded ``seed``, after the draws."""
+    import peft
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=0.0,
+                                                 target_modules=list(target_modules),
+                                                 **lora_config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".lora_" in n:
+                p.copy_(scale * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    pm.save_pretrained(out)
+    return Path(out), g

@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mcore_testlib as lib  # noqa: E402
 from test_megatron_lora import _float64_chunk  # noqa: E402
 
+from megarl.models.testing import save_random_peft_adapter  # noqa: E402
+
 F64 = torch.float64
 
 
@@ -78,15 +80,7 @@ def test_adapter_path_gives_peft_logits(tmp_path):
     from megarl.models.lora import adapter_settings
 
     path, args, layout = _setup(tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64)
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "v_proj", "up_proj"]))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if ".lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=F64))
-    pm.save_pretrained(tmp_path / "adapter")
+    _, g = save_random_peft_adapter(path, tmp_path / "adapter", ["q_proj", "v_proj", "up_proj"])
     ids = torch.randint(3, args.vocab_size, (2, 9), generator=g)
     ref = peft.PeftModel.from_pretrained(
         transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64), tmp_path / "adapter")

@@ -22,7 +22,7 @@ from megarl.config.loader import resolve_config
 from megarl.errors import UserInputError
 from megarl.models import load_model
 from megarl.models.lora import LoRALinear, adapter_settings, adapters_disabled
-from megarl.models.testing import make_tiny_hf_model
+from megarl.models.testing import make_tiny_hf_model, save_random_peft_adapter
 
 F64 = torch.float64
 REFERENCE = {  # Megatron-Bridge's get_init_fn, spelled with torch.nn.init
@@ -66,17 +66,8 @@ def _peft_folder(tmp_path, target=("q_proj", "v_proj", "down_proj"), **extra):
     """(model folder, adapter folder, token ids): a PEFT adapter with random non-zero A and B,
     saved by peft."""
     folder = make_tiny_hf_model(tmp_path / "m", "qwen2", "lm", 2)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=F64)
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.0,
-                                                 target_modules=list(target), **extra))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if ".lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=F64))
-    pm.save_pretrained(tmp_path / "adapter")
-    ids = torch.randint(3, 128, (2, 9), generator=g)
-    return folder, tmp_path / "adapter", ids
+    adapter, g = save_random_peft_adapter(folder, tmp_path / "adapter", list(target), **extra)
+    return folder, adapter, torch.randint(3, 128, (2, 9), generator=g)
 
 
 def test_adapter_path_gives_peft_logits(tmp_path):
