@@ -5,6 +5,7 @@ sizes in RESPONSES, ``*_token_len_*`` in TOKENS. ``None`` documented as "= X" is
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -91,6 +92,41 @@ class OverlongBufferConfig:
     max_resp_len: int | None = None
 
 
+@dataclass
+class SandboxFusionConfig:
+    """verl's code reward server: with ``url`` set, responses of code data sources
+    (codecontests, apps, codeforces, taco) are scored by running their program on the row's
+    test cases through SandboxFusion's ``/run_code`` endpoint (``megarl.rewards.sandbox_fusion``;
+    each call ends within reward_model.timeout_s). verl 0.9.1's ``reward.sandbox_fusion.*`` is
+    read here."""
+
+    url: str | None = None  # the run_code endpoint, http(s)://HOST:PORT/run_code; None = off
+    max_concurrent: int = 64  # requests in flight per reward worker process
+    memory_limit_mb: int = 1024  # MiB each sandboxed run may use (sent as memory_limit_MB)
+
+
+_KEY = "reward_model.sandbox_fusion"
+
+
+def sandbox_fusion_problems(url: Any, max_concurrent: Any, memory_limit_mb: Any) -> list[str]:
+    """Problems of ``reward_model.sandbox_fusion.*`` values as "key: text" lines ([] = fine).
+    ``url`` None means off (then the other two are not read)."""
+    if url is None:
+        return []
+    out = []
+    parsed = urllib.parse.urlsplit(str(url))
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        out.append(f"{_KEY}.url: must be an http:// or https:// URL of a SandboxFusion run_code "
+                   f"endpoint (e.g. http://HOST:8080/run_code), got {url!r}")
+    if not isinstance(max_concurrent, int) or isinstance(max_concurrent, bool) or max_concurrent < 1:
+        out.append(f"{_KEY}.max_concurrent: must be an int >= 1 (requests in flight per reward "
+                   f"worker), got {max_concurrent!r}")
+    if not isinstance(memory_limit_mb, int) or isinstance(memory_limit_mb, bool) or memory_limit_mb < 1:
+        out.append(f"{_KEY}.memory_limit_mb: must be an int >= 1 (MiB per sandboxed run), got "
+                   f"{memory_limit_mb!r}")
+    return out
+
+
 # PURE's spellings of the credit-assignment modes.
 CREDIT_ALIASES = {"strict min-form": "min", "gamma-decay": "sum"}
 
@@ -138,6 +174,7 @@ class RewardModelConfig:
     memory_mb: int = 1024  # per-worker memory limit, MiB
     ray: RayPoolConfig = field(default_factory=RayPoolConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     # verl's reward loop: true with rollout.name set serves model.path as a generative judge
     # (megarl.rewards.judge); true without rollout.name changes nothing
     use_reward_loop: bool = False

@@ -394,8 +394,8 @@ RULES: tuple[Rule, ...] = (
     Rule("reward_model.model.trust_remote_code", "mapped", f"{_ARR}.model.trust_remote_code"),
     Rule("reward_model.reward_loop_*", "rejected", "custom reward loops are not loaded; use "
          "custom_reward_function"),
-    Rule("*sandbox_fusion.url", "rejected", "code execution sandboxes are not implemented"),
-    Rule("*sandbox_fusion.*", "inert", _ONLY_WHEN.format(what="sandbox_fusion.url")),
+    *[Rule(f"{s}sandbox_fusion.*", "mapped", "reward_model.sandbox_fusion.*")
+      for s in ("reward.", "")],
 )
 
 

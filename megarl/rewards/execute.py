@@ -5,6 +5,7 @@ Shared by the local subprocess workers and the Ray actors so both give identical
 
 from __future__ import annotations
 
+import functools
 import math
 import resource
 from typing import Any
@@ -29,10 +30,11 @@ def resolve(spec: RewardFnSpec) -> ScoreFn:
     key = spec.cache_key()
     fn = _fn_cache.get(key)
     if fn is None:
-        if spec.kind == "default":
-            fn = compute_score
-        elif spec.kind == "prime":
-            fn = prime_compute_score
+        if spec.kind in ("default", "prime"):
+            # built-in functions take keyword settings (sandbox_fusion: code sources' server)
+            fn = compute_score if spec.kind == "default" else prime_compute_score
+            if spec.kwargs:
+                fn = functools.partial(fn, **dict(spec.kwargs))
         else:
             fn = load_custom_reward_fn(spec.path, spec.name, spec.kwargs)
         _fn_cache[key] = fn

@@ -47,6 +47,9 @@ ADDED: dict[str, object] = {
     "algorithm.custom_algorithms.path": None,
     "reward_model.overlong_buffer.log": False,
     "reward_model.overlong_buffer.max_resp_len": None,
+    "reward_model.sandbox_fusion.url": None,
+    "reward_model.sandbox_fusion.max_concurrent": 64,
+    "reward_model.sandbox_fusion.memory_limit_mb": 1024,
     "actor_rollout_ref.actor.router_replay.mode": "disabled",
     **{f"actor_rollout_ref.rollout.multi_turn.{key}": value for key, value in (
         ("enable", False), ("max_assistant_turns", None), ("max_user_turns", None), ("tool_config_path", None),
