@@ -1,0 +1,259 @@
+"""Pieces of a demo outcome reward model (ORM): the SFT policy's body with a 1-label
+sequence-classifier head, trained on the policy's own sampled solutions labelled by the arith
+verifier. Not a shipped asset: within the build budget it ranks a correct sample of a problem
+above a wrong one only ~0.55-0.62 of the time, too weak for GRPO (docs/demo.md, "An outcome
+reward model for the demo").
+
+Data. For each training problem the SFT policy samples ``n`` solutions at temperature 1 (the
+distribution GRPO scores); each is labelled by the rule reward (``math_score``: the last
+``\\boxed{}`` equals the answer). Every response token also carries a dense label: 1 while the
+response so far is a prefix of the reference solution (``megarl.demo.prm.prefix_labels``), so the
+model is told where a wrong solution left the correct path; the last token's label is the
+verifier's outcome, the one the ORM is read at.
+
+Input/score. As ``megarl.trainer.outcome_rm`` reads it (and transformers'
+``*ForSequenceClassification``): chat-templated prompt + response tokens (with the ``<|im_end|>``
+the policy ended with), the score head at the last token. Training rows are left-padded whole,
+so the last column is every row's last token; the score is the logit of "correct".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megarl.data.batching import pad_left
+from megarl.data.tokenizer import render_prompt
+from megarl.demo.arith import SEP, Problem
+from megarl.demo.greedy import DenseKVCache
+from megarl.demo.prm import prefix_labels
+from megarl.rewards.math_score import math_score
+
+
+@dataclass
+class ORMExample:
+    problem: int  # index of the problem (samples of one problem share it)
+    prompt_ids: list[int]
+    response_ids: list[int]  # as sampled: ends with eos unless cut at the length limit
+    correct: int  # the verifier's outcome (1 = the boxed answer is right)
+    token_labels: list[int]  # one per response token: prefix-of-reference, last = correct
+
+
+def prompt_ids(problems: Sequence[Problem], tokenizer) -> list[list[int]]:
+    """Chat-templated prompt token ids, as the trainer renders them."""
+    texts = [render_prompt(tokenizer, [{"role": "user", "content": p.prompt}])
+             for p in problems]
+    return [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+@torch.no_grad()
+def sample_responses(model, prompts: Sequence[Sequence[int]], n: int, eos_id: int, pad_id: int,
+                     max_new_tokens: int, temperature: float = 1.0, seed: int = 0,
+                     batch_size: int = 512) -> list[list[list[int]]]:
+    """``n`` sampled continuations of each prompt (softmax(logits / temperature), the rollout's
+    distribution at top_p=1), each up to and including eos: result[i][j] is sample j of prompt
+    i. Deterministic given ``seed`` and the thread count."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = [list(p) for p in prompts for _ in range(n)]
+    was = model.training
+    model.eval()
+    out: list[list[int]] = []
+    for start in range(0, len(flat), batch_size):
+        chunk = flat[start : start + batch_size]
+        ids, mask = pad_left(chunk, pad_id)
+        cache = DenseKVCache()
+        cache.extend(mask)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(ids, position_ids=pos, kv_cache=cache)[:, -1]
+        next_pos = pos[:, -1:] + 1
+        done = torch.zeros(len(chunk), dtype=torch.bool)
+        steps = []
+        for _ in range(max_new_tokens):
+            probs = torch.softmax(logits.float() / temperature, -1)
+            tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+            steps.append(torch.where(done, torch.full_like(tok, -1), tok))
+            done |= tok == eos_id
+            if bool(done.all()):
+                break
+            cache.extend(torch.ones(len(chunk), 1, dtype=torch.bool))
+            logits = model(tok[:, None], position_ids=next_pos, kv_cache=cache)[:, -1]
+            next_pos = next_pos + 1
+        for row in torch.stack(steps, 1).tolist():
+            out.append([t for t in row if t >= 0])
+    model.train(was)
+    return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def label_samples(problems: Sequence[Problem], prompts: Sequence[Sequence[int]],
+                  samples: Sequence[Sequence[Sequence[int]]], tokenizer) -> list[ORMExample]:
+    """One `ORMExample` per sample: outcome from the rule reward (``math_score`` of the decoded
+    response against the answer), dense labels from ``prefix_labels`` against the reference
+    solution's tokens, the last one replaced by the outcome."""
+    out = []
+    for k, (p, pr, group) in enumerate(zip(problems, prompts, samples)):
+        ref = tokenizer.encode(SEP.join(p.steps()), add_special_tokens=False)
+        ref = ref + [tokenizer.eos_token_id]
+        for resp in group:
+            if not resp:
+                continue
+            text = tokenizer.decode(resp, skip_special_tokens=True)
+            correct = int(math_score(text, str(p.answer)))
+            labels = prefix_labels(resp, ref)
+            labels[-1] = correct
+            out.append(ORMExample(k, list(pr), list(resp), correct, labels))
+    return out
+
+
+def orm_batch(examples: Sequence[ORMExample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B, T], mask [B, T], labels [B, T] float) of prompt + response left-padded whole
+    (pad id 0, masked), so column -1 is each row's last token; labels hold the response tokens'
+    ``token_labels`` and -1 (ignored) on prompt and padding."""
+    rows = [e.prompt_ids + e.response_ids for e in examples]
+    ids, mask = pad_left(rows, 0)
+    labels = torch.full(ids.shape, -1.0)
+    for i, e in enumerate(examples):
+        labels[i, ids.shape[1] - len(e.response_ids):] = torch.as_tensor(e.token_labels,
+                                                                          dtype=torch.float32)
+    return ids, mask, labels
+
+
+def orm_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] score logits at every position (column -1: the ORM's score)."""
+    return model(ids, attention_mask=mask)[..., 0]
+
+
+def new_orm(policy_dir: str | Path, seed: int):
+    """The policy's body with a fresh 1-label, bias-free score head (N(0, initializer_range)
+    from ``seed``), saved by ``save_model`` as a ``Qwen2ForSequenceClassification``."""
+    from megarl.models import load_model, read_hf_config
+
+    config = dict(read_hf_config(policy_dir))
+    arch = str((config.get("architectures") or ["Qwen2ForCausalLM"])[0])
+    config["architectures"] = [arch.removesuffix("ForCausalLM") + "ForSequenceClassification"]
+    config["num_labels"] = 1
+    return load_model(policy_dir, head="token_cls", num_labels=1, allow_new_head=True,
+                      seed=seed, hf_config=config)
+
+
+def rank_key(e: ORMExample) -> tuple[int, int]:
+    """What the ranking loss orders samples of one problem by: the outcome, then the number of
+    leading response tokens on the reference path (partial credit: a wrong solution that left
+    the path later ranks above one that left it earlier)."""
+    prefix = e.token_labels.index(0) if 0 in e.token_labels else len(e.token_labels)
+    return e.correct, prefix
+
+
+def group_examples(examples: Sequence[ORMExample]) -> list[list[int]]:
+    """Indices of ``examples`` per problem (the GRPO groups), in first-seen order."""
+    groups: dict[int, list[int]] = {}
+    for i, e in enumerate(examples):
+        groups.setdefault(e.problem, []).append(i)
+    return list(groups.values())
+
+
+def ranking_loss(scores: torch.Tensor, keys: Sequence[tuple[int, int]],
+                 groups: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Bradley-Terry loss -log sigmoid(s_i - s_j), averaged over the pairs (i, j) of one group
+    with key_i > key_j; scores [B] are indexed by ``groups``' positions. 0 without pairs."""
+    hi, lo = [], []
+    for g in groups:
+        for i in g:
+            for j in g:
+                if keys[i] > keys[j]:
+                    hi.append(i)
+                    lo.append(j)
+    if not hi:
+        return scores.sum() * 0.0
+    return -F.logsigmoid(scores[hi] - scores[lo]).mean()
+
+
+def train_orm(model, examples: Sequence[ORMExample], steps: int, groups_per_batch: int = 8,
+              lr: float = 1e-3, warmup: int = 20, rank_weight: float = 1.0,
+              dense_weight: float = 0.0, outcome_weight: float = 0.0, seed: int = 0,
+              log: Callable[[str], None] | None = None,
+              eval_fn: Callable[[int], None] | None = None, eval_every: int = 100) -> float:
+    """AdamW on whole groups (every sample of ``groups_per_batch`` problems): ``rank_weight`` x
+    the ranking loss within each group (`ranking_loss` by `rank_key`), plus ``outcome_weight`` x the binary
+    cross-entropy of the outcome at the last token and ``dense_weight`` x that of the prefix
+    labels at the other response tokens. ``eval_fn(step)`` runs every ``eval_every`` steps (its
+    time is not counted). Returns seconds spent training."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    groups = group_examples(examples)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)))
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        chosen = [groups[i] for i in rng.choice(len(groups), size=groups_per_batch,
+                                                 replace=False)]
+        batch = [examples[i] for g in chosen for i in g]
+        local, k = [], 0
+        for g in chosen:
+            local.append(list(range(k, k + len(g))))
+            k += len(g)
+        ids, mask, labels = orm_batch(batch)
+        logits = orm_logits(model, ids, mask).float()
+        loss = logits.sum() * 0.0
+        if rank_weight:
+            loss = loss + rank_weight * ranking_loss(logits[:, -1], [rank_key(e) for e in batch],
+                                                     local)
+        if outcome_weight:
+            loss = loss + outcome_weight * F.binary_cross_entropy_with_logits(
+                logits[:, -1], labels[:, -1])
+        if dense_weight:
+            body = labels[:, :-1]
+            keep = body >= 0
+            loss = loss + dense_weight * F.binary_cross_entropy_with_logits(
+                logits[:, :-1][keep], body[keep])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if log and (step % 100 == 0 or step == steps):
+            log(f"  orm step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)")
+        if eval_fn is not None and step % eval_every == 0:
+            t1 = time.perf_counter()
+            eval_fn(step)
+            model.train()
+            t0 += time.perf_counter() - t1
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def orm_scores(model, examples: Sequence[ORMExample], batch_size: int = 512) -> torch.Tensor:
+    """[N] float32: the score (last-token logit) of each example."""
+    was = model.training
+    model.eval()
+    out = []
+    for s in range(0, len(examples), batch_size):
+        ids, mask, _ = orm_batch(examples[s : s + batch_size])
+        out.append(orm_logits(model, ids, mask)[:, -1].float())
+    model.train(was)
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def pairwise_accuracy(examples: Sequence[ORMExample], scores: torch.Tensor) -> dict[str, float]:
+    """Over every (correct, wrong) pair of samples of the same problem: the share the score
+    ranks correct above wrong (ties count half), what a GRPO group's advantages depend on; also
+    the number of such pairs, of problems with one, and the share of correct samples."""
+    by_problem: dict[int, tuple[list[float], list[float]]] = {}
+    for e, s in zip(examples, scores.tolist()):
+        by_problem.setdefault(e.problem, ([], []))[e.correct].append(s)
+    wins, pairs, groups = 0.0, 0, 0
+    for wrong, right in by_problem.values():
+        if not wrong or not right:
+            continue
+        groups += 1
+        w = np.asarray(wrong)
+        for r in right:
+            wins += float((r > w).sum()) + 0.5 * float((r == w).sum())
+            pairs += len(w)
+    return {"pairwise_accuracy": wins / max(pairs, 1), "pairs": pairs, "problems": groups,
+            "correct_share": float(np.mean([e.correct for e in examples])) if examples else 0.0}
