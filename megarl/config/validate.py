@@ -13,6 +13,7 @@ import logging
 from megarl.config import algorithms as A
 from megarl.config.schema import Config, ParallelConfig
 from megarl.config.schema_judge import judge_enabled
+from megarl.config.schema_reward import sandbox_fusion_problems
 
 log = logging.getLogger("megarl.config")
 
@@ -264,6 +265,10 @@ def _check_ranges(cfg: Config, c: _Checker) -> None:
         c.positive(f"reward_model.{key}", getattr(rm, key))
     for key in ("num_workers", "timeout_s", "memory_mb"):
         c.positive(f"reward_model.ray.{key}", getattr(rm.ray, key))
+    sbx = rm.sandbox_fusion
+    for problem in sandbox_fusion_problems(sbx.url, sbx.max_concurrent, sbx.memory_limit_mb):
+        key, text = problem.split(": ", 1)
+        c.fail(key, text)
     if not rm.step_separator:
         c.fail("reward_model.step_separator", "must not be empty")
     if rm.prm_step_token == "":

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megarl.rewards.pool import DEFAULT_FN, RewardFnSpec, RewardPool, RewardRequest, RewardResult
-from megarl.rewards.scoring import _unknown, load_custom_reward_fn, verifier_name
+from megarl.rewards.scoring import _unknown, has_builtin_rule, load_custom_reward_fn
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ class RewardManager:
 
     def has_rule(self, data_source: str) -> bool:
         """Whether responses of ``data_source`` have a rule reward here (the built-in verifiers
-        know only some sources; a custom function or PURE's math check scores every one)."""
-        return self.fn.kind != "default" or verifier_name(data_source) is not None
+        know only some sources, code sources only with a sandbox url in the function's kwargs;
+        a custom function or PURE's math check scores every one)."""
+        return self.fn.kind != "default" or has_builtin_rule(data_source, self.fn.kwargs)
 
     def _check_source(self, data_source: str) -> None:
         if not self.has_rule(data_source):

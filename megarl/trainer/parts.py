@@ -377,14 +377,17 @@ def _build_rest(cfg: Any, paths: dict[str, Any], device: torch.device, tokenizer
     manager = val_manager = pool = None
     if rank == 0:
         from megarl.rewards import make_reward_manager, make_reward_pool
+        from megarl.rewards.sandbox_fusion import builtin_fn_spec
 
         pool = make_reward_pool(rm.pool, num_workers=rm.num_workers, timeout_s=rm.timeout_s,
                                 memory_mb=rm.memory_mb, ray_address=rm.ray.address)
         custom = cfg.custom_reward_function
         custom_spec = ({"path": custom.path, "name": custom.name,
                         "reward_kwargs": dict(custom.reward_kwargs)} if custom.path else None)
-        manager = make_reward_manager(rm.reward_manager, pool, custom_spec)
-        val_manager = make_reward_manager("naive", pool, custom_spec)
+        # the built-in functions get the code sandbox (verl: never a custom function)
+        manager = make_reward_manager(rm.reward_manager, pool,
+                                      custom_spec or builtin_fn_spec(rm, rm.reward_manager))
+        val_manager = make_reward_manager("naive", pool, custom_spec or builtin_fn_spec(rm, "naive"))
         if outcome_rm is not None or judge is not None:
             # the rule reward is logged only: sources without one pass
             from megarl.rewards.managers import RuleRewardBesideModel
