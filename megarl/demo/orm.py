@@ -179,10 +179,10 @@ def train_orm(model, examples: Sequence[ORMExample], steps: int, groups_per_batc
               log: Callable[[str], None] | None = None,
               eval_fn: Callable[[int], None] | None = None, eval_every: int = 100) -> float:
     """AdamW on whole groups (every sample of ``groups_per_batch`` problems): ``rank_weight`` x
-    the ranking loss within each group (`ranking_loss` by `rank_key`), plus ``outcome_weight`` x the binary
-    cross-entropy of the outcome at the last token and ``dense_weight`` x that of the prefix
-    labels at the other response tokens. ``eval_fn(step)`` runs every ``eval_every`` steps (its
-    time is not counted). Returns seconds spent training."""
+    the ranking loss within each group (`ranking_loss` by `rank_key`), plus ``outcome_weight``
+    x the binary cross-entropy of the outcome at the last token and ``dense_weight`` x that of
+    the prefix labels at the other response tokens. ``eval_fn(step)`` runs every
+    ``eval_every`` steps (its time is not counted). Returns seconds spent training."""
     rng = np.random.Generator(np.random.PCG64(seed))
     groups = group_examples(examples)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
