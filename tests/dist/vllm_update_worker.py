@@ -146,11 +146,13 @@ def main() -> None:
         Path(out).write_text(json.dumps(res))
     dist.barrier()
     engine.close()  # vLLM's teardown also destroys the default process group
-    # no shared memory outlives the engine: this rank's own segments and the dead job's
-    Path(f"{out}.shm{os.environ['RANK']}").write_text(json.dumps({
+    # no shared memory outlives the engine: this rank's own segments and, on rank 0 (its TP
+    # segment has that name: the other rank may check before rank 0 has closed), the dead job's
+    rank = int(os.environ["RANK"])
+    checked = [*engine.shm_segments, *([stale] if stale and rank == 0 else [])]
+    Path(f"{out}.shm{rank}").write_text(json.dumps({
         "segments": [str(p) for p in engine.shm_segments],
-        "left": [str(p) for p in [*engine.shm_segments, *([stale] if stale else [])]
-                 if p.exists()]}))
+        "left": [str(p) for p in checked if p.exists()]}))
 
 
 def _folder_state(path: str) -> dict[str, torch.Tensor]:
