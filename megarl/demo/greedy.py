@@ -1,10 +1,13 @@
 """A small greedy decoder for evaluating the demo models while the assets are built.
 
 This is not the rollout engine (megarl/rollout): one plain KV cache behind the model's
-``kv_cache.attend`` hook, left-padded prompts, argmax decoding, no sampling.
+``kv_cache.attend`` hook, left-padded prompts, argmax decoding (`generate` takes any per-token
+pick, e.g. a seeded sampler).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +53,23 @@ def _self_positions(t: int, s: int, device) -> torch.Tensor:
     return eye
 
 
-@torch.no_grad()
 def greedy_generate(
     model, prompts: list[list[int]], eos_id: int, pad_id: int, max_new_tokens: int,
     batch_size: int = 256,
 ) -> list[list[int]]:
     """Argmax continuation of each prompt, up to and including EOS (or max_new_tokens)."""
+    return generate(model, prompts, eos_id, pad_id, max_new_tokens, batch_size,
+                    pick=lambda logits: logits.argmax(-1))
+
+
+@torch.no_grad()
+def generate(
+    model, prompts: list[list[int]], eos_id: int, pad_id: int, max_new_tokens: int,
+    batch_size: int, pick: Callable[[torch.Tensor], torch.Tensor],
+) -> list[list[int]]:
+    """Continuation of each prompt, up to and including EOS (or max_new_tokens), one token per
+    step from ``pick(logits [B, V]) -> token ids [B]`` (called for every row, finished or not).
+    Prompts are left-padded in batches of ``batch_size`` and decoded with a KV cache."""
     was_training = model.training
     model.eval()
     out: list[list[int]] = []
@@ -70,7 +84,7 @@ def greedy_generate(
         done = torch.zeros(len(chunk), dtype=torch.bool)
         gen = []
         for _ in range(max_new_tokens):
-            tok = logits.argmax(-1)
+            tok = pick(logits)
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
             gen.append(tok)
             done |= tok == eos_id

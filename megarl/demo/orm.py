@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from megarl.data.batching import pad_left
 from megarl.data.tokenizer import render_prompt
 from megarl.demo.arith import SEP, Problem
-from megarl.demo.greedy import DenseKVCache
+from megarl.demo.greedy import generate
 from megarl.demo.prm import prefix_labels
 from megarl.rewards.math_score import math_score
 
@@ -52,7 +52,6 @@ def prompt_ids(problems: Sequence[Problem], tokenizer) -> list[list[int]]:
     return [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-@torch.no_grad()
 def sample_responses(model, prompts: Sequence[Sequence[int]], n: int, eos_id: int, pad_id: int,
                      max_new_tokens: int, temperature: float = 1.0, seed: int = 0,
                      batch_size: int = 512) -> list[list[list[int]]]:
@@ -60,33 +59,13 @@ def sample_responses(model, prompts: Sequence[Sequence[int]], n: int, eos_id: in
     distribution at top_p=1), each up to and including eos: result[i][j] is sample j of prompt
     i. Deterministic given ``seed`` and the thread count."""
     gen = torch.Generator().manual_seed(seed)
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float() / temperature, -1)
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
     flat = [list(p) for p in prompts for _ in range(n)]
-    was = model.training
-    model.eval()
-    out: list[list[int]] = []
-    for start in range(0, len(flat), batch_size):
-        chunk = flat[start : start + batch_size]
-        ids, mask = pad_left(chunk, pad_id)
-        cache = DenseKVCache()
-        cache.extend(mask)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(ids, position_ids=pos, kv_cache=cache)[:, -1]
-        next_pos = pos[:, -1:] + 1
-        done = torch.zeros(len(chunk), dtype=torch.bool)
-        steps = []
-        for _ in range(max_new_tokens):
-            probs = torch.softmax(logits.float() / temperature, -1)
-            tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-            steps.append(torch.where(done, torch.full_like(tok, -1), tok))
-            done |= tok == eos_id
-            if bool(done.all()):
-                break
-            cache.extend(torch.ones(len(chunk), 1, dtype=torch.bool))
-            logits = model(tok[:, None], position_ids=next_pos, kv_cache=cache)[:, -1]
-            next_pos = next_pos + 1
-        for row in torch.stack(steps, 1).tolist():
-            out.append([t for t in row if t >= 0])
-    model.train(was)
+    out = generate(model, flat, eos_id, pad_id, max_new_tokens, batch_size, pick=draw)
     return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
