@@ -277,7 +277,7 @@ def test_stalled_server_is_bounded_by_the_deadline(serve):
     s = sf.SandboxSettings(url=srv.url, deadline_s=0.5)
     t0 = time.monotonic()
     r = sf.sandbox_score(ANSWER, cases(["1", "2", "3"], ["2", "4", "6"]), s)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # the server holds 30 s: the deadline ended it
     assert r.timed_out and r.score == 0.0 and r.results == [-1, -1, -1]
     with pytest.raises(TimeoutError, match="deadline_s=0.5 reached with none of 1 cases judged"):
         code_score(ANSWER, cases(["1"], ["2"]), {"url": srv.url, "deadline_s": 0.5})
@@ -300,7 +300,7 @@ def test_cases_without_a_verdict_count_as_failed_and_are_said(serve):
     out = code_score(ANSWER, cases(["1", "2", "3", "4"], ["2", "4", "6", "8"]),
                      {"url": srv.url, "deadline_s": 0.6})
     gate.set()
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0  # the server holds 30 s: the deadline ended it
     assert out == {"score": 0.5, "sandbox_unjudged": 2.0}
     srv2 = serve(lambda body: (200, response("SandboxError", finished("", status="Error"))))
     with pytest.raises(RuntimeError, match="judged none of the 1 cases: sandbox_error"):
@@ -391,7 +391,7 @@ def test_a_stalled_server_inside_the_pool_scores_zero_as_timeout(serve):
         t0 = time.monotonic()
         [r] = pool.score([RewardRequest("taco", ANSWER, cases(["1"], ["2"]), None,
                                         RewardFnSpec(kind="default", kwargs=kw))])
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 10.0  # the server holds 30 s
         assert pool.stats["reward/worker_restarts"] == 0  # ended by its deadline, not killed
     assert (r.score, r.status) == (0.0, "timeout") and "deadline_s=1.0" in r.extra["error"]
 
