@@ -87,6 +87,28 @@ def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None = None) 
     return t.tolist()
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward (the consumer is replicated over the group,
+    so each rank keeps the gradient of its own contribution)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of the group's ``x`` (disjoint pieces, zeros elsewhere: exact), differentiable."""
+    if group is None:
+        return x
+    return _SumOverGroup.apply(x, group)
+
+
 # How long `destroy` leaves the GIL to gloo's worker threads (seconds).
 GLOO_DRAIN_S = 0.2
 

@@ -9,6 +9,9 @@ and the AVERAGE over data-parallel ranks of the gradients of the already normali
   float32 rounding of the gradient seed);
 - megatron's DDP scales gradients by ``1 / dp_size`` before its all-reduce / reduce-scatter
   (``calculate_per_token_loss=False``, ``average_in_collective=False``): the DP average.
+  Under context parallelism the schedule also multiplies each loss by CP and DDP divides by
+  DP x CP; each CP rank's gradient is its tokens' part of the whole micro-batch's, so the sum
+  over CP, averaged over DP, is again the protocol's gradient (`context_parallel`).
 Metrics follow the same rule: summed over micro-batches, averaged over DP ranks over the union
 of the ranks' keys (`megarl.backends.metrics.reduce_metrics`, shared with the torch backend).
 """
@@ -32,7 +35,7 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megarl.backends.megatron import checkpoint, cpu_compat, moe, parallel, replay
+from megarl.backends.megatron import checkpoint, context_parallel, cpu_compat, moe, parallel, replay
 from megarl.backends.megatron import lora as lora_lib
 from megarl.backends.megatron.batching import MicroBatch, pad_to, to_micro_batch
 from megarl.backends.megatron.config import (
@@ -83,6 +86,9 @@ class MegatronBackend:
     ep, etp:     expert-parallel size and expert-tensor-parallel size (default tp) of a
                  mixture-of-experts model (`megarl.backends.megatron.moe`); shared by all roles
                  of one process like tp and pp.
+    cp:          context-parallel size (`megarl.backends.megatron.context_parallel`): cp ranks
+                 split each micro-batch's sequence; data parallel = world / (tp x pp x cp).
+                 Shared by all roles of one process like tp and pp.
     dtype:       "fp32" or "bf16" (bf16 params via Float16Module, fp32 main params and grads).
     optim_config: `OptimSettings`, a mapping or a config object with its fields (lr, betas, eps,
                  weight_decay, grad_clip, lr_warmup_steps, lr_warmup_steps_ratio,
@@ -122,6 +128,7 @@ class MegatronBackend:
         sp: bool = False,
         ep: int = 1,
         etp: int | None = None,
+        cp: int = 1,
         dtype: str = "fp32",
         optim_config: OptimSettings | Mapping[str, Any] | Any | None = None,
         use_distributed_optimizer: bool = True,
@@ -153,7 +160,7 @@ class MegatronBackend:
         self.hf_config = dict(hf_config) if model_path is None else read_hf_config(
             model_path, hf_overrides, key=override_key(role))
         self.args = ModelArgs.from_hf_config(self.hf_config)
-        self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp)
+        self.layout = Layout(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, etp=etp, cp=cp)
         check_supported(self.args, self.layout)
         self.dtype = torch_dtype(dtype)
         self.dtype_name = dtype
@@ -175,7 +182,7 @@ class MegatronBackend:
 
         dense_any = not self.args.is_moe and ep == 1 and etp is None  # EP groups unused
         parallel.ensure_model_parallel(
-            tp, pp, seed, ep=None if dense_any else ep, etp=None if dense_any else etp
+            tp, pp, seed, ep=None if dense_any else ep, etp=None if dense_any else etp, cp=cp
         )
         self.use_te = spec == "te" or (spec == "auto" and te_available() and lora is None)
         if lora is not None and self.use_te:
@@ -217,6 +224,10 @@ class MegatronBackend:
             self._replays = []
             if self.router_replay:
                 check_router_replay(self.args, role, self.router_replay_mode)
+                if cp > 1:
+                    raise ValueError("MoE routing replay reads each token's recorded experts "
+                                     "by column and is not wired for context parallelism: use "
+                                     "context_parallel_size=1 with router_replay")
                 self._replays = replay.install(self.chunks, self.args)
             self._measure_replay = False  # set by replay.replay_metrics
             self.optimizer = None
@@ -394,10 +405,10 @@ class MegatronBackend:
         Collective."""
         if self.lora is None:
             return
-        if grads and self.dp_size > 1 and self.modules[0].ddp_config.use_distributed_optimizer:
+        if grads and self._grads_sharded():
             raise RuntimeError("export_adapter(grads=True) with the distributed optimizer needs "
-                               "dp_size == 1 (each DP rank holds its shard of the reduced "
-                               "gradient only)")
+                               "dp_size x context_parallel_size == 1 (each of those ranks "
+                               "holds its shard of the reduced gradient only)")
         yield from lora_lib.gather_adapters(self.chunks, self.lora_specs, self.args,
                                             self.layout, self.lora.rank, grads=grads)
 
@@ -434,8 +445,9 @@ class MegatronBackend:
         each DP rank then holds only its shard of the reduced gradient)."""
         if self.optimizer is None:
             raise TypeError(f"the {self.role} backend has no gradients (train=False)")
-        if self.dp_size > 1 and self.modules[0].ddp_config.use_distributed_optimizer:
-            raise RuntimeError("export_grads with the distributed optimizer needs dp_size == 1")
+        if self._grads_sharded():
+            raise RuntimeError("export_grads with the distributed optimizer needs dp_size x "
+                               "context_parallel_size == 1")
         yield from export_hf(
             self.chunks, self.args, self.layout, self.role, self.num_labels, grads=True
         )
@@ -456,7 +468,7 @@ class MegatronBackend:
                 dist.all_gather(parts, z.contiguous(), group=self.tp_group)
                 z = torch.cat(parts, dim=-1)
             full = z.new_zeros((*outputs.shape, V)).index_put(outputs.flat_index, z)
-            return full.permute(2, 0, 1)
+            return outputs.group_sum(full).permute(2, 0, 1)
 
         out = self._forward_no_grad(batch, collect, temperature, width=V)
         return out.permute(1, 2, 0).contiguous()
@@ -473,8 +485,17 @@ class MegatronBackend:
     # ------------------------------------------------------------------------- internals
 
     def _prepare(self, batch: SequenceBatch) -> MicroBatch:
-        pad = self.layout.tp if self.layout.sp else 1
-        return to_micro_batch(batch, parallel.device(), pad_multiple=pad)
+        return to_micro_batch(batch, parallel.device(), pad_multiple=self.layout.seq_multiple)
+
+    def _grads_sharded(self) -> bool:
+        """Whether each rank holds only a shard of the reduced gradients: the distributed
+        optimizer over more than one data-parallel x context-parallel rank."""
+        return (ps.get_data_parallel_world_size(with_context_parallel=True) > 1
+                and self.modules[0].ddp_config.use_distributed_optimizer)
+
+    @property
+    def _cp_group(self) -> dist.ProcessGroup | None:
+        return parallel.cp_group() if self.layout.cp > 1 else None
 
     def _head_outputs(
         self, hidden: torch.Tensor, mb: MicroBatch, temperature: float
@@ -489,6 +510,7 @@ class MegatronBackend:
                 sequence_parallel=self.layout.sp,
                 tp_group=self.tp_group,
                 use_kernel=self.use_fused_kernels,
+                cp_group=self._cp_group,
             )
         return value_outputs(
             hidden,
@@ -497,13 +519,15 @@ class MegatronBackend:
             role=self.role,
             sequence_parallel=self.layout.sp,
             tp_group=self.tp_group,
+            cp_group=self._cp_group,
         )
 
     def _forward_step(self, loss_func, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         kwargs = {"fp32_output": False} if self.dtype == torch.bfloat16 else {}
         if self.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
-            kwargs["padding_mask"] = moe.padding_mask(mb.lengths, *mb.input_ids.shape)
+            kwargs["padding_mask"] = moe.padding_mask(mb.lengths, *mb.input_ids.shape,
+                                                      columns=mb.columns)
         if self.router_replay:
             seen = (id(mb), id(model))  # align_over_dp may repeat a micro-batch
             first = seen not in self._counted
@@ -526,6 +550,8 @@ class MegatronBackend:
             )
         if self.layout.pp > 1 or self._experts_cross_dp():
             mbs = [pad_to(mb, seq_len, rows) for mb in mbs]
+        if self.layout.cp > 1:  # megatron's schedule divides seq_len by CP itself
+            mbs = [context_parallel.shard(mb, self.layout.cp, parallel.cp_rank()) for mb in mbs]
         iters = [iter(mbs) for _ in self.modules]
         self._counted: set[tuple[int, int]] = set()  # micro-batches whose routing flips were counted
         with cpu_compat.cuda_to_cpu(), parallel.virtual_pp(self.layout.vpp), \

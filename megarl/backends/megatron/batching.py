@@ -10,7 +10,9 @@ padding and the common right padding without any attention mask.
 Indices kept for the heads (N = number of response tokens that have a predecessor):
 ``rows, resp_cols`` (entry [i, j] of the [b, L] output), ``pred_cols`` (column of the hidden
 state that predicts the token: P_i + j - 1 after the shift) and ``tok_cols`` (the token's own
-column P_i + j, read by token classification), ``labels`` (the token ids).
+column P_i + j, read by token classification), ``labels`` (the token ids). Under context
+parallelism each rank keeps the entries whose hidden state it holds
+(`megarl.backends.megatron.context_parallel.shard`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class MicroBatch:
     cls_resp_cols: torch.Tensor  # [M]
     cls_tok_cols: torch.Tensor  # [M]
     source: SequenceBatch  # the caller's micro-batch (for loss functions)
+    # under context parallelism (`context_parallel.shard`): the global column of each of the
+    # rank's S / C columns; None: the columns are 0..S-1
+    columns: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -31,7 +31,8 @@ Scoped patches (context managers the backend enters around its calls into megatr
 
 8. `cuda_to_cpu()`: a ``TorchFunctionMode`` that turns ``device="cuda"`` in tensor factories,
    ``Tensor.cuda()`` and ``Tensor.to("cuda")`` into the CPU (schedules, optimizer and grad-norm
-   code create scalars with ``device="cuda"``).
+   code create scalars with ``device="cuda"``), and drops ``pin_memory=True`` (RoPE's
+   context-parallel slicing, ``get_pos_emb_on_this_cp_rank``, pins its index tensor).
 9. `cuda_type_strings()`: inside it, the no-argument ``Tensor.type()`` of a CPU float tensor
    reports ``torch.cuda.<T>Tensor``: megatron's optimizers accept parameters only after checking
    that string (``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``,
@@ -108,6 +109,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = torch.device("cpu")
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

@@ -7,6 +7,10 @@ and all-reduces their gradient over ``tp_group`` itself. So `full_sequence` hand
 hidden states of the whole sequence without any reduction of their gradient (under sequence
 parallelism it all-gathers them and its backward only splits the gradient back). The score
 head is replicated over TP: every rank computes the same full gradient, nothing to reduce.
+
+Context parallelism (``cp_group``): the micro-batch holds the rank's own entries only
+(`megarl.backends.megatron.context_parallel.shard`); every [b, L] output is summed over the
+group (`megarl.utils.dist.sum_over_group`: exact, the pieces are disjoint; identity backward).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from megatron.core import tensor_parallel
 
 from megarl.backends.megatron.batching import MicroBatch
 from megarl.backends.protocol import SequenceBatch
+from megarl.utils.dist import sum_over_group
 
 logger = logging.getLogger(__name__)
 _KERNEL_WARNED = False
@@ -128,6 +133,8 @@ class MegatronHeadOutputs:
     weight [V/tp, H]; labels [N]; flat_index (rows [N], cols [N]) into [b, L];
     logprob / entropy [b, L] lazily, differentiable, 0 outside the response;
     values [b, L] for critics, scores [b, L, num_labels] for PRMs.
+    cp_group (context parallelism): hidden / labels / flat_index hold this rank's entries;
+    the [b, L] tensors are summed over the group, so every rank sees the whole micro-batch.
     """
 
     def __init__(
@@ -141,16 +148,18 @@ class MegatronHeadOutputs:
         use_kernel: bool = True,
         values: torch.Tensor | None = None,
         scores: torch.Tensor | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ):
         self.temperature = float(temperature)
         self.tp_group = tp_group
+        self.cp_group = cp_group
         self.hidden = hidden
         self.weight = weight
         self.labels = mb.labels
         self.flat_index = (mb.rows, mb.resp_cols)
         self.shape = (mb.batch_size, mb.response_length)
-        self.values = values
-        self.scores = scores
+        self.values = self.group_sum(values)
+        self.scores = self.group_sum(scores)
         self._use_kernel = use_kernel
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._sum_sq: torch.Tensor | None = None
@@ -168,7 +177,14 @@ class MegatronHeadOutputs:
 
     def _scatter(self, flat: torch.Tensor) -> torch.Tensor:
         out = flat.new_zeros(self.shape, dtype=torch.float32)
-        return out.index_put(self.flat_index, flat.float())
+        return self.group_sum(out.index_put(self.flat_index, flat.float()))
+
+    def group_sum(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` (this rank's entries, zeros elsewhere) summed over the context-parallel
+        group; ``t`` itself without context parallelism."""
+        if t is None or self.cp_group is None:
+            return t
+        return sum_over_group(t, self.cp_group)
 
     @property
     def logprob(self) -> torch.Tensor:
@@ -208,8 +224,9 @@ def lm_outputs(
     sequence_parallel: bool,
     tp_group: dist.ProcessGroup,
     use_kernel: bool,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> MegatronHeadOutputs:
-    """HeadOutputs of an LM-head model from its final hidden states [s(/tp), b, h]."""
+    """HeadOutputs of an LM-head model from its final hidden states [s(/cp)(/tp), b, h]."""
     full = full_sequence(hidden, sequence_parallel)
     picked = full[mb.pred_cols, mb.rows].to(weight.dtype)  # [N, H]
     return MegatronHeadOutputs(
@@ -219,6 +236,7 @@ def lm_outputs(
         hidden=picked,
         weight=weight,
         use_kernel=use_kernel,
+        cp_group=cp_group,
     )
 
 
@@ -230,6 +248,7 @@ def value_outputs(
     role: str,
     sequence_parallel: bool,
     tp_group: dist.ProcessGroup,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> MegatronHeadOutputs:
     """HeadOutputs of a critic (``values`` [b, L] read at the column before each token) or a
     PRM (``scores`` [b, L, num_labels] read at the token's own column)."""
@@ -239,11 +258,13 @@ def value_outputs(
         picked = full[mb.pred_cols, mb.rows].to(score.weight.dtype)
         v = score(picked)[:, 0].float()
         values = v.new_zeros((b, L)).index_put((mb.rows, mb.resp_cols), v)
-        return MegatronHeadOutputs(mb=mb, temperature=1.0, tp_group=tp_group, values=values)
+        return MegatronHeadOutputs(mb=mb, temperature=1.0, tp_group=tp_group, values=values,
+                                   cp_group=cp_group)
     picked = full[mb.cls_tok_cols, mb.cls_rows].to(score.weight.dtype)
     s = score(picked).float()
     scores = s.new_zeros((b, L, s.shape[-1])).index_put((mb.cls_rows, mb.cls_resp_cols), s)
-    return MegatronHeadOutputs(mb=mb, temperature=1.0, tp_group=tp_group, scores=scores)
+    return MegatronHeadOutputs(mb=mb, temperature=1.0, tp_group=tp_group, scores=scores,
+                               cp_group=cp_group)
 
 
 def logprob_stats_of(backend: Any, batch: SequenceBatch, temperature: float = 1.0

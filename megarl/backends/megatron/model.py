@@ -10,7 +10,9 @@ TP instead of the LM head.
 
 Layer spec: megatron's local spec with our own RMSNorm (torch's, plus the ``sequence_parallel``
 tag megatron's ``finalize_model_grads`` needs to all-reduce norm grads under SP; megatron's
-``WrappedTorchNorm`` refuses SP), or the TransformerEngine spec when TE imports and CUDA is up.
+``WrappedTorchNorm`` refuses SP) and, under context parallelism, our
+`context_parallel.ContextParallelAttention` (megatron's local attention refuses CP); or the
+TransformerEngine spec when TE imports and CUDA is up.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megarl.backends.megatron import moe
+from megarl.backends.megatron.context_parallel import ContextParallelAttention
 from megarl.backends.protocol import LM_ROLES, VALUE_ROLES
 from megarl.models.args import ModelArgs, UnsupportedModelError
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel layout of one backend: tensor, pipeline, virtual-pipeline sizes, SP flag, and
-    for MoE models the expert-parallel size and the expert-tensor-parallel size (None: tp)."""
+    """Parallel layout of one backend: tensor, pipeline, virtual-pipeline sizes, SP flag, the
+    context-parallel size, and for MoE models the expert-parallel size and the
+    expert-tensor-parallel size (None: tp)."""
 
     tp: int = 1
     pp: int = 1
@@ -49,6 +53,7 @@ class Layout:
     sp: bool = False
     ep: int = 1
     etp: int | None = None
+    cp: int = 1
 
     @property
     def num_chunks(self) -> int:
@@ -57,6 +62,12 @@ class Layout:
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def seq_multiple(self) -> int:
+        """What the padded sequence length must be a multiple of: 2 x CP (the load-balanced
+        chunks), times TP under sequence parallelism (each chunk pair split over TP)."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
 
 
 def te_available() -> bool:
@@ -99,6 +110,8 @@ def check_supported(args: ModelArgs, layout: Layout) -> None:
         raise ValueError("virtual_pipeline_model_parallel_size needs pipeline size >= 2 and >= 2")
     if layout.sp and layout.tp < 2:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size >= 2")
+    if layout.cp < 1:
+        raise ValueError(f"context_parallel_size must be >= 1, got {layout.cp}")
     moe.check_moe_supported(args, layout.tp, layout.ep, layout.expert_tp, layout.sp)
 
 
@@ -134,6 +147,7 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         sequence_parallel=layout.sp,
+        context_parallel_size=layout.cp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -199,6 +213,8 @@ def block_spec(config: TransformerConfig, *, use_te: bool, vp_stage: int | None,
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    if config.context_parallel_size > 1:
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:

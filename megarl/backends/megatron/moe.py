@@ -243,14 +243,15 @@ def reset_aux_tracker() -> dict | None:
     return get_moe_layer_wise_logging_tracker().pop("load_balancing_loss", None)
 
 
-def padding_mask(lengths, rows: int, seq_len: int):
+def padding_mask(lengths, rows: int, seq_len: int, columns=None):
     """[rows, seq_len] bool, True at padding: row i's real tokens are its first ``lengths[i]``
-    columns, rows past ``len(lengths)`` are padding. megatron 0.16.1's router reads True as
-    padding (``compute_routing_scores_for_aux_loss`` keeps ``~padding_mask``), whatever its
+    columns, rows past ``len(lengths)`` are padding; ``columns`` [seq_len]: the global column
+    of each (context parallelism), default 0..seq_len-1. megatron 0.16.1's router reads True
+    as padding (``compute_routing_scores_for_aux_loss`` keeps ``~padding_mask``), whatever its
     docstrings say; the load-balancing loss then counts real tokens only."""
     import torch
 
-    cols = torch.arange(seq_len, device=lengths.device)
+    cols = torch.arange(seq_len, device=lengths.device) if columns is None else columns
     full = torch.zeros(rows, dtype=lengths.dtype, device=lengths.device)
     full[: lengths.shape[0]] = lengths
     return cols[None] >= full[:, None]

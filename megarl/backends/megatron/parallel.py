@@ -1,7 +1,7 @@
 """megatron's parallel_state: initialised once per process, shared by every role.
 
 Megatron keeps its process groups in module globals, so all backends living in one process
-(actor, ref, critic, PRM) share one tensor x pipeline layout; they may differ in sequence
+(actor, ref, critic, PRM) share one tensor x pipeline x context-parallel layout; they may differ in sequence
 parallelism, virtual pipeline size, dtype and recompute. The virtual-pipeline size megatron
 reads from parallel_state is set only while a backend runs its own schedule (`virtual_pp`).
 """
@@ -24,11 +24,11 @@ _WORLD: object | None = None  # the default process group megatron's groups were
 
 
 def ensure_model_parallel(
-    tp: int, pp: int, seed: int, ep: int | None = 1, etp: int | None = None
+    tp: int, pp: int, seed: int, ep: int | None = 1, etp: int | None = None, cp: int = 1
 ) -> None:
-    """Initialise megatron's process groups for (tp, pp) and the expert layout (``ep`` expert
-    parallel ranks, ``etp`` tensor-parallel ranks per expert, default ``tp``) unless already
-    done with the same sizes; the caller must have called
+    """Initialise megatron's process groups for (tp, pp, ``cp`` context-parallel ranks) and the
+    expert layout (``ep`` expert parallel ranks, ``etp`` tensor-parallel ranks per expert,
+    default ``tp``) unless already done with the same sizes; the caller must have called
     ``torch.distributed.init_process_group``. ``ep=None`` (a dense model): any expert layout
     already initialised is fine, a fresh one has none."""
     global _SEEDED, _WORLD
@@ -56,22 +56,24 @@ def ensure_model_parallel(
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(),
             ps.get_expert_tensor_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
         )
         if any_experts:
-            ep, etp = have[2:]
-        if have != (tp, pp, ep, etp):
+            ep, etp = have[2:4]
+        if have != (tp, pp, ep, etp, cp):
             raise ValueError(
                 f"megatron parallel_state is already initialised with tensor/pipeline/expert/"
-                f"expert-tensor sizes {have} in this process, but this backend asks for "
-                f"{(tp, pp, ep, etp)}: every megatron role in one process must use the same "
-                "tensor_model_parallel_size, pipeline_model_parallel_size, "
-                "expert_model_parallel_size and expert_tensor_parallel_size"
+                f"expert-tensor/context sizes {have} in this process, but this backend asks "
+                f"for {(tp, pp, ep, etp, cp)}: every megatron role in one process must use the "
+                "same tensor_model_parallel_size, pipeline_model_parallel_size, "
+                "expert_model_parallel_size, expert_tensor_parallel_size and "
+                "context_parallel_size"
             )
     else:
-        if world % (tp * pp):
+        if world % (tp * pp * cp):
             raise ValueError(
                 f"world size {world} is not a multiple of tensor_model_parallel_size x "
-                f"pipeline_model_parallel_size = {tp} x {pp}"
+                f"pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp}"
             )
         if world % (etp * ep * pp):
             raise ValueError(
@@ -84,6 +86,7 @@ def ensure_model_parallel(
                 pipeline_model_parallel_size=pp,
                 expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=etp,
+                context_parallel_size=cp,
             )
     _WORLD = dist.group.WORLD
     if _SEEDED is None:
@@ -125,6 +128,18 @@ def pp_group() -> dist.ProcessGroup:
 
 def dp_group() -> dist.ProcessGroup:
     return ps.get_data_parallel_group()
+
+
+def cp_group() -> dist.ProcessGroup:
+    return ps.get_context_parallel_group()
+
+
+def cp_rank() -> int:
+    return ps.get_context_parallel_rank()
+
+
+def cp_size() -> int:
+    return ps.get_context_parallel_world_size()
 
 
 def ep_group() -> dist.ProcessGroup:

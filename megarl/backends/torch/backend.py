@@ -58,13 +58,14 @@ from megarl.backends.torch.optim import (
 from megarl.backends.torch.packing import Packed, empty_batch, pack, packed_length
 from megarl.backends.torch.pipeline import StageRunner, common_length
 from megarl.backends.torch.precision import held_dtype, param_dtype_key, rounding_notice
-from megarl.backends.torch.ulysses import SeqShard, sum_over_group
+from megarl.backends.torch.ulysses import SeqShard
 from megarl.backends.torch.weights import adapter_specs, iter_full_weights, weight_specs
 from megarl.errors import UserInputError
 from megarl.models import ModelArgs, Transformer, hf_config_for, load_model, read_hf_config
 from megarl.models.args import num_labels_from_hf_config
 from megarl.models.lora import LoraSettings, adapters_disabled, apply_lora, lora_modules
 from megarl.models.overrides import override_key
+from megarl.utils.dist import sum_over_group
 from megarl.utils.dtypes import torch_dtype
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megarl.backends.protocol import SequenceBatch
 from megarl.backends.torch.packing import Packed
-from megarl.backends.torch.ulysses import sum_over_group
+from megarl.utils.dist import sum_over_group
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class TorchHeadOutputs:
     logprob / entropy [b, L] float32 are computed lazily (once) and are differentiable, 0 outside
     the response. ``values`` [b, L] float32 is set for critics (read at column P + j - 1).
     sp_group (Ulysses): ``packed`` holds this rank's entries only; the [b, L] tensors are summed
-    over the group (`ulysses.sum_over_group`), so every rank sees the whole micro-batch.
+    over the group (`megarl.utils.dist.sum_over_group`), so every rank sees the whole micro-batch.
     """
 
     def __init__(

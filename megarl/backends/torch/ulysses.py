@@ -11,8 +11,8 @@ are repeated to ``lcm(kv_heads, U)`` first (as verl does), which keeps grouped-q
 exact.
 
 The heads read the hidden states of the shard's own positions (`SeqShard.local`), write zeros
-elsewhere, and `sum_over_group` adds the U disjoint pieces: every rank of the group then holds
-the full per-token logprob / entropy / value / score tensor and computes the same loss and
+elsewhere, and `megarl.utils.dist.sum_over_group` adds the U disjoint pieces: every rank of the
+group then holds the full per-token logprob / entropy / value / score tensor and computes the same loss and
 metrics. Its backward is the identity, so a rank's parameter gradient is the part flowing
 through its own tokens; summed over the group (FSDP2 shards over DP x SP and divides by DP
 only), it is the gradient of the whole micro-batch.
@@ -79,28 +79,6 @@ class HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return seq_to_heads(g, ctx.group), None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward (the consumer is replicated over the group,
-    so each rank keeps the gradient of its own contribution)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The sum of the group's ``x`` (disjoint pieces, zeros elsewhere: exact), differentiable."""
-    if group is None:
-        return x
-    return _SumOverGroup.apply(x, group)
 
 
 class UlyssesAttention:
