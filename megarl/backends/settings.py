@@ -55,6 +55,7 @@ class Parallel:
     sp: bool = False  # sequence parallelism inside TP
     dp_shard: int = -1  # torch: FSDP shard group inside DP (-1: all DP ranks)
     ulysses: int = 1  # torch: Ulysses sequence-parallel size
+    cp: int = 1  # megatron: context-parallel size
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ def _parallel(par: Any) -> Parallel:
         sp=bool(par.sequence_parallel),
         dp_shard=int(par.data_parallel_shard),
         ulysses=int(par.ulysses_sequence_parallel_size),
+        cp=int(par.context_parallel_size),
     )
 
 

@@ -47,6 +47,7 @@ _MEGATRON_PARALLEL = (
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
     "sequence_parallel",
+    "context_parallel_size",
 )
 
 KEY_ALIASES: list[tuple[str, str]] = [

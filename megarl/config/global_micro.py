@@ -43,13 +43,15 @@ def data_parallel_size(tree: dict, layout: str) -> tuple[int, str] | None:
     sizes += [get_path(tree, f"{layout}.{k}") for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size",
         "ulysses_sequence_parallel_size")]
+    sizes.append(get_path(tree, f"{layout}.context_parallel_size", 1))
     if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
         return None
-    nnodes, nproc, tp, pp, sp = sizes
+    nnodes, nproc, tp, pp, sp, cp = sizes
     world = nnodes * nproc
-    if world % (tp * pp * sp):
+    if world % (tp * pp * sp * cp):
         return None
-    return world // (tp * pp * sp), f"world {world} / (TP {tp} x PP {pp} x SP {sp})"
+    split = f"TP {tp} x PP {pp} x SP {sp}" + (f" x CP {cp}" if cp > 1 else "")
+    return world // (tp * pp * sp * cp), f"world {world} / ({split})"
 
 
 def convert(values: dict[str, tuple[Any, str]], tree: dict, raw: dict,

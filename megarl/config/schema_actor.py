@@ -111,6 +111,11 @@ class ParallelConfig:
     # torch backend: Ulysses sequence parallelism (verl's key): this many ranks split each packed
     # micro-batch's tokens, attention all-to-alls heads; data parallel = world / (SP x TP x PP)
     ulysses_sequence_parallel_size: int = 1
+    # megatron backend: context parallelism (verl's megatron.context_parallel_size): this many
+    # ranks split each micro-batch's sequence in megatron's load-balanced chunks, attention
+    # all-gathers keys and values; data parallel = world / (CP x TP x PP). Every megatron role
+    # of a run (actor, ref, critic, reward model) uses the same value
+    context_parallel_size: int = 1
     # torch backend: the dtype parameters, their gradients and AdamW state are held in (verl's
     # fsdp_config.model_dtype); None = fp32 on actor / critic (compute in model.dtype through
     # FSDP2 mixed precision), model.dtype on frozen roles; bf16 needs model.dtype bf16 and

@@ -475,9 +475,8 @@ def _check_ulysses(cfg: Config, prefix: str, par: ParallelConfig, c: _Checker) -
     if strategy != "torch":
         c.fail((key, f"{prefix}.strategy"),
                f"{sp}: Ulysses sequence parallelism is implemented by the torch backend only "
-               f"(this role's strategy is {strategy}); megatron's counterpart, "
-               "context_parallel_size, is not supported (megatron-core's local attention needs "
-               "TransformerEngine, i.e. CUDA, for it): use strategy=torch or set it to 1")
+               f"(this role's strategy is {strategy}); megatron's counterpart is "
+               f"{p}.context_parallel_size: use it, or strategy=torch")
         return False
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if tp > 1 or pp > 1:
@@ -487,6 +486,40 @@ def _check_ulysses(cfg: Config, prefix: str, par: ParallelConfig, c: _Checker) -
                "pipeline_model_parallel_size to 1, or this to 1")
         return False
     return True
+
+
+def _check_context_parallel(cfg: Config, prefix: str, par: ParallelConfig, c: _Checker
+                            ) -> bool:
+    """Context parallelism > 1: megatron backend, the same size on every megatron role (they
+    share megatron-core's process groups). False if refused."""
+    p = f"{prefix}.parallel"
+    key = f"{p}.context_parallel_size"
+    cp = par.context_parallel_size
+    strategy = _role_strategy(cfg, prefix)
+    if strategy != "megatron":
+        c.fail((key, f"{prefix}.strategy"),
+               f"{cp}: context parallelism is implemented by the megatron backend (this role's "
+               f"strategy is {strategy}); the torch backend's counterpart is "
+               f"{p}.ulysses_sequence_parallel_size: use it, or strategy=megatron")
+        return False
+    return True
+
+
+def _check_megatron_cp_shared(cfg: Config, c: _Checker) -> None:
+    """Every megatron role of the run uses one context-parallel size (one megatron-core
+    parallel state per process)."""
+    roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.parallel)]
+    if cfg.critic.enable:
+        roles.append(("critic", cfg.critic.parallel))
+    if cfg.reward_model.enable:
+        roles.append(("reward_model", cfg.reward_model.parallel))
+    sizes = {prefix: par.context_parallel_size for prefix, par in roles
+             if _role_strategy(cfg, prefix) == "megatron"}
+    if len(set(sizes.values())) > 1:
+        said = ", ".join(f"{k}.parallel.context_parallel_size={v}" for k, v in sizes.items())
+        c.fail(tuple(f"{k}.parallel.context_parallel_size" for k in sizes),
+               f"{said}: the megatron roles of one run share megatron-core's process groups, "
+               "so they need one context-parallel size; set them equal")
 
 
 def _check_expert_layout(cfg: Config, prefix: str, tp: int, pp: int, world: int,
@@ -554,26 +587,33 @@ def _check_layout(cfg: Config, c: _Checker) -> None:
         p = f"{prefix}.parallel"
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         sp = par.ulysses_sequence_parallel_size
+        cp = par.context_parallel_size
         if par.param_dtype is not None and _role_strategy(cfg, prefix) != "torch":
             c.fail((f"{p}.param_dtype", f"{prefix}.strategy"),
                    f"{par.param_dtype}: read by the torch backend only; with strategy megatron "
                    f"set {prefix}.megatron.param_dtype instead")
-        if tp <= 0 or pp <= 0 or sp <= 0:
+        if tp <= 0 or pp <= 0 or sp <= 0 or cp <= 0:
             c.positive(f"{p}.tensor_model_parallel_size", tp)
             c.positive(f"{p}.pipeline_model_parallel_size", pp)
             c.positive(f"{p}.ulysses_sequence_parallel_size", sp)
+            c.positive(f"{p}.context_parallel_size", cp)
             continue
         if sp > 1 and not _check_ulysses(cfg, prefix, par, c):
             continue
-        if world % (tp * pp * sp):
+        if cp > 1 and not _check_context_parallel(cfg, prefix, par, c):
+            continue
+        if world % (tp * pp * sp * cp):
             keys = (f"{p}.tensor_model_parallel_size", f"{p}.pipeline_model_parallel_size")
             if sp > 1:
                 keys = (f"{p}.ulysses_sequence_parallel_size", *keys)
+            if cp > 1:
+                keys = (f"{p}.context_parallel_size", *keys)
+            extra = (f" x Ulysses SP {sp}" if sp > 1 else "") + (f" x CP {cp}" if cp > 1 else "")
             c.fail((*keys, *world_keys),
-                   f"TP {tp} x PP {pp}{f' x Ulysses SP {sp}' if sp > 1 else ''} does not divide "
+                   f"TP {tp} x PP {pp}{extra} does not divide "
                    f"the {world} ranks (launch.nnodes x launch.nproc_per_node)")
             continue
-        dp = world // (tp * pp * sp)
+        dp = world // (tp * pp * sp * cp)
         _check_expert_layout(cfg, prefix, tp, pp, world, c)
         vpp = par.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or pp < 2):
@@ -592,6 +632,7 @@ def _check_layout(cfg: Config, c: _Checker) -> None:
             c.fail((f"{prefix}.ppo_mini_batch_size", "actor_rollout_ref.rollout.n", *world_keys),
                    f"{mbs} prompts x rollout.n {n} = {mbs * n} responses cannot be split evenly over "
                    f"{dp} data-parallel ranks")
+    _check_megatron_cp_shared(cfg, c)
     rtp = arr.rollout.tensor_model_parallel_size
     if rtp > 0 and world % rtp:
         c.fail(("actor_rollout_ref.rollout.tensor_model_parallel_size", *world_keys),

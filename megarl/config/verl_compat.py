@@ -217,11 +217,6 @@ RULES: tuple[Rule, ...] = (
            f"{m}.moe_aux_loss_coeff") for m in (f"{_ACTOR}.megatron", "critic.megatron")],
     Rule(f"{_REF}.megatron.override_transformer_config*", "inert", "the reference is built "
          "with the actor's override_transformer_config"),
-    *_each(_MEGATRON, "context_parallel_size", "rejected", "context parallelism is not "
-           "implemented: megatron-core's local attention (DotProductAttention, 0.16.1) asserts "
-           "context_parallel_size == 1 and leaves it to TransformerEngine's attention, which "
-           "needs CUDA; use the torch backend's ulysses_sequence_parallel_size, or TP with "
-           "sequence_parallel"),
     Rule(f"{_ACTOR}.megatron.router_replay.mode", "mapped", f"{_ACTOR}.router_replay.mode"),
     *_each(_MEGATRON[1:], "router_replay.mode", "rejected", "routing replay applies to the "
            "actor (actor_rollout_ref.actor.router_replay.mode); {p} routes with its own router"),

@@ -15,6 +15,9 @@ from embedded_cases import SNAPSHOTS, cases, resolve
 # schema keys added after the snapshots: dotted key -> the value every pinned run resolves to
 ADDED: dict[str, object] = {
     "data.apply_chat_template_kwargs": {},
+    "actor_rollout_ref.actor.parallel.context_parallel_size": 1,
+    "critic.parallel.context_parallel_size": 1,
+    "reward_model.parallel.context_parallel_size": 1,
     "actor_rollout_ref.actor.megatron.dist_checkpointing_path": None,
     "actor_rollout_ref.actor.megatron.dist_checkpointing_prefix": "",
     "actor_rollout_ref.actor.megatron.override_transformer_config": {},

@@ -4,9 +4,9 @@ for the LM families, a critic and a PRM: logprobs, entropies, logits, values, sc
 and every gradient. LAYOUT ``cp2`` (2 ranks) or ``cp2_tp2_sp`` (4 ranks: TP 2 with sequence
 parallelism inside each context-parallel share).
 
-usage: torchrun --standalone --nproc_per_node=N tests/dist/megatron_cp2.py ROOT RESULTS LAYOUT
+usage: torchrun --standalone --nproc_per_node=N tests/dist/megatron_cp2.py ROOT RESULTS LAYOUT [CKPT]
 ROOT holds the zoo models (written by the test beforehand); RESULTS gets a JSON of measured
-differences (rank 0).
+differences (rank 0); CKPT, if given, a checkpoint of the trained qwen2_bias actor.
 """
 
 import sys
@@ -37,7 +37,12 @@ def main():
     res["dp_size"] = be.dp_size
     del be
     lm_checks(res, root, "qwen3_qknorm", **whole)
-    lm_checks(res, root, "qwen2_bias", **whole)
+    be, _ = lm_checks(res, root, "qwen2_bias", **whole)
+    if len(sys.argv) > 4:  # a checkpoint of the trained actor, loaded at CP 1 by the test
+        res["qwen2_bias.trained_logprob"] = be.logprobs(batch)[0].tolist()
+        res["qwen2_bias.step"] = be.step
+        be.save(sys.argv[4])
+    del be
 
     path = lib.zoo_model(root, "qwen2_critic")
     critic = MegatronBackend("critic", str(path), **whole, optim_config={"grad_clip": 0})

@@ -188,17 +188,20 @@ def test_dp2_distributed_optimizer_matches_dp1_and_torch_adamw(zoo, tmp_path, mc
 
 
 @pytest.mark.parametrize("layout,nproc", [("cp2", 2), ("cp2_tp2_sp", 4), ("cp2_pp2", 4)])
-def test_context_parallel_against_transformers(zoo, tmp_path, layout, nproc):
+def test_context_parallel_against_transformers(zoo, tmp_path, layout, nproc, mcore_dist):
     """Context parallelism 2 (alone, with TP 2 + sequence parallelism, with PP 2): every
     sequence split over two ranks in megatron's load-balanced chunks, attention over the
     all-gathered keys and values. Logprobs, entropies, logits, critic values and PRM scores
     against transformers in float64 within the fp32 bounds the other layouts use, and every
-    gradient (summed over the context-parallel ranks by megatron's DDP) within GRAD_TOL.
+    gradient (summed over the context-parallel ranks by megatron's DDP) within GRAD_TOL. At
+    CP 2 alone, a checkpoint of the trained actor loads at CP 1 (in this process) with the same
+    logprobs and step.
     Measured at cp2: logprobs 9.5e-7 to 1.8e-6, gradients 1.2e-6 to 1.9e-6 relative.
     Planted (the causal mask shows each query one column past itself): logprobs 0.91 to 2.5,
     values 1.1, scores 2.3, gradients 1.1 to 1.6: all fail."""
-    out = tmp_path / f"{layout}.json"
-    lib.run_torchrun("megatron_cp2.py", nproc, [str(zoo), str(out), layout])
+    out, ckpt = tmp_path / f"{layout}.json", tmp_path / "ckpt_cp2"
+    lib.run_torchrun("megatron_cp2.py", nproc,
+                     [str(zoo), str(out), layout, *([str(ckpt)] if layout == "cp2" else [])])
     res = lib.read_results(out)
     assert res["cp_size"] == 2 and res["dp_size"] == 1
     failures = []
@@ -214,4 +217,19 @@ def test_context_parallel_against_transformers(zoo, tmp_path, layout, nproc):
     if not res["critic.grads"] < GRAD_TOL:
         failures.append(f"critic.grads = {res['critic.grads']}")
     assert res["prm.shape"] == [4, 5, 2]
+    if layout == "cp2":  # the CP 2 checkpoint (one AdamW step in) loaded at CP 1 here
+        from megarl.backends.megatron import MegatronBackend
+
+        actor = MegatronBackend("actor", str(lib.zoo_model(zoo, "qwen2_bias")),
+                                optim_config=lib.RESHARD_OPTIM, use_distributed_optimizer=False)
+        actor.load(str(ckpt))
+        trained = torch.tensor(res["qwen2_bias.trained_logprob"])
+        from fp32_bounds import fp32_ref_gap_bound
+
+        tol = 2 * fp32_ref_gap_bound(lib.zoo_model(zoo, "qwen2_bias"),
+                                     int(lib.make_batch(seed=1).response_mask.sum()))
+        diff = lib.max_diff(actor.logprobs(lib.make_batch(seed=1))[0], trained)
+        if not diff < tol:
+            failures.append(f"CP=2 checkpoint at CP=1: logprob diff {diff} (tolerance {tol})")
+        assert actor.step == res["qwen2_bias.step"] == 1
     assert not failures, "\n".join(failures)

@@ -12,7 +12,7 @@ paths under PROJECT_DIR/examples/sglang_multiturn point at the copies here.
 
 Each script passes the check except for the features named in `REFUSED` (each refused with its
 key named, nothing else): features outside multi-turn that megarl does not build
-(over-sampling, bf16 master weights, context parallelism, verl's SGLang server mode, a KL loss
+(over-sampling, bf16 master weights, verl's SGLang server mode, a KL loss
 switch left empty by the script). Dropping exactly those arguments makes each one pass; the
 scripts with nothing refused pass as they are.
 """
@@ -43,8 +43,7 @@ REFUSED = {
                                                  {"actor_rollout_ref.actor.use_kl_loss"}),
     "run_qwen3-4b_gsm8k_multiturn": ("gsm8k_multiturn_grpo", set()),
     "run_qwen2.5-3b_gsm8k_tool_agent_mlflow": ("gsm8k_multiturn_grpo", set()),
-    "run_qwen2.5-3b_megatron_gsm8k_multiturn": (
-        "gsm8k_multiturn_megatron_grpo", {"actor_rollout_ref.actor.megatron.context_parallel_size"}),
+    "run_qwen2.5-3b_megatron_gsm8k_multiturn": ("gsm8k_multiturn_megatron_grpo", set()),
     "run_qwen2.5-3b_gsm8k_multiturn_server": ("gsm8k_multiturn_grpo_server", set()),
     "run_qwen2.5-3b_gsm8k_multiturn_4xgpu_server": ("gsm8k_multiturn_grpo_server", set()),
 }
@@ -86,8 +85,7 @@ def test_verl_multiturn_script_is_refused_only_for_what_is_not_built(name):
             resolve_config("grpo", args)
         assert _refused_keys(e.value) == refused, str(e.value)
     kept = [a for a in args if a.lstrip("+").split("=", 1)[0].split(".server.")[0] not in refused
-            and not any(a.startswith(k + ".") for k in refused)
-            and ".context_parallel_size=" not in a]  # the ref's too, named once with the actor's
+            and not any(a.startswith(k + ".") for k in refused)]
     if f"{MT}.tool_config_path" in refused:  # the interaction-only script: verl's gsm8k tool
         kept.append(f"{MT}.tool_config_path="
                     f"{HERE / 'sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml'}")

@@ -44,7 +44,7 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
         recompute = "full"
     dtype = s.dtype if role == "prm" else (mega.param_dtype or s.dtype)
     kwargs = {
-        "tp": par.tp, "pp": par.pp, "vpp": par.vpp, "sp": par.sp,
+        "tp": par.tp, "pp": par.pp, "vpp": par.vpp, "sp": par.sp, "cp": par.cp,
         "ep": int(mega.expert_model_parallel_size or 1),
         "etp": mega.expert_tensor_parallel_size,
         "dtype": dtype,
@@ -123,8 +123,7 @@ MEGARL_FIELDS: dict[str, str] = {
     "virtual_pipeline_model_parallel_size": _PAR.format(
         m="{m}", k="virtual_pipeline_model_parallel_size"),
     "sequence_parallel": _PAR.format(m="{m}", k="sequence_parallel"),
-    "context_parallel_size": "context parallelism is not implemented (see "
-                             "megatron.context_parallel_size)",
+    "context_parallel_size": _PAR.format(m="{m}", k="context_parallel_size"),
     "expert_model_parallel_size": "use {m}.megatron.expert_model_parallel_size",
     "expert_tensor_parallel_size": "use {m}.megatron.expert_tensor_parallel_size",
     "params_dtype": _DTYPE, "pipeline_dtype": _DTYPE, "bf16": _DTYPE, "fp16": _DTYPE,

@@ -1,0 +1,74 @@
+"""``parallel.context_parallel_size`` (megatron's context parallelism): verl's
+``megatron.context_parallel_size`` lands on it, the data-parallel size counts it, and bad
+layouts are errors that name the key and the fix.
+
+Planted: leaving CP out of the data-parallel size in validate.py fails
+test_data_parallel_is_world_over_cp (2 prompts refused over "4" data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.backends.megatron.config import backend_kwargs
+from megarl.config import ConfigError
+from megarl.config.loader import resolve_config
+
+A = "actor_rollout_ref"
+MEGA = f"{A}.actor.strategy=megatron"
+KEY = "parallel.context_parallel_size"
+
+
+def _load(*overrides: str):
+    return resolve_config("grpo", list(overrides))
+
+
+@pytest.mark.parametrize("spelling", [f"{A}.actor.megatron.context_parallel_size",
+                                      f"{A}.actor.{KEY}"])
+def test_verl_spelling_maps_to_the_parallel_key(spelling):
+    r = _load("launch.nproc_per_node=2", MEGA, f"{spelling}=2")
+    assert r.config.actor_rollout_ref.actor.parallel.context_parallel_size == 2
+    assert r.notices == []
+    kw = {role: backend_kwargs(role, r.config, "m")[1]["cp"] for role in ("actor", "ref")}
+    assert kw == {"actor": 2, "ref": 2}
+
+
+def test_critic_key_maps_and_must_match_the_actor():
+    r = _load("launch.nproc_per_node=2", MEGA, "critic.strategy=megatron",
+              "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2",
+              "critic.megatron.context_parallel_size=2")
+    assert backend_kwargs("critic", r.config, "m")[1]["cp"] == 2
+    with pytest.raises(ConfigError) as e:
+        _load("launch.nproc_per_node=2", MEGA, "critic.strategy=megatron",
+              "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2")
+    text = str(e.value)
+    assert f"critic.{KEY}" in text and f"{A}.actor.{KEY}" in text and "set them equal" in text
+
+
+def test_torch_strategy_is_refused_naming_ulysses():
+    with pytest.raises(ConfigError) as e:
+        _load("launch.nproc_per_node=2", f"{A}.actor.{KEY}=2")
+    text = str(e.value)
+    assert f"{A}.actor.{KEY}" in text and "megatron backend" in text
+    assert "ulysses_sequence_parallel_size" in text
+
+
+def test_cp_must_divide_the_world():
+    with pytest.raises(ConfigError) as e:
+        _load("launch.nproc_per_node=2", MEGA, f"{A}.actor.megatron.context_parallel_size=4")
+    assert f"{A}.actor.{KEY}" in str(e.value) and "CP 4 does not divide the 2 ranks" in str(e.value)
+
+
+def test_non_positive_cp_is_an_error():
+    with pytest.raises(ConfigError, match=f"{A}.actor.{KEY}"):
+        _load(MEGA, f"{A}.actor.{KEY}=0")
+
+
+def test_data_parallel_is_world_over_cp():
+    """4 ranks, CP 2: 2 data-parallel ranks, so 3 prompts cannot be split (at CP 1: 4 ranks,
+    and 2 prompts could not)."""
+    _load("launch.nproc_per_node=4", MEGA, f"{A}.actor.megatron.context_parallel_size=2",
+          "data.train_batch_size=2", f"{A}.actor.ppo_mini_batch_size=2")
+    with pytest.raises(ConfigError, match="over 2 data-parallel ranks"):
+        _load("launch.nproc_per_node=4", MEGA, f"{A}.actor.megatron.context_parallel_size=2",
+              "data.train_batch_size=3", f"{A}.actor.ppo_mini_batch_size=3")
