@@ -23,16 +23,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "verl_corpus"))
 from corpus import (  # noqa: E402
     OUTCOMES,
-    command_line,
     line_id,
     not_built,
     outcomes,
     problem_key,
     read_lines,
 )
-
-from megarl.config.errors import ConfigError  # noqa: E402
-from megarl.config.loader import resolve_config  # noqa: E402
 
 # features outside megarl's scope, found in a line's script path, arguments or config file
 FEATURES = {
