@@ -369,7 +369,7 @@ class MegatronBackend:
                 summed[k] = summed.get(k, 0.0) + float(v)
         metrics = reduce_metrics(summed, parallel.dp_group(), parallel.pp_group())
         if self.moe_aux_loss_coeff > 0:  # every stage holds it: averaged over DP only
-            aux = moe.aux_loss_metric(M, parallel.tp_group(), parallel.pp_group())
+            aux = moe.aux_loss_metric(M, parallel.tp_cp_group(), parallel.pp_group())
             metrics.update(reduce_metrics({"moe_aux_loss": aux}, parallel.dp_group()))
         grad_norm, skipped, lr = optimizer_step(self.optimizer, self.optim, self.step)
         if not skipped:

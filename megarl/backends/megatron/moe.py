@@ -211,13 +211,14 @@ def moe_hf_shapes(args: ModelArgs, leaf: str) -> tuple[int, ...] | None:
     return table.get(leaf)
 
 
-def aux_loss_metric(num_microbatches: int, tp_group, pp_group) -> float:
+def aux_loss_metric(num_microbatches: int, tp_cp_group, pp_group) -> float:
     """The load-balancing loss of the last train_step (without its coefficient), as the
     gradient saw it: per sparse layer and micro-batch megatron's Switch loss
     ``E / (k T^2) * sum_e (sum_x p_xe) * (tokens routed to e)`` over the T real tokens of the
     micro-batch (padding excluded), summed over layers, averaged over micro-batches (the
     caller averages over DP). Reads and drops megatron's layer-wise tracker entry. Collective
-    over TP (each rank holds its sequence shard's share) and PP (each stage its layers)."""
+    over TP x CP (each rank holds its sequence shard's share: SP, context parallelism) and PP
+    (each stage its layers)."""
     import torch
     import torch.distributed as dist
 
@@ -227,8 +228,8 @@ def aux_loss_metric(num_microbatches: int, tp_group, pp_group) -> float:
         total = entry["values"].detach().double().sum().cpu()
     device = entry["values"].device if entry is not None else torch.device("cpu")
     total = total.to(device)
-    if dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(total, group=tp_group)
+    if dist.get_world_size(tp_cp_group) > 1:
+        dist.all_reduce(total, group=tp_cp_group)
     if dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     return float(total) / num_microbatches

@@ -130,6 +130,11 @@ def dp_group() -> dist.ProcessGroup:
     return ps.get_data_parallel_group()
 
 
+def tp_cp_group() -> dist.ProcessGroup:
+    """Tensor x context-parallel ranks: together they hold one micro-batch's tokens (SP, CP)."""
+    return ps.get_tensor_and_context_parallel_group()
+
+
 def cp_group() -> dist.ProcessGroup:
     return ps.get_context_parallel_group()
 
