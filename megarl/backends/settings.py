@@ -16,7 +16,10 @@ Sections read per role (``model`` is ``actor_rollout_ref.model``):
 
 Micro-batching of the no-grad passes (verl's rule, as ``load_config`` fills it): a dynamic flag
 None means dynamic unless the role's micro size is given; dynamic packs by ``max_tokens`` and
-ignores the micro size. Critic and PRM flags None follow the actor's.
+ignores the micro size. Critic and PRM flags None follow the actor's. A ``*_max_token_len_per_gpu``
+budget counts one GPU's tokens: where Ulysses or context parallelism splits each sequence over
+S ranks, a micro-batch holds S times the budget (as verl's workers multiply it;
+`micro_batch_tokens`, also used by the trainer's updates).
 
 The backends map these onto their own constructors (`megarl.backends.torch.config`,
 `megarl.backends.megatron.config`); what only one backend has (torch: FSDP shard group, Ulysses,
@@ -41,7 +44,9 @@ class MicroBatching:
     """How a rank's rows are cut for the no-grad forwards (logprobs, values, token scores)."""
 
     dynamic: bool  # pack by a token budget (verl's use_dynamic_bsz)
-    max_tokens: int | None  # TOKENS per micro-batch per rank, used when dynamic
+    # TOKENS per micro-batch, used when dynamic: the role's per-GPU budget times the ranks that
+    # split one sequence (`micro_batch_tokens`)
+    max_tokens: int | None
     rows: int | None  # RESPONSES per forward, used when not dynamic
 
 
@@ -130,7 +135,7 @@ def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSet
         model_path=str(path),
         dtype=canonical_dtype(_first(own_model.dtype, model.dtype), _dtype_key(role)),
         parallel=_parallel(section.parallel),
-        micro=micro_batching(role, cfg),
+        micro=_split_budget(micro_batching(role, cfg), section.parallel),
         kernels=Kernels(fused=model.use_fused_kernels, impl=opts.impl_backend,
                         chunk_size=opts.chunk_size),
         seed=int(cfg.trainer.seed),
@@ -141,6 +146,11 @@ def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSet
         override_config=_plain(getattr(own_model, "override_config", None)) or None,
         override_key=override_key(role),
     )
+
+
+def _split_budget(micro: MicroBatching, par: Any) -> MicroBatching:
+    return MicroBatching(dynamic=micro.dynamic, max_tokens=micro_batch_tokens(micro.max_tokens, par),
+                         rows=micro.rows)
 
 
 def micro_batching(role: str, cfg: Any) -> MicroBatching:
@@ -169,6 +179,17 @@ def micro_batching(role: str, cfg: Any) -> MicroBatching:
         dynamic = _first(rm.use_dynamic_bsz, actor_dynamic) or rm.micro_batch_size_per_gpu is None
         return _micro(dynamic, rm.forward_max_token_len_per_gpu, rm.micro_batch_size_per_gpu)
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def sequence_split(par: Any) -> int:
+    """Ranks one sequence is split over in a role's ``parallel`` block: Ulysses x CP."""
+    return int(par.ulysses_sequence_parallel_size) * int(par.context_parallel_size)
+
+
+def micro_batch_tokens(tokens_per_gpu: int | None, par: Any) -> int | None:
+    """A micro-batch's token budget from verl's per-GPU one (``*_max_token_len_per_gpu``):
+    times the ranks that split each sequence (`sequence_split`), None stays None."""
+    return None if tokens_per_gpu is None else int(tokens_per_gpu) * sequence_split(par)
 
 
 def _micro(dynamic: bool | None, max_tokens: int | None, rows: int | None) -> MicroBatching:

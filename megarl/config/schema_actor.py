@@ -198,7 +198,8 @@ class ActorConfig:
     # pack micro-batches up to ppo_max_token_len_per_gpu tokens. None = dynamic unless
     # ppo_micro_batch_size_per_gpu is set; true wins over a micro size (verl; announced at start)
     use_dynamic_bsz: bool | None = None
-    ppo_max_token_len_per_gpu: int = 16384  # TOKENS per micro-batch per rank
+    # TOKENS per micro-batch per rank (x Ulysses x CP when they split each sequence, as verl)
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1  # passes over each rollout batch
     shuffle: bool = False  # shuffle responses before splitting into mini-batches
     clip_ratio: float = 0.2  # PPO epsilon

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megarl import algos
+from megarl.backends.settings import micro_batch_tokens
 from megarl.config.notices import startup_notices
 from megarl.data.extern import CurriculumBatch
 from megarl.errors import UserInputError
@@ -282,7 +283,8 @@ class RLTrainer:
                     lambda norm: critic_loss_fn(c.cliprange_value, c.loss_agg_mode, norm),
                     prompts_per_mini=c.ppo_mini_batch_size, epochs=c.ppo_epochs,
                     shuffle=c.shuffle, seed=R.sampling_seed(cfg.trainer.seed, self.step, 7),
-                    max_tokens_per_micro=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+                    max_tokens_per_micro=micro_batch_tokens(c.ppo_max_token_len_per_gpu, c.parallel)
+                    if c.use_dynamic_bsz else None,
                     micro_size=c.ppo_micro_batch_size_per_gpu, keep_groups_on_rank=False,
                     loss_scale_factor=cfg.data.max_response_length)
                 metrics.update(prefixed(mean_metrics(steps), "critic"))
@@ -300,7 +302,8 @@ class RLTrainer:
                     p.actor, train_batch, keys, lambda norm: actor_loss_fn(settings, norm),
                     prompts_per_mini=a.ppo_mini_batch_size, epochs=a.ppo_epochs,
                     shuffle=a.shuffle, seed=R.sampling_seed(cfg.trainer.seed, self.step, 3),
-                    max_tokens_per_micro=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                    max_tokens_per_micro=micro_batch_tokens(a.ppo_max_token_len_per_gpu, a.parallel)
+                    if a.use_dynamic_bsz else None,
                     micro_size=a.ppo_micro_batch_size_per_gpu,
                     keep_groups_on_rank=algo.needs.whole_groups,
                     loss_scale_factor=cfg.data.max_response_length, temperature=temperature)

@@ -72,3 +72,23 @@ def test_data_parallel_is_world_over_cp():
     with pytest.raises(ConfigError, match="over 2 data-parallel ranks"):
         _load("launch.nproc_per_node=4", MEGA, f"{A}.actor.megatron.context_parallel_size=2",
               "data.train_batch_size=3", f"{A}.actor.ppo_mini_batch_size=3")
+
+
+@pytest.mark.parametrize("split", [f"{A}.actor.megatron.context_parallel_size=2",
+                                   f"{A}.actor.ulysses_sequence_parallel_size=2"])
+def test_per_gpu_token_budgets_scale_with_the_sequence_split(split):
+    """verl's ``*_max_token_len_per_gpu`` counts one GPU's tokens; where two ranks split each
+    sequence, a micro-batch holds twice the budget (verl's workers multiply it alike)."""
+    from megarl.backends.settings import micro_batch_tokens, role_settings
+
+    strategy = [MEGA] if "megatron" in split else []
+    r = _load("launch.nproc_per_node=2", *strategy, split,
+              f"{A}.rollout.log_prob_use_dynamic_bsz=true",
+              f"{A}.rollout.log_prob_max_token_len_per_gpu=1000",
+              f"{A}.actor.ppo_max_token_len_per_gpu=3000")
+    for role in ("actor", "ref"):
+        assert role_settings(role, r.config, "m").micro.max_tokens == 2000
+    actor = r.config.actor_rollout_ref.actor
+    assert micro_batch_tokens(actor.ppo_max_token_len_per_gpu, actor.parallel) == 6000
+    plain = _load(f"{A}.rollout.log_prob_max_token_len_per_gpu=1000")
+    assert role_settings("actor", plain.config, "m").micro.max_tokens == 1000
