@@ -113,7 +113,7 @@ def test_aux_loss_planted_padding_convention_fails(moe_zoo, mcore_dist, monkeypa
     from megarl.backends.megatron import moe
 
     real = moe.padding_mask
-    monkeypatch.setattr(moe, "padding_mask", lambda *a: ~real(*a))
+    monkeypatch.setattr(moe, "padding_mask", lambda *a, **k: ~real(*a, **k))
     res = {}
     ml.aux_checks(res, ml.moe_model(moe_zoo, "qwen3_moe"), "planted")
     assert res["planted.aux_grads"] > 1e4 * AUX_TOL, res
