@@ -60,11 +60,9 @@ def lm_checks(res, root, name, **layout):
 
 
 def main():
-    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from megarl.backends.megatron import MegatronBackend
     from megarl.utils import dist as mdist
 
     lib.worker_setup()
@@ -84,31 +82,8 @@ def main():
         save_file(after, str(lib.next_step_path(ckpt, "tp2")))
     del be
 
-    # critic: values and gradients of a value loss
-    path = lib.zoo_model(root, "qwen2_critic")
-    critic = MegatronBackend("critic", str(path), tp=2, sp=True, optim_config={"grad_clip": 0})
-    hf = lib.hf_model(path, head="token_cls")
-    ref_v = lib.hf_values(hf, batch)
-    res["critic.values"] = lib.max_diff(critic.values(batch), ref_v)
-    res["critic.values_tol"] = lib.fp32_value_tol(path, batch.response_mask)
-    n = float(batch.response_mask.sum())
-    batch.tensors["returns"] = torch.randn(batch.response_mask.shape, generator=torch.Generator()
-                                           .manual_seed(3))
-    critic.train_step([batch], lambda o, mb: lib.value_loss(o, mb, n))
-    ((ref_v - batch.tensors["returns"].double()) ** 2 * batch.response_mask).sum().div(n).backward()
-    grads = dict(critic.export_grads())
-    res["critic.grads"] = max(
-        lib.rel_diff(grads[k], p.grad) for k, p in hf.named_parameters() if p.grad is not None
-    )
-    del critic
-
-    # PRM: token scores [B, L, 2]
-    path = lib.zoo_model(root, "qwen3_prm")
-    prm = MegatronBackend("prm", str(path), tp=2)
-    scores = prm.token_scores(batch)
-    res["prm.shape"] = list(scores.shape)
-    res["prm.scores"] = lib.max_diff(scores, lib.hf_scores(lib.hf_model(path, "token_cls"), batch))
-    res["prm.scores_tol"] = lib.fp32_value_tol(path, batch.response_mask)
+    lib.critic_checks(res, root, batch, tp=2, sp=True)
+    lib.prm_checks(res, root, batch, tp=2)
 
     if dist.get_rank() == 0:
         lib.write_results(results, res)

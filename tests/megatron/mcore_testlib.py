@@ -444,3 +444,40 @@ def clipped(grads: dict[str, torch.Tensor], norm: float) -> dict[str, torch.Tens
     by min(1, grad_clip / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s rule)."""
     coef = min(1.0, VS_OPTIM["grad_clip"] / (norm + 1e-6))
     return {k: g * coef for k, g in grads.items()}
+
+
+def critic_checks(res: dict, root: Path, batch, **layout) -> None:
+    """A critic at ``layout`` against transformers' token classifier (float64): values, and
+    the gradients of a squared value loss (``critic.values`` / ``critic.values_tol`` /
+    ``critic.grads`` in ``res``). Adds ``returns`` to ``batch``."""
+    from megarl.backends.megatron import MegatronBackend
+
+    path = zoo_model(root, "qwen2_critic")
+    critic = MegatronBackend("critic", str(path), **layout, optim_config={"grad_clip": 0})
+    hf = hf_model(path, head="token_cls")
+    ref_v = hf_values(hf, batch)
+    res["critic.values"] = max_diff(critic.values(batch), ref_v)
+    res["critic.values_tol"] = fp32_value_tol(path, batch.response_mask)
+    n = float(batch.response_mask.sum())
+    batch.tensors["returns"] = torch.randn(batch.response_mask.shape,
+                                           generator=torch.Generator().manual_seed(3))
+    critic.train_step([batch], lambda o, mb: value_loss(o, mb, n))
+    ((ref_v - batch.tensors["returns"].double()) ** 2 * batch.response_mask).sum().div(n).backward()
+    grads = dict(critic.export_grads())
+    res["critic.grads"] = max(
+        rel_diff(grads[k], p.grad) for k, p in hf.named_parameters() if p.grad is not None
+    )
+
+
+def prm_checks(res: dict, root: Path, batch, **layout) -> None:
+    """A PRM at ``layout``: token scores [B, L, 2] against transformers (``prm.shape``,
+    ``prm.scores``, ``prm.scores_tol`` in ``res``)."""
+    from megarl.backends.megatron import MegatronBackend
+
+    path = zoo_model(root, "qwen3_prm")
+    prm = MegatronBackend("prm", str(path), **layout)
+    scores = prm.token_scores(batch)
+    res["prm.shape"] = list(scores.shape)
+    res["prm.scores"] = max_diff(scores, hf_scores(hf_model(path, "token_cls"), batch))
+    res["prm.scores_tol"] = fp32_value_tol(path, batch.response_mask)
+
