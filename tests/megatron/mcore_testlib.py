@@ -481,3 +481,28 @@ def prm_checks(res: dict, root: Path, batch, **layout) -> None:
     res["prm.scores"] = max_diff(scores, hf_scores(hf_model(path, "token_cls"), batch))
     res["prm.scores_tol"] = fp32_value_tol(path, batch.response_mask)
 
+
+def grpo_two_steps(tmp_path: Path, policy: Path, *extra: str) -> list[dict]:
+    """GRPO on the embedded demo for 2 steps on 2 gloo ranks (torchrun, forked warm) with the
+    actor on megatron and ``rollout.check_logprobs`` on: 4 prompts x 4 responses of at most
+    48 tokens, ``extra`` overrides last. Returns the two steps' metric rows."""
+    from warm_runs import run_script
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    argv = ["launch/train.py", "--config", "grpo", "--demo", "on",
+            f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
+            "data.max_response_length=48", "trainer.test_freq=-1",
+            "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.export_hf=false",
+            "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2",
+            f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.rollout.check_logprobs=true", *extra]
+    proc = run_script(argv, REPO, env, timeout=600, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]
+    return rows
+

@@ -12,24 +12,13 @@ weights (5.3e-4). Step 2 checks the weights after an update made under CP. Measu
 Planted: the attention mask one column wider than causal (`ContextParallelAttention` showing
 each query the next key): gaps 13.8 / 14.7 (dense), fails."""
 
-import json
-import os
 
 import mcore_testlib as lib
 import pytest
 from fp32_bounds import fp32_gap_bound
-from warm_runs import run_script
 
 pytestmark = pytest.mark.dist
 RESPONSE_TOKENS = 16 * 48  # the 4 prompts x 4 responses of 48 tokens at most, below
-
-
-@pytest.fixture(scope="module")
-def demo_assets():
-    """The embedded demo assets (built once, cached under assets/)."""
-    from megarl.demo.assets import build_all
-
-    return build_all()
 
 
 M = "actor_rollout_ref.model"
@@ -47,23 +36,7 @@ CASES = {
 def test_grpo_two_steps_at_cp2_engine_and_trainer_agree(tmp_path, demo_assets, case):
     folder, extra = CASES[case]
     policy = lib.REPO / "assets" / folder
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(lib.REPO))
-    env.pop("TRITON_INTERPRET", None)
-    argv = ["launch/train.py", "--config", "grpo", "--demo", "on",
-            f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
-            "data.max_response_length=48", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.export_hf=false",
-            "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2",
-            f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.strategy=megatron",
-            f"{MEGA}.context_parallel_size=2", "actor_rollout_ref.rollout.check_logprobs=true",
-            *extra]
-    proc = run_script(argv, lib.REPO, env, timeout=600, nproc=2)  # as torchrun, forked warm
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x]
-    rows = [r for r in rows if r["step"] > 0]
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = lib.grpo_two_steps(tmp_path, policy, f"{MEGA}.context_parallel_size=2", *extra)
     bound = fp32_gap_bound(policy, RESPONSE_TOKENS)
     assert bound < 1e-3, bound
     gaps = [r["rollout/logprob_abs_diff_max"] for r in rows]

@@ -21,47 +21,21 @@ swapped): logprob gap 0.11 at step 1 on the AMD EPYC, 0.28 on the Intel Xeon, fa
 engine not given the weights after step 1 (trainer.py's update_weights skipped once): step 2's
 gap 0.48 (Intel), above the bound."""
 
-import json
 import math
-import os
 
 import mcore_testlib as lib
 import pytest
 from fp32_bounds import fp32_gap_bound
-from warm_runs import run_script
 
 pytestmark = pytest.mark.dist
 RESPONSE_TOKENS = 16 * 48  # the 4 prompts x 4 responses of 48 tokens at most, below
 
 
-@pytest.fixture(scope="module")
-def demo_assets():
-    """The embedded demo assets (built once, cached under assets/)."""
-    from megarl.demo.assets import build_all
-
-    return build_all()
-
-
 def test_grpo_two_steps_at_ep2_engine_and_trainer_agree(tmp_path, demo_assets):
     policy = lib.REPO / "assets" / "policy_moe"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(lib.REPO))
-    env.pop("TRITON_INTERPRET", None)
     mega = "actor_rollout_ref.actor.megatron"
-    argv = ["launch/train.py", "--config", "grpo", "--demo", "on",
-           f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
-           "data.max_response_length=48", "trainer.test_freq=-1",
-           "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.export_hf=false",
-           "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2",
-           f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.strategy=megatron",
-           f"{mega}.expert_model_parallel_size=2", "actor_rollout_ref.rollout.check_logprobs=true",
-           f"+{mega}.override_transformer_config.moe_aux_loss_coeff=0.001"]
-    proc = run_script(argv, lib.REPO, env, timeout=600, nproc=2)  # as torchrun, forked warm
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x]
-    rows = [r for r in rows if r["step"] > 0]
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = lib.grpo_two_steps(tmp_path, policy, f"{mega}.expert_model_parallel_size=2",
+                              f"+{mega}.override_transformer_config.moe_aux_loss_coeff=0.001")
     bound = fp32_gap_bound(policy, RESPONSE_TOKENS)
     assert bound < 1e-3, bound  # 5.3e-4 (docstring): far below the planted bugs' gaps
     for r in rows:
