@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 from megarl.backends.megatron.batching import MicroBatch
 
@@ -73,7 +74,9 @@ class ContextParallelAttention(DotProductAttention):
                              "window; use context_parallel_size=1 with window attention")
         local = copy.copy(config)
         local.context_parallel_size = 1  # the parent refuses CP: it runs on gathered K/V here
-        super().__init__(local, layer_number, attn_mask_type, attention_type,
+        # "arbitrary": the softmax applies our mask (its causal mode, fused or not, assumes
+        # square [S, S] scores)
+        super().__init__(local, layer_number, AttnMaskType.arbitrary, attention_type,
                          attention_dropout, softmax_scale, cp_comm_type, pg_collection)
         group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = group if group is not None else ps.get_context_parallel_group()
@@ -86,9 +89,6 @@ class ContextParallelAttention(DotProductAttention):
             raise ValueError("ContextParallelAttention builds its own causal mask; megarl's "
                              "megatron backend passes attention_mask=None")
         C = self.cp_size
-        if C == 1:
-            return super().forward(query, key, value, None, attn_mask_type, attention_bias,
-                                   packed_seq_params)
         key = gather_from_sequence_parallel_region(key, True, group=self.cp_group)
         value = gather_from_sequence_parallel_region(value, True, group=self.cp_group)
         S = key.shape[0]
