@@ -1,24 +1,31 @@
-"""Pieces of a demo outcome reward model (ORM): the SFT policy's body with a 1-label
-sequence-classifier head, trained on the policy's own sampled solutions labelled by the arith
-verifier. Not a shipped asset: within the build budget it ranks a correct sample of a problem
-above a wrong one only ~0.55-0.62 of the time, too weak for GRPO (docs/demo.md, "An outcome
-reward model for the demo").
+"""The demo outcome reward model (ORM) and the pieces tried before it.
 
-Data. For each training problem the SFT policy samples ``n`` solutions at temperature 1 (the
-distribution GRPO scores); each is labelled by the rule reward (``math_score``: the last
-``\\boxed{}`` equals the answer). Every response token also carries a dense label: 1 while the
-response so far is a prefix of the reference solution (``megarl.demo.prm.prefix_labels``), so the
-model is told where a wrong solution left the correct path; the last token's label is the
-verifier's outcome, the one the ORM is read at.
+Shipped (``embedded://orm``, `surprise_orm`): a hand-built ``Qwen2ForSequenceClassification``
+whose score is how expected the whole text is to a stronger arithmetic model: the mean, over the
+sequence's positions, of that model's logit of the token written there. A wrong solution of the
+demo almost always contains one token the stronger model did not expect (mostly a copied operand
+off by a digit); on 200 held-out problems x 8 policy samples this score orders a correct sample
+above a wrong one of the same problem 0.82-0.84 of the time (docs/demo.md, "An outcome reward
+model"). It is built, not trained: the stronger model (the SFT policy after a few hundred more SFT
+steps) is copied into half of a twice-as-wide body, and two added layers compute the logit of each
+written token and average it (`surprise_orm` tells how).
+
+Tried before, not shipped (they rank pairs at only ~0.5-0.6): the policy's body with a 1-label
+head trained on the policy's own T=1 samples labelled by the arith verifier, with BCE on the
+outcome, dense "still on the reference path" labels and a within-problem ranking loss
+(`sample_responses`, `label_samples`, `train_orm`, `ranking_loss`). `pairwise_accuracy` is the
+measure of both.
 
 Input/score. As ``megarl.trainer.outcome_rm`` reads it (and transformers'
 ``*ForSequenceClassification``): chat-templated prompt + response tokens (with the ``<|im_end|>``
 the policy ended with), the score head at the last token. Training rows are left-padded whole,
-so the last column is every row's last token; the score is the logit of "correct".
+so the last column is every row's last token.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -236,3 +243,116 @@ def pairwise_accuracy(examples: Sequence[ORMExample], scores: torch.Tensor) -> d
             pairs += len(w)
     return {"pairwise_accuracy": wins / max(pairs, 1), "pairs": pairs, "problems": groups,
             "correct_share": float(np.mean([e.correct for e in examples])) if examples else 0.0}
+
+
+# ----------------------------------------------------------------- the shipped, built ORM
+
+
+def response_token_ids(problems: Sequence[Problem], tokenizer) -> list[int]:
+    """Sorted ids of every token in the reference solutions of ``problems``, of each of the
+    characters ``0-9+-=`` alone, and eos: the vocabulary a demo response is written in (digits,
+    ``+-=``, the separator, ``\\boxed{}``)."""
+    ids = {int(tokenizer.eos_token_id)}
+    for ch in "0123456789+-=":
+        ids |= set(tokenizer.encode(ch, add_special_tokens=False))
+    for p in problems:
+        ids |= set(tokenizer.encode(p.solution, add_special_tokens=False))
+    return sorted(ids)
+
+
+def surprise_orm(lm, token_ids: Sequence[int], copy_scale: float = 1e-3, const: float = 1e4,
+                 rope_amp: float = 300.0, rope_pairs: int = 6):
+    """A 1-label sequence classifier (``token_cls`` head, saved as a
+    ``Qwen2ForSequenceClassification``) scoring, at every position t, the mean over positions
+    s <= t of ``lm``'s logit of token s given tokens < s (position 0: the logit of itself after
+    itself). Read at the last token: how expected the whole text is to ``lm``.
+
+    ``lm``: a tied-embedding qwen2 `megarl.models.Transformer` with an LM head, hidden size H,
+    L layers. The result has hidden size 2H and L + 2 layers (same heads and head size):
+
+    * dims [0, H) run ``lm`` unchanged: its weights zero-padded, its norm weights divided by
+      sqrt(2) (RMSNorm over 2H dims of which only H are non-zero divides by rms/sqrt(2));
+    * dims C = [H, H+r) carry ``copy_scale`` x the token's embedding in coordinates of an
+      orthonormal basis P [r, H] of the rows of ``token_ids`` (small enough not to move the
+      norms: relative error ~copy_scale^2);
+    * layer L, attention: a head with constant query/key (q, k biases; weights 0) whose RoPE
+      score A cos((i - j - 1) theta) over the ``rope_pairs`` fastest frequencies peaks at the
+      previous position j = i - 1 (A = ``rope_amp``: every other position is >= ~25 logits
+      lower); its value is P of the input normalised as ``lm``'s final norm does, i.e. of the
+      state ``lm`` reads its logits from, written to dims A = [H+r, H+2r). A value bias writes
+      the constant ``const`` to dim K, which from here on sets every RMSNorm's scale (to within
+      |h|^2 / const^2 ~ 1e-6);
+    * layer L, MLP: silu(a) b - silu(-a) b = a b exactly, so pairs of gate/up rows give
+      z = sum_k A_k C_k = logit of the written token (P u . P e = u . e for the rows of
+      ``token_ids``; other tokens: their projection), written to dim Z;
+    * layer L + 1: a head with zero query/key (uniform over the visible positions) averages Z
+      into dim S; the final norm and the score head read S.
+
+    Exact in float32 to ~1e-4 relative (the test checks against ``lm``'s logits)."""
+    from megarl.models import Transformer
+    from megarl.models.loading import hf_config_for
+
+    a0 = lm.args
+    if lm.head != "lm" or not a0.tie_word_embeddings or a0.model_type != "qwen2":
+        raise ValueError("surprise_orm needs a tied-embedding qwen2 LM (the demo policy)")
+    H0, L0, hd = a0.hidden_size, a0.num_hidden_layers, a0.head_dim
+    H = 2 * H0
+    src = {k: v.detach().float() for k, v in lm.state_dict().items()}
+    E = src["model.embed_tokens.weight"]
+    P = torch.linalg.qr(E[list(token_ids)].T)[0].T.contiguous()  # [r, H0], orthonormal rows
+    r = P.shape[0]
+    if 2 * r + 3 > H - H0 or r >= hd or 2 * r > a0.intermediate_size:
+        raise ValueError(f"{r} response tokens: too many for hidden {H0}, head size {hd}")
+    C, A = slice(H0, H0 + r), slice(H0 + r, H0 + 2 * r)
+    Z, K, S = H0 + 2 * r, H0 + 2 * r + 1, H0 + 2 * r + 2
+    hf = hf_config_for(lm)
+    hf.update(hidden_size=H, num_hidden_layers=L0 + 2, max_window_layers=L0 + 2, num_labels=1,
+              architectures=["Qwen2ForSequenceClassification"], tie_word_embeddings=False)
+    args = dataclasses.replace(a0, hidden_size=H, num_hidden_layers=L0 + 2, hf_config=hf,
+                               token_classification_bias=False, tie_word_embeddings=False)
+    model = Transformer(args, head="token_cls", num_labels=1)
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    s2 = math.sqrt(H / H0)
+    sd["model.embed_tokens.weight"][:, :H0] = E
+    sd["model.embed_tokens.weight"][:, C] = copy_scale * E @ P.T
+    for k, v in src.items():
+        if not k.startswith("model.layers."):
+            continue
+        if k.endswith("layernorm.weight"):
+            sd[k][:H0] = v / s2
+        elif k.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[k][:H0] = v
+        elif k.endswith(".weight"):  # q/k/v, gate/up: [out, H0] -> [out, H]
+            sd[k][:, :H0] = v
+        else:  # q/k/v biases
+            sd[k] = v.clone()
+    # layer L0: previous-token head (query head 0 on kv head 0) + the constant
+    pre = f"model.layers.{L0}."
+    inv = 1.0 / (a0.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    sd[pre + "input_layernorm.weight"][:H0] = src["model.norm.weight"] / s2
+    for i in range(rope_pairs):
+        sd[pre + "self_attn.q_proj.bias"][i] = rope_amp * math.cos(inv[i])
+        sd[pre + "self_attn.q_proj.bias"][i + hd // 2] = -rope_amp * math.sin(inv[i])
+        sd[pre + "self_attn.k_proj.bias"][i] = 1.0
+    sd[pre + "self_attn.v_proj.weight"][:r, :H0] = P
+    sd[pre + "self_attn.v_proj.bias"][hd - 1] = 1.0
+    sd[pre + "self_attn.o_proj.weight"][A, :r] = torch.eye(r)
+    sd[pre + "self_attn.o_proj.weight"][K, hd - 1] = const
+    # layer L0, MLP: z = sum_k A_k C_k, the RMSNorm's 1/rms^2 = H/const^2 undone by down_proj
+    sd[pre + "post_attention_layernorm.weight"][A] = 1.0
+    sd[pre + "post_attention_layernorm.weight"][C] = 1.0 / copy_scale
+    rms2 = const * const / H
+    for k in range(r):
+        for row, sign in ((k, 1.0), (r + k, -1.0)):
+            sd[pre + "mlp.gate_proj.weight"][row, H0 + r + k] = sign
+            sd[pre + "mlp.up_proj.weight"][row, H0 + k] = sign
+    sd[pre + "mlp.down_proj.weight"][Z, : 2 * r] = rms2
+    # layer L0 + 1: uniform attention (query/key 0) averages z into S; the head reads S
+    pre = f"model.layers.{L0 + 1}."
+    sd[pre + "input_layernorm.weight"][Z] = 1.0
+    sd[pre + "self_attn.v_proj.weight"][0, Z] = 1.0
+    sd[pre + "self_attn.o_proj.weight"][S, 0] = math.sqrt(rms2)
+    sd["model.norm.weight"][S] = 1.0
+    sd["score.weight"][0, S] = math.sqrt(rms2)
+    model.load_state_dict(sd)
+    return model.eval()

@@ -13,16 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ASSETS_VERSION = 2
-COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm", "policy_moe", "policy_tools")
+COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm", "policy_moe", "policy_tools",
+              "orm")
 DEPENDS = {"tokenizer": (), "arith": (), "policy": ("tokenizer", "arith"),
            "critic": ("policy",), "prm": ("policy",), "policy_moe": ("policy",),
-           "policy_tools": ("policy",)}
+           "policy_tools": ("policy",), "orm": ("policy", "arith")}
 ARITH_FILES = ("train.parquet", "val.parquet", "sft.parquet")
 
 
 # Components trained with torch: float reductions split by the thread count, so the result
 # depends on it (on some CPUs a 1-thread SFT stops before the jump RL needs).
-THREADED = ("policy", "prm", "policy_tools")
+THREADED = ("policy", "prm", "policy_tools", "orm")
 
 
 def default_threads() -> int:
@@ -82,6 +83,11 @@ class BuildConfig:
     # policy still misreads the tool's answer, gained nothing in 20 steps; docs/demo.md).
     tools_stop_at: float = 0.35
     tools_max_response_length: int = 128  # tokens of a trajectory (model + tool turns)
+    # The outcome reward model (orm): the policy after orm_sft_steps more SFT steps (3-op rows)
+    # is the stronger model whose expectation of each written token the ORM averages.
+    orm_sft_steps: int = 300
+    orm_sft_lr: float = 1e-3
+    n_orm_eval: int = 200  # held-out (dev) problems x 8 policy samples for the pairwise measure
 
 
 def read_meta(path: Path) -> dict | None:

@@ -1,11 +1,13 @@
-"""Pieces of the ORM build (megarl.demo.orm): sampling, labels, the ranking loss, the pairwise
-measure, and a saved ORM that transformers' sequence classifier scores as megarl does."""
+"""The demo ORM (megarl.demo.orm): the built one scores the mean logit of each written token
+under its LM, and transformers' sequence classifier scores it as megarl does; the pieces of the
+learned attempt: sampling, labels, the ranking loss, the pairwise measure."""
 
 import math
 
 import pytest
 import torch
 
+from megarl.data.batching import pad_left
 from megarl.demo import arith
 from megarl.demo import orm as orm_lib
 from megarl.demo.greedy import greedy_generate
@@ -114,3 +116,60 @@ def test_saved_orm_is_a_sequence_classifier_read_at_the_last_token(tok, model, t
     with torch.no_grad():
         theirs = [hf(torch.tensor([e.prompt_ids + e.response_ids])).logits[0, 0] for e in ex]
     assert torch.allclose(ours, torch.stack(theirs), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def lm(tok):
+    """A random LM with room for the built ORM (head size 32 > the ~20 response tokens)."""
+    torch.manual_seed(1)
+    cfg = policy_config(tok, hidden=64, layers=2, heads=2, kv_heads=1, intermediate=64)
+    return Transformer(ModelArgs.from_hf_config(cfg), head="lm").eval()
+
+
+OTHER = arith.Problem((12, 3), ("+",))  # with PROBLEM: every digit
+
+
+def test_built_orm_scores_the_mean_logit_of_each_written_token(tok, lm):
+    """At every position t the score is mean_{s<=t} of the LM's logit of token s after tokens
+    < s (s = 0: its logit after itself), the LM run alone on each row (no padding): rows of
+    different lengths, left-padded together, one of 180 tokens (the previous-token head must
+    not leak at any distance)."""
+    texts = [PROBLEM.solution, "38+61=98\n\n98+45=143\n\n143-74=69\n\n\\boxed{69}",
+             OTHER.solution, "\n\n".join([PROBLEM.solution] * 5)]
+    rows = [_ids(tok, t) for t in texts]
+    token_ids = orm_lib.response_token_ids([PROBLEM, OTHER], tok)
+    assert {t for r in rows for t in r} <= set(token_ids)
+    orm = orm_lib.surprise_orm(lm, token_ids)
+    assert orm.args.num_hidden_layers == lm.args.num_hidden_layers + 2
+    ids, mask = pad_left(rows, 0)
+    assert ids.shape[1] >= 180
+    with torch.no_grad():
+        got = orm_lib.orm_logits(orm, ids, mask).double()
+        for i, r in enumerate(rows):
+            logits = lm(torch.tensor([r]))[0].double()  # [T, V]
+            z = torch.stack([logits[0, r[0]]] + [logits[t - 1, r[t]] for t in range(1, len(r))])
+            want = torch.cumsum(z, 0) / torch.arange(1, len(r) + 1)
+            assert torch.allclose(got[i, -len(r):], want, rtol=1e-3, atol=1e-3), i
+    # the score moves with the LM's expectation, not with anything else in the rows
+    assert len({round(float(v), 3) for v in got[:, -1]}) == len(rows)
+
+
+def test_built_orm_loads_as_a_sequence_classifier_with_the_same_score(tok, lm, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    orm = orm_lib.surprise_orm(lm, orm_lib.response_token_ids([PROBLEM, OTHER], tok))
+    save_model(orm, tmp_path / "orm", source_dir=None)
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "orm").eval()
+    assert hf.config.num_labels == 1 and hf.config.hidden_size == 2 * lm.args.hidden_size
+    prompt = orm_lib.prompt_ids([PROBLEM], tok)[0]
+    ex = orm_lib.label_samples([PROBLEM], [prompt],
+                               [[_ids(tok, PROBLEM.solution), _ids(tok, "38+61=9")]], tok)
+    ours = orm_lib.orm_scores(orm, ex)
+    with torch.no_grad():
+        theirs = [hf(torch.tensor([e.prompt_ids + e.response_ids])).logits[0, 0] for e in ex]
+    assert torch.allclose(ours, torch.stack(theirs), rtol=1e-4, atol=1e-4)
+
+
+def test_built_orm_needs_a_head_wider_than_the_response_vocabulary(tok, model):
+    with pytest.raises(ValueError, match="too many"):  # model: head size 8
+        orm_lib.surprise_orm(model, orm_lib.response_token_ids([PROBLEM, OTHER], tok))
