@@ -167,14 +167,14 @@ def _quiet(msg: str) -> None:
 
 
 def resolve_uri(uri: str, root: str | os.PathLike | None = None) -> str:
-    """``embedded://policy|policy_moe|policy_tools|critic|prm|orm|tokenizer`` or
+    """``embedded://policy|policy_moe|policy_tools|critic|prm|tokenizer`` or
     ``embedded://arith/<file>.parquet`` -> a local path (built on first use); any other string
     is returned unchanged."""
     if not isinstance(uri, str) or not uri.startswith(SCHEME):
         return uri
     name = uri[len(SCHEME):].strip("/")
     component, _, rest = name.partition("/")
-    if component in ("policy", "policy_moe", "policy_tools", "critic", "prm", "orm",
+    if component in ("policy", "policy_moe", "policy_tools", "critic", "prm",
                      "tokenizer") and not rest:
         return str(ensure(component, root))
     if component == "arith" and (not rest or rest in ARITH_FILES):
@@ -182,8 +182,7 @@ def resolve_uri(uri: str, root: str | os.PathLike | None = None) -> str:
     raise ValueError(
         f"unknown embedded asset {uri!r}; use embedded://policy, embedded://policy_moe, "
         f"embedded://policy_tools, embedded://critic, "
-        f"embedded://prm, embedded://orm, embedded://tokenizer or "
-        f"embedded://arith/{{{','.join(ARITH_FILES)}}}"
+        f"embedded://prm, embedded://tokenizer or embedded://arith/{{{','.join(ARITH_FILES)}}}"
     )
 
 

@@ -293,56 +293,6 @@ def build_policy_tools(staging: Path, base: Path, config: BuildConfig, log: Log)
     }
 
 
-def build_orm(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:
-    """The outcome reward model (megarl.demo.orm.surprise_orm): the policy after
-    ``orm_sft_steps`` more SFT steps on the 3-op SFT rows, built into a sequence classifier
-    that scores a text by how expected it is to that stronger model; measured on the policy's
-    own samples of held-out problems (pairwise accuracy, what GRPO's advantages depend on)."""
-    import pyarrow.parquet as pq
-
-    from megarl.demo import orm as orm_lib
-    from megarl.demo.sft import arith_accuracy, encode_sft, train_sft
-    from megarl.models import load_model, save_model
-
-    tok = _load_tokenizer(base)
-    rows = [r for r in pq.read_table(base / "arith" / "sft.parquet",
-                                     columns=["prompt", "response", "extra_info"]).to_pylist()
-            if r["extra_info"]["num_ops"] == 3]
-    examples = encode_sft([r["prompt"] for r in rows], [r["response"] for r in rows], tok)
-    lm = load_model(base / "policy", head="lm")
-    result = train_sft(lm, examples, tok.pad_token_id, config.orm_sft_steps, config.sft_batch,
-                       config.orm_sft_lr, warmup=20, seed=_seed(config, 30), log=log)
-    lm.eval()
-    sets = _problem_sets(config)
-    model = orm_lib.surprise_orm(lm, orm_lib.response_token_ids(sets["sft"][:1000], tok))
-    dev = sets["dev"][: config.n_orm_eval]
-    lm_acc, pairs = None, {}
-    if dev:  # the policy's own T=1 samples of held-out problems, scored
-        lm_acc = arith_accuracy(lm, tok, dev)
-        policy = load_model(base / "policy", head="lm").eval()
-        prompts = orm_lib.prompt_ids(dev, tok)
-        with torch.no_grad():
-            samples = orm_lib.sample_responses(policy, prompts, 8, tok.eos_token_id,
-                                               tok.pad_token_id, 64, seed=_seed(config, 31))
-        held = orm_lib.label_samples(dev, prompts, samples, tok)
-        pairs = orm_lib.pairwise_accuracy(held, orm_lib.orm_scores(model, held))
-        log(f"  orm: body SFT {result.steps} steps in {result.seconds:.0f}s (dev greedy "
-            f"{lm_acc:.3f}); pairwise accuracy {pairs['pairwise_accuracy']:.3f} on "
-            f"{pairs['pairs']} (correct, wrong) pairs of policy samples")
-    save_model(model, staging, source_dir=base / "tokenizer")
-    return {
-        "score": "mean over the sequence's positions of the stronger model's logit of the "
-                 "token written there (megarl.demo.orm.surprise_orm), read at the last token",
-        "input": "chat-templated prompt + response + <|im_end|> (megarl.trainer.outcome_rm)",
-        "body_sft": {"steps": result.steps, "seconds": round(result.seconds, 1),
-                     "rows": len(examples),
-                     "dev_greedy_accuracy": None if lm_acc is None else round(lm_acc, 4)},
-        "eval_policy_samples": _rounded({**pairs, "problems_sampled": len(dev),
-                                         "samples_per_problem": 8, "temperature": 1.0})
-        if dev else None,
-    }
-
-
 def _rounded(d: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
@@ -356,5 +306,4 @@ BUILDERS: dict[str, Builder] = {
     "prm": build_prm,
     "policy_moe": build_policy_moe,
     "policy_tools": build_policy_tools,
-    "orm": build_orm,
 }

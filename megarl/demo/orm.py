@@ -1,20 +1,18 @@
-"""The demo outcome reward model (ORM) and the pieces tried before it.
+"""Two kinds of demo outcome reward model (ORM), measured, neither shipped as a demo asset
+(docs/demo.md, "An outcome reward model for the demo").
 
-Shipped (``embedded://orm``, `surprise_orm`): a hand-built ``Qwen2ForSequenceClassification``
-whose score is how expected the whole text is to a stronger arithmetic model: the mean, over the
-sequence's positions, of that model's logit of the token written there. A wrong solution of the
-demo almost always contains one token the stronger model did not expect (mostly a copied operand
-off by a digit); on 200 held-out problems x 8 policy samples this score orders a correct sample
-above a wrong one of the same problem 0.82-0.84 of the time (docs/demo.md, "An outcome reward
-model"). It is built, not trained: the stronger model (the SFT policy after a few hundred more SFT
-steps) is copied into half of a twice-as-wide body, and two added layers compute the logit of each
-written token and average it (`surprise_orm` tells how).
+Trained (`sample_responses`, `label_samples`, `train_orm`, `ranking_loss`): the policy's body
+with a 1-label head trained on the policy's own T=1 samples labelled by the arith verifier (BCE
+on the outcome, dense "still on the reference path" labels, a within-problem ranking loss). It
+orders a correct sample of a problem above a wrong one only ~0.5-0.6 of the time
+(`pairwise_accuracy`), too weak for GRPO.
 
-Tried before, not shipped (they rank pairs at only ~0.5-0.6): the policy's body with a 1-label
-head trained on the policy's own T=1 samples labelled by the arith verifier, with BCE on the
-outcome, dense "still on the reference path" labels and a within-problem ranking loss
-(`sample_responses`, `label_samples`, `train_orm`, `ranking_loss`). `pairwise_accuracy` is the
-measure of both.
+Built (`surprise_orm`): a ``Qwen2ForSequenceClassification`` whose score is how expected the
+whole text is to a stronger arithmetic model, the mean over the sequence's positions of that
+model's logit of the token written there. It is constructed, not trained on correct / wrong
+answers: the stronger model (the SFT policy after a few hundred more SFT steps) is copied into
+half of a twice-as-wide body, and two added layers compute the logit of each written token and
+average it. On the demo it ranks pairs at 0.82-0.84 and GRPO learns from its score alone.
 
 Input/score. As ``megarl.trainer.outcome_rm`` reads it (and transformers'
 ``*ForSequenceClassification``): chat-templated prompt + response tokens (with the ``<|im_end|>``
@@ -245,7 +243,7 @@ def pairwise_accuracy(examples: Sequence[ORMExample], scores: torch.Tensor) -> d
             "correct_share": float(np.mean([e.correct for e in examples])) if examples else 0.0}
 
 
-# ----------------------------------------------------------------- the shipped, built ORM
+# ----------------------------------------------------------------- the built ORM
 
 
 def response_token_ids(problems: Sequence[Problem], tokenizer) -> list[int]:

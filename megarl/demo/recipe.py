@@ -13,17 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ASSETS_VERSION = 2
-COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm", "policy_moe", "policy_tools",
-              "orm")
+COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm", "policy_moe", "policy_tools")
 DEPENDS = {"tokenizer": (), "arith": (), "policy": ("tokenizer", "arith"),
            "critic": ("policy",), "prm": ("policy",), "policy_moe": ("policy",),
-           "policy_tools": ("policy",), "orm": ("policy", "arith")}
+           "policy_tools": ("policy",)}
 ARITH_FILES = ("train.parquet", "val.parquet", "sft.parquet")
 
 
 # Components trained with torch: float reductions split by the thread count, so the result
 # depends on it (on some CPUs a 1-thread SFT stops before the jump RL needs).
-THREADED = ("policy", "prm", "policy_tools", "orm")
+THREADED = ("policy", "prm", "policy_tools")
 
 
 def default_threads() -> int:
@@ -83,11 +82,6 @@ class BuildConfig:
     # policy still misreads the tool's answer, gained nothing in 20 steps; docs/demo.md).
     tools_stop_at: float = 0.35
     tools_max_response_length: int = 128  # tokens of a trajectory (model + tool turns)
-    # The outcome reward model (orm): the policy after orm_sft_steps more SFT steps (3-op rows)
-    # is the stronger model whose expectation of each written token the ORM averages.
-    orm_sft_steps: int = 300
-    orm_sft_lr: float = 1e-3
-    n_orm_eval: int = 200  # held-out (dev) problems x 8 policy samples for the pairwise measure
 
 
 def read_meta(path: Path) -> dict | None:
