@@ -62,7 +62,7 @@ def run_layout(model: str, kw: dict, ck: str | None) -> dict:
     if a.dp_size == 1:
         res["grads"] = {n: t.clone() for n, t in a.export_adapter(grads=True)}
     else:  # the distributed optimizer reduce-scattered them: each rank has its shard only
-        with pytest.raises(RuntimeError, match="dp_size == 1"):
+        with pytest.raises(RuntimeError, match="dp_size x context_parallel_size == 1"):
             next(a.export_adapter(grads=True))
     res["adapter"] = {n: t.clone() for n, t in a.export_adapter()}
     res["weights"] = dict(a.export_weights())

@@ -43,6 +43,7 @@ from megarl.backends.torch import backend as backend_mod  # noqa: E402
 from megarl.backends.torch import ulysses as U  # noqa: E402
 from megarl.errors import UserInputError  # noqa: E402
 from megarl.models.model import default_position_ids  # noqa: E402
+from megarl.utils import dist as group_ops  # noqa: E402
 from megarl.utils.dist import init_distributed  # noqa: E402
 
 SP2 = {"ulysses": 2}
@@ -125,7 +126,7 @@ _GOOD_FSDP = backend_mod.par.apply_fsdp
 PLANTS = {
     "local_positions": (U.SeqShard, "model_inputs", _local_positions),
     "mean_over_sp": (backend_mod.par, "apply_fsdp", _fsdp_mean_over_sp),
-    "grad_allreduce": (U, "_SumOverGroup", _ReduceInBackward),
+    "grad_allreduce": (group_ops, "_SumOverGroup", _ReduceInBackward),
 }
 
 
