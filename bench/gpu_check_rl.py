@@ -200,31 +200,47 @@ def lora_grpo(sizes: Sizes, out: Path, name: str, strategy: str, targets: str,
 
 
 def check_policy_moved(rows: list[dict], dtype: str, res: dict, at_start: str,
-                       unmoved: str) -> None:
-    """Two steps' ``actor/kl_loss`` (recorded in ``res``): 0 at step 1, where the actor is the
+                       unmoved: str, moved_at: int = 1) -> None:
+    """The steps' ``actor/kl_loss`` (recorded in ``res``): 0 at step 1, where the actor is the
     reference (bitwise in fp32; in bf16 on CUDA the actor's and the reference's micro-batches
-    may pick different kernels: at most 1% of step 2's), > 0 at step 2 after one update."""
+    may pick different kernels: at most 1% of the moved step's), > 0 at step ``moved_at + 1``,
+    after the updates before it."""
     kl = [r["actor/kl_loss"] for r in rows]
     res["kl_loss"] = kl
-    kl0_bound = 0.0 if dtype == "fp32" else 0.01 * kl[1]
+    kl0_bound = 0.0 if dtype == "fp32" else 0.01 * kl[moved_at]
     require(kl[0] <= kl0_bound, f"KL {kl[0]:.3g} at step 1 (> {kl0_bound:.3g}): {at_start}", res)
-    require(kl[1] > 0.0, f"KL 0 at step 2: {unmoved}", res)
+    require(kl[moved_at] > 0.0, f"KL 0 at step {moved_at + 1}: {unmoved}", res)
+
+
+def first_signal_step(rows: list[dict]) -> int:
+    """Index of the first step whose advantages are not all 0 (a step whose groups all scored
+    alike updates on the KL term's gradient alone, ~1e-10 while the actor is the reference)."""
+    for i, r in enumerate(rows):
+        if r["critic/advantages/max"] > r["critic/advantages/min"]:
+            return i
+    scores = [round(r["critic/score/mean"], 4) for r in rows]
+    require(False, f"every step's advantages were 0 (mean scores {scores}): no update had a "
+            "learning signal")
+    return -1
 
 
 def step_grpo_bf16_params(sizes: Sizes, out: Path) -> dict:
     """grpo_torch with the parameters, gradients and AdamW state held in bf16
     (``parallel.param_dtype=bf16``, verl's fsdp_config.model_dtype; model.dtype bf16, which it
-    needs, on the dry run too), 2 steps. The learning rate is one whose AdamW steps bf16
+    needs, on the dry run too), 3 steps. The learning rate is one whose AdamW steps bf16
     rounding keeps: an update survives on weights below about 512 lr in magnitude, so 1e-4 on
     the GPU moves the weights below 0.05 (the rescaled matrices' std is 0.033 and 0.014) and
     1e-3 on the dry run those below 0.5 (std 0.125 and 0.088); at grpo_torch's 1e-6 nearly
     every update would be lost. Checked: finite gradient norms, KL 0 at step 1 (the reference
-    holds bf16 too) and > 0 at step 2 (the rounded update moved the policy), the engine-vs-
-    trainer gap within the bound at both steps (the engine receives the bf16 weights), and on
+    holds bf16 too) and > 0 at the step after the first update with nonzero advantages (the
+    rounded update moved the policy; on the GPU the random policy's first responses all score
+    0, so that update is step 2's: AdamW's step on step 1's ~1e-10 gradient is far below a
+    bf16 rounding and rightly lost), the engine-vs-trainer gap within the bound at every step
+    (the engine receives the bf16 weights), and on
     CUDA peak memory below grpo_torch's (fp32 parameters, gradients and AdamW state)."""
     lr = 1e-3 if sizes.device == "cpu" else 1e-4
     run_dir, rows, wall = train(sizes, out, "grpo_bf16_params", [
-        f"{A}.actor.parallel.param_dtype=bf16", f"{A}.rollout.check_logprobs=true"], 2,
+        f"{A}.actor.parallel.param_dtype=bf16", f"{A}.rollout.check_logprobs=true"], 3,
         lr=lr, dtype="bf16")
     res = {"ran": check_ran(run_dir, engine="torch", backend="torch", dtype="bf16",
                             device=sizes.device), "lr": lr, "param_dtype": "bf16",
@@ -233,8 +249,10 @@ def step_grpo_bf16_params(sizes: Sizes, out: Path) -> dict:
     bound = gap_bound(sizes, out) if sizes.dtype == "bf16" else BF16_GAP_BOUND
     res.update(logprob_gap_mean=gap, gap_bound=bound,
                logprob_gap_max=[r["rollout/logprob_abs_diff_max"] for r in rows])
+    signal = first_signal_step(rows[:-1])
     check_policy_moved(rows, "bf16", res, "the reference is not the actor's weights",
-                       "bf16 rounding lost the update (learning rate too small)")
+                       f"bf16 rounding lost step {signal + 1}'s update (learning rate too small)",
+                       moved_at=signal + 1)
     require(all(g <= bound for g in gap), f"engine-vs-trainer logprob gap {gap} > {bound:.3g}",
             res)
     try:

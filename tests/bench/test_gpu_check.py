@@ -123,3 +123,20 @@ def test_results_archive_holds_the_records_and_logs_only(tmp_path):
             "summary.json", "env.json", "env.log", "model.json", "model.log",
             "install_megarl.log", "work/pytest_0.xml"])
         assert tar.extractfile("env.log").read() == b"env.log"
+
+
+def test_bf16_step_checks_the_kl_after_the_first_update_with_a_signal(monkeypatch):
+    """On the GPU the random policy's first responses all score 0 (every advantage 0): the KL is
+    checked after step 2's update, not step 1's (the first GPU run failed there); a run with no
+    signal at all fails with the scores, never passes."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from gpu_check_lib import CheckFailed
+    from gpu_check_rl import first_signal_step
+
+    def row(lo: float, hi: float) -> dict:
+        return {"critic/advantages/min": lo, "critic/advantages/max": hi, "critic/score/mean": 0.0}
+
+    assert first_signal_step([row(0.0, 0.0), row(-0.5, 1.5)]) == 1
+    assert first_signal_step([row(-1.0, 1.0), row(0.0, 0.0)]) == 0
+    with pytest.raises(CheckFailed, match="every step's advantages were 0"):
+        first_signal_step([row(0.0, 0.0), row(0.0, 0.0)])
