@@ -27,6 +27,7 @@ more than one rank) and TransformerEngine's attention expects.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 
 import torch
@@ -56,6 +57,16 @@ def group_columns(seq_len: int, size: int, device: torch.device | None = None) -
     """[seq_len] int64: global column of each row of a tensor all-gathered over the group
     (rank 0's columns, then rank 1's, ...)."""
     return torch.cat([chunk_columns(seq_len, size, r, device) for r in range(size)])
+
+
+@functools.lru_cache(maxsize=4)
+def causal_mask(seq_len: int, size: int, rank: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, seq_len / size, seq_len] bool, True where hidden: rank ``rank``'s queries against
+    the group's gathered keys, causal by global column. Built once per (length, rank, device)
+    and shared by every layer (a micro-batch's layers all ask for the same one)."""
+    q_cols = chunk_columns(seq_len, size, rank, device)
+    k_cols = group_columns(seq_len, size, device)
+    return (k_cols[None, :] > q_cols[:, None])[None, None]
 
 
 class ContextParallelAttention(DotProductAttention):
@@ -91,10 +102,7 @@ class ContextParallelAttention(DotProductAttention):
         C = self.cp_size
         key = gather_from_sequence_parallel_region(key, True, group=self.cp_group)
         value = gather_from_sequence_parallel_region(value, True, group=self.cp_group)
-        S = key.shape[0]
-        q_cols = chunk_columns(S, C, self.cp_rank, query.device)
-        k_cols = group_columns(S, C, query.device)
-        masked = (k_cols[None, :] > q_cols[:, None])[None, None]  # [1, 1, S/C, S], True: hidden
+        masked = causal_mask(key.shape[0], C, self.cp_rank, query.device)
         return super().forward(query, key, value, masked, attn_mask_type, attention_bias,
                                packed_seq_params)
 
