@@ -1,4 +1,4 @@
-"""Exact resume: 6 steps straight == 3 steps, a hard kill, resume, 3 more steps, bit for bit
+"""Exact resume: 4 steps straight == 2 steps, a hard kill, resume, 2 more steps, bit for bit
 (fp32, CPU, 2 ranks). And a kill of launch/train.py while it writes a checkpoint: the partial
 one is ignored, trainer.resume=auto picks the previous one, and the run still ends bit for bit
 equal to an uninterrupted one."""
@@ -23,8 +23,8 @@ from megarl.trainer.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.dist
 
-COMMON = ["trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.export_hf=true",
-          "trainer.test_freq=3", "actor_rollout_ref.model.dtype=fp32"]
+COMMON = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.export_hf=true",
+          "trainer.test_freq=2", "actor_rollout_ref.model.dtype=fp32"]
 
 
 def _untimed(row: dict) -> dict:
@@ -41,7 +41,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def _train_killed_after_checkpoint(run_dir: Path, step: int, config: str,
                                   extra: list[str]) -> None:
-    """Start the 6-step run and SIGKILL torchrun and all its processes (`_hard_kill`) once
+    """Start the 4-step run and SIGKILL torchrun and all its processes (`_hard_kill`) once
     checkpoint ``step`` is complete (the run is then somewhere in the following steps). The
     killed run leaves its run-directory lock behind, so the resume that follows goes through
     the lock's takeover (megarl.trainer.run_lock)."""
@@ -110,7 +110,7 @@ def _hard_kill(proc: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
-# The resumed run prints its steps (the console sink: "step 4/6 | ..."), so its output shows
+# The resumed run prints its steps (the console sink: "step 3/4 | ..."), so its output shows
 # which steps that process ran
 RESUMED = ["trainer.logger=[console,jsonl]", "trainer.resume=auto"]
 
@@ -163,21 +163,21 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforc
     pytest.param("grpo", VLLM, id="grpo-vllm", marks=pytest.mark.vllm),
 ])
 def test_kill_and_resume_is_bitwise_identical(tmp_path, demo_assets, config, extra):
-    """6 steps straight equal 3 steps, a hard kill after the step-3 checkpoint and a resume
-    (metrics but timings, exported weights), and the resumed process ran steps 4-6 only
+    """4 steps straight equal 2 steps, a hard kill after the step-2 checkpoint and a resume
+    (metrics but timings, exported weights), and the resumed process ran steps 3-4 only
     (`assert_resumed`). Planted: the trainer ignoring trainer.resume=auto (maybe_resume
     returning None): the restart from step 0 matches the straight run bit for bit (the run is
-    deterministic) and fails only on the resume evidence (no "resumed from step 3"), with
+    deterministic) and fails only on the resume evidence (no "resumed from step 2"), with
     either recipe and with vLLM."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, config, *COMMON, *extra, nproc=2)
-    _train_killed_after_checkpoint(resumed, 3, config, extra)
-    assert CheckpointManager(resumed / "checkpoints").complete_steps() == [3]
-    before = logged_before(resumed, 3)
+    _train_killed_after_checkpoint(resumed, 2, config, extra)
+    assert CheckpointManager(resumed / "checkpoints").complete_steps() == [2]
+    before = logged_before(resumed, 2)
     proc = train(resumed, config, *COMMON, *extra, *RESUMED, nproc=2)
 
-    assert_same_runs(straight, resumed, 6)
-    assert_resumed(proc, resumed, before, 3, 6)
+    assert_same_runs(straight, resumed, 4)
+    assert_resumed(proc, resumed, before, 2, 4)
 
 
 def _policy_dir() -> Path:
