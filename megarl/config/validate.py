@@ -471,12 +471,8 @@ def _check_ulysses(cfg: Config, prefix: str, par: ParallelConfig, c: _Checker) -
     p = f"{prefix}.parallel"
     key = f"{p}.ulysses_sequence_parallel_size"
     sp = par.ulysses_sequence_parallel_size
-    strategy = _role_strategy(cfg, prefix)
-    if strategy != "torch":
-        c.fail((key, f"{prefix}.strategy"),
-               f"{sp}: Ulysses sequence parallelism is implemented by the torch backend only "
-               f"(this role's strategy is {strategy}); megatron's counterpart is "
-               f"{p}.context_parallel_size: use it, or strategy=torch")
+    if not _on_backend(cfg, prefix, c, key, sp, "Ulysses sequence parallelism", "torch",
+                       f"{p}.context_parallel_size"):
         return False
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if tp > 1 or pp > 1:
@@ -493,16 +489,23 @@ def _check_context_parallel(cfg: Config, prefix: str, par: ParallelConfig, c: _C
     """Context parallelism > 1: megatron backend, the same size on every megatron role (they
     share megatron-core's process groups). False if refused."""
     p = f"{prefix}.parallel"
-    key = f"{p}.context_parallel_size"
-    cp = par.context_parallel_size
+    return _on_backend(cfg, prefix, c, f"{p}.context_parallel_size", par.context_parallel_size,
+                       "context parallelism", "megatron", f"{p}.ulysses_sequence_parallel_size")
+
+
+def _on_backend(cfg: Config, prefix: str, c: _Checker, key: str, value: int, feature: str,
+                backend: str, counterpart: str) -> bool:
+    """``feature`` (set by ``key``) exists on ``backend`` only: refused, naming the other
+    backend's ``counterpart`` key, when the role runs elsewhere. False if refused."""
     strategy = _role_strategy(cfg, prefix)
-    if strategy != "megatron":
-        c.fail((key, f"{prefix}.strategy"),
-               f"{cp}: context parallelism is implemented by the megatron backend (this role's "
-               f"strategy is {strategy}); the torch backend's counterpart is "
-               f"{p}.ulysses_sequence_parallel_size: use it, or strategy=megatron")
-        return False
-    return True
+    if strategy == backend:
+        return True
+    other = "megatron" if backend == "torch" else "torch"
+    c.fail((key, f"{prefix}.strategy"),
+           f"{value}: {feature} is implemented by the {backend} backend only (this role's "
+           f"strategy is {strategy}); the {other} backend's counterpart is {counterpart}: use "
+           f"it, or strategy={backend}")
+    return False
 
 
 def _check_megatron_cp_shared(cfg: Config, c: _Checker) -> None:
