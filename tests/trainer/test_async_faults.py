@@ -18,16 +18,19 @@ import psutil
 import pytest
 from process_helpers import alive, wait_gone
 from test_resume import (
-    COMMON,
     RESUMED,
     _train_killed_after_checkpoint,
     assert_resumed,
     assert_same_runs,
     logged_before,
+    schedule,
 )
 from trainer_helpers import FAST, REPO, env, train
 
 from megarl.trainer.checkpoint import COMPLETE, CheckpointManager
+
+# 6 steps, checkpoints at 3 and 6: the faults land in steps 4-5, between them
+COMMON = schedule(6, 3)
 
 # one worker runs the module (make test: --dist loadgroup), so the straight run is made once
 pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.xdist_group("async_faults")]
@@ -149,7 +152,7 @@ def test_async_kill_and_resume_is_bitwise_identical(tmp_path, straight):
     trainer.resume=auto (maybe_resume returning None): the restart from step 0 matches the
     straight run bit for bit and fails only on the resume evidence."""
     resumed = tmp_path / "resumed"
-    _train_killed_after_checkpoint(resumed, 3, "grpo", ASYNC1)
+    _train_killed_after_checkpoint(resumed, 3, "grpo", ASYNC1, COMMON)
     ckpt = CheckpointManager(resumed / "checkpoints")
     assert ckpt.complete_steps() == [3]
     assert (ckpt.step_dir(3) / "async" / "rank1.pt").is_file()

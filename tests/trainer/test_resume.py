@@ -23,8 +23,15 @@ from megarl.trainer.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.dist
 
-COMMON = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.export_hf=true",
-          "trainer.test_freq=2", "actor_rollout_ref.model.dtype=fp32"]
+def schedule(steps: int, every: int) -> list[str]:
+    """Overrides for a run of ``steps`` steps that checkpoints and validates every ``every``
+    steps, in fp32, exporting its HF weights."""
+    return [f"trainer.total_training_steps={steps}", f"trainer.save_freq={every}",
+            "trainer.export_hf=true", f"trainer.test_freq={every}",
+            "actor_rollout_ref.model.dtype=fp32"]
+
+
+COMMON = schedule(4, 2)
 
 
 def _untimed(row: dict) -> dict:
@@ -40,14 +47,14 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _train_killed_after_checkpoint(run_dir: Path, step: int, config: str,
-                                  extra: list[str]) -> None:
-    """Start the 4-step run and SIGKILL torchrun and all its processes (`_hard_kill`) once
+                                  extra: list[str], common: list[str] = COMMON) -> None:
+    """Start the run (``common``: `schedule`'s overrides) and SIGKILL torchrun and all its processes (`_hard_kill`) once
     checkpoint ``step`` is complete (the run is then somewhere in the following steps). The
     killed run leaves its run-directory lock behind, so the resume that follows goes through
     the lock's takeover (megarl.trainer.run_lock)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "launch/train.py", "--config", config, f"trainer.default_local_dir={run_dir}",
-           *FAST, *COMMON, *extra]
+           *FAST, *common, *extra]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     marker = run_dir / "checkpoints" / f"global_step_{step}" / "COMPLETE"
