@@ -215,13 +215,12 @@ def check_policy_moved(rows: list[dict], dtype: str, res: dict, at_start: str,
 def first_signal_step(rows: list[dict]) -> int:
     """Index of the first step whose advantages are not all 0 (a step whose groups all scored
     alike updates on the KL term's gradient alone, ~1e-10 while the actor is the reference)."""
-    for i, r in enumerate(rows):
-        if r["critic/advantages/max"] > r["critic/advantages/min"]:
-            return i
+    signal = next((i for i, r in enumerate(rows)
+                   if r["critic/advantages/max"] > r["critic/advantages/min"]), None)
     scores = [round(r["critic/score/mean"], 4) for r in rows]
-    require(False, f"every step's advantages were 0 (mean scores {scores}): no update had a "
-            "learning signal")
-    return -1
+    require(signal is not None, f"every step's advantages were 0 (mean scores {scores}): no "
+            "update had a learning signal")
+    return signal
 
 
 def step_grpo_bf16_params(sizes: Sizes, out: Path) -> dict:

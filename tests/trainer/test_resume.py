@@ -48,10 +48,10 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def _train_killed_after_checkpoint(run_dir: Path, step: int, config: str,
                                   extra: list[str], common: list[str] = COMMON) -> None:
-    """Start the run (``common``: `schedule`'s overrides) and SIGKILL torchrun and all its processes (`_hard_kill`) once
-    checkpoint ``step`` is complete (the run is then somewhere in the following steps). The
-    killed run leaves its run-directory lock behind, so the resume that follows goes through
-    the lock's takeover (megarl.trainer.run_lock)."""
+    """Start the run (``common``: `schedule`'s overrides) and SIGKILL torchrun and all its
+    processes (`_hard_kill`) once checkpoint ``step`` is complete (the run is then somewhere
+    in the following steps). The killed run leaves its run-directory lock behind, so the
+    resume that follows goes through the lock's takeover (megarl.trainer.run_lock)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "launch/train.py", "--config", config, f"trainer.default_local_dir={run_dir}",
            *FAST, *common, *extra]
