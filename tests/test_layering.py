@@ -163,7 +163,7 @@ def test_no_import_circles():
     """The import graph of megarl/, conversion/ and launch/ has no circle (modules that import
     each other in a loop, lazy imports included): each circle found is printed as its chain.
 
-    Before issue 31's cuts it failed naming its four circles, e.g.
+    Before the cuts that broke them it failed naming its four circles, e.g.
     ``megarl.demo.assets -> megarl.demo.build -> megarl.demo.assets`` and
     ``megarl.trainer.async_rollout -> megarl.trainer.trainer -> megarl.trainer.parts ->
     megarl.trainer.builders -> megarl.trainer.async_rollout``. Planted after them:

@@ -1,4 +1,4 @@
-"""`ray` reward pool: one Ray actor per worker, on any node of the cluster (issue 9).
+"""`ray` reward pool: one Ray actor per worker, on any node of the cluster.
 
 Same contract as the local pool: results in request order; an item past `timeout_s` kills its
 actor (`ray.kill`), scores 0 with status "timeout" and the actor is replaced; an actor that

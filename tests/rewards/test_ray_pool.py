@@ -1,4 +1,4 @@
-"""The Ray pool (issue 9) against the local pool on the same hostile batch.
+"""The Ray pool against the local pool on the same hostile batch.
 
 Ray binds the machine's external address, so the Ray half runs in a child process inside a
 network namespace that has only a loopback interface (`unshare --net --map-root-user`, `ip

@@ -1,5 +1,5 @@
 """A trainer run scoring with ``reward_model.pool=ray`` gives the same metrics as with the local
-pool (issue 9). The Ray run happens inside a loopback-only network namespace (a local Ray binds
+pool. The Ray run happens inside a loopback-only network namespace (a local Ray binds
 every interface); skipped, saying why, where Ray or namespaces are unavailable."""
 
 from __future__ import annotations
