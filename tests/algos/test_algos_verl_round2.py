@@ -32,7 +32,13 @@ import torch
 from megarl import algos
 
 D = torch.float64
-GEN = torch.Generator().manual_seed(7)
+GEN = torch.Generator()
+
+
+@pytest.fixture(autouse=True)
+def _same_draws_in_any_order():
+    """Each test draws the same data however it is selected, ordered or spread over workers."""
+    GEN.manual_seed(7)
 
 
 def rnd(*shape, scale=1.0):
