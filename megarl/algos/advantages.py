@@ -283,11 +283,11 @@ def _zero_tail(base: torch.Tensor, mask: torch.Tensor, groups) -> torch.Tensor:
         rows = torch.nonzero(groups.inverse == g).squeeze(-1)
         if rows.numel() < 2:
             continue
-        ls = lengths[rows]
-        top2 = torch.topk(ls, 2).values
-        longest = rows[ls == top2[0]]
-        if longest.numel() == 1 and top2[0] > top2[1]:
-            base[longest[0]] = torch.where(cols >= top2[1], 0.0, base[longest[0]])
+        top2 = torch.topk(lengths[rows], 2)
+        first, second = top2.values.tolist()
+        if first > second:  # a uniquely longest response
+            longest = rows[top2.indices[0]]
+            base[longest] = torch.where(cols >= second, 0.0, base[longest])
     return base
 
 

@@ -176,7 +176,8 @@ def parse_rollout_rs(rollout_rs: str, threshold: str | float | None) -> dict[str
     order) and ``rollout_rs_threshold`` (one entry for all options, or one per option, comma
     separated) -> {option: (lower, upper)} as verl parses them: a ``*_k1`` option takes
     ``"lower_upper"`` or a single upper bound with lower = 1/upper; k2/k3 take a single upper
-    bound (lower None). Every bound must be > 0. ValueError otherwise."""
+    bound (lower None). Every bound must be > 0. ValueError otherwise, also for a k1 entry
+    with two '_' (verl would read ``"0.5_1_5"`` as lower 0.5 and upper ``float("1_5")`` = 15)."""
     if not isinstance(rollout_rs, str) or not rollout_rs.strip():
         raise ValueError(f"rollout_rs must be a non-empty string of options "
                          f"{list(ROLLOUT_RS_OPTIONS)}, got {rollout_rs!r}")
@@ -205,9 +206,12 @@ def parse_rollout_rs(rollout_rs: str, threshold: str | float | None) -> dict[str
     for opt, spec in zip(options, specs):
         try:
             if opt.endswith("k1"):
-                lo_s, hi_s = spec.split("_", 1) if "_" in spec else (None, spec)
-                hi = float(hi_s)
-                lo = float(lo_s) if lo_s is not None else 1.0 / hi
+                parts = spec.split("_")
+                if len(parts) > 2:
+                    raise ValueError(f"rollout_rs_threshold for {opt!r} is 'lower_upper' or a "
+                                     f"single upper bound, got {spec!r}")
+                hi = float(parts[-1])
+                lo = float(parts[0]) if len(parts) == 2 else 1.0 / hi
             else:
                 if "_" in spec:
                     raise ValueError(f"rollout_rs_threshold for {opt!r} is a single upper bound "

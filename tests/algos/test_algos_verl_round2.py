@@ -400,3 +400,18 @@ def test_rejection_of_an_empty_batch_keeps_nothing():
     z = torch.zeros(2, 3)
     keep, met = algos.compute_rollout_rejection_mask(z, z, z, rollout_rs="token_k2", threshold=1)
     assert keep.sum() == 0 and met == {}
+
+
+def test_zero_tail_after_a_singleton_group_and_not_on_a_tie():
+    """A singleton group sorts first (the groups after it still get their tails zeroed); a
+    group whose two longest responses tie keeps its baseline."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 0, 0, 0],
+                         [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    groups = torch.tensor([7, 7, 0, 5, 5, 5])
+    rewards = rnd(6, 4) * mask
+    old, spp = -rnd(6, 4).abs(), torch.rand(6, 4, generator=GEN, dtype=D)
+    adv, _ = algos.optimal_token_baseline(rewards, mask, groups, old, spp, handle_zero_tail=True)
+    want, ret = brute_otb(L(rewards), L(mask), L(groups), L(old), L(spp), zero_tail=True)
+    close(adv, torch.tensor(want, dtype=D), 1e-12)
+    assert adv[3, 2:].tolist() == ret[3][2:]  # row 3's baseline is 0 from length 2 on
+    assert adv[0, 2] != ret[0][2]  # the tied rows keep theirs

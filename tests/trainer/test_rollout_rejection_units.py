@@ -13,6 +13,7 @@ Planted while writing (each made the named test fail):
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +25,14 @@ from megarl.config.loader import load_config
 from megarl.errors import UserInputError
 from megarl.trainer.algorithm import actor_loss_settings
 from megarl.trainer.batch import RolloutBatch
-from megarl.trainer.correction import add_rollout_rejection, bypass_logprobs, without_rejected
+from megarl.trainer.correction import (
+    add_rollout_is_weights,
+    add_rollout_rejection,
+    bypass_logprobs,
+    check_lagged_correction,
+    require_rollout_logprobs,
+    without_rejected,
+)
 from megarl.trainer.losses import ActorLossSettings, Norm, actor_loss_fn
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
@@ -110,3 +118,75 @@ def test_sapo_temperatures_reach_the_loss():
                                    response_mask=mask, **norm.kwargs())
     assert loss.item() == pytest.approx(want.item(), rel=1e-6)
     assert abs(want.item() - default.item()) > 1e-3
+
+
+IS = SimpleNamespace(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=False)
+
+
+def _truncated(proximal: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    """min(pi/mu, 1.5) on the response tokens, 0 on padding: a float64 loop."""
+    return torch.tensor([[min(math.exp(p - r), 1.5) if m else 0.0
+                          for p, r, m in zip(pr, rr, mr)]
+                         for pr, rr, mr in zip(proximal.double().tolist(),
+                                               rollout.double().tolist(), MASK.tolist())])
+
+
+def test_missing_engine_logprobs_name_the_setting_and_the_fix():
+    with pytest.raises(UserInputError) as e:
+        require_rollout_logprobs(_batch(old_logprob=torch.zeros(2, 3)), "token")
+    assert str(e.value) == (
+        "algorithm.rollout_correction.rollout_is='token' needs the rollout engine's logprobs of "
+        "the sampled tokens, and this engine returned none for some responses; use an engine "
+        "that returns them (actor_rollout_ref.rollout.name=torch, vllm or sglang) or set "
+        "algorithm.rollout_correction.rollout_is=null")
+    with pytest.raises(UserInputError, match=r"rollout_rs='token_k1' needs .* set "
+                                             r"algorithm\.rollout_correction\.rollout_rs=null$"):
+        add_rollout_rejection(_batch(old_logprob=torch.zeros(2, 3)), RS)
+
+
+def test_truncated_weights_pair_the_recomputation_with_the_engine():
+    rollout = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    old = torch.tensor([[-0.2, -2.5, 9.0], [-1.5, 9.0, 9.0]])
+    b = _batch(rollout_logprob=rollout, old_logprob=old)  # decoupled: weights applied
+    metrics = add_rollout_is_weights(b, IS)
+    want = _truncated(old, rollout)
+    torch.testing.assert_close(b.tensors["rollout_is_weights"], want, rtol=0, atol=1e-6)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(  # before truncation
+        (math.exp(0.8) + math.exp(-0.5) + math.exp(-1.0)) / 3, abs=1e-6)
+    # bypass (the ratio is against the engine's logprobs): measured from prox, not applied
+    b = _batch(rollout_logprob=rollout, old_logprob=rollout, prox_logprob=old)
+    assert add_rollout_is_weights(b, IS) == metrics
+    assert "rollout_is_weights" not in b.tensors
+    # ... unless the loss takes no ratio: then the same weights are applied
+    b = _batch(rollout_logprob=rollout, old_logprob=rollout, prox_logprob=old)
+    add_rollout_is_weights(b, IS, loss_has_ratio=False)
+    torch.testing.assert_close(b.tensors["rollout_is_weights"], want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("staleness,has_ratio,rollout_is,refused", [
+    (1, False, None, True), (0, False, None, False), (1, True, None, False),
+    (2, False, "token", False)])
+def test_lagged_samples_without_a_ratio_need_weights(staleness, has_ratio, rollout_is, refused):
+    cfg = load_config("grpo", [f"async_training.staleness_threshold={staleness}",
+                               "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce"])
+    cfg.algorithm.rollout_correction.rollout_is = rollout_is
+    if not refused:
+        check_lagged_correction(cfg, has_ratio)
+        return
+    with pytest.raises(UserInputError) as e:
+        check_lagged_correction(cfg, has_ratio)
+    assert str(e.value) == (
+        "actor_rollout_ref.actor.policy_loss.loss_mode='reinforce' takes no importance ratio, "
+        f"so with async_training.staleness_threshold={staleness} and "
+        "algorithm.rollout_correction.rollout_is=null the samples of older policy versions "
+        "would train uncorrected; set algorithm.rollout_correction.rollout_is=token (truncated "
+        "weights pi/mu on each token), or a loss with a ratio "
+        "(actor_rollout_ref.actor.policy_loss.loss_mode=vanilla), or "
+        "async_training.staleness_threshold=0")
+
+
+def test_without_rejected_keeps_the_mask_dtype():
+    b = _batch()
+    b.tensors["rollout_rs_keep"] = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]],
+                                                dtype=torch.float64)
+    assert without_rejected(b).response_mask.dtype == MASK.dtype
