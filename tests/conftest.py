@@ -5,9 +5,11 @@
 - One thread per process: with 2 shared cores, default OpenMP threading is ~25x slower.
 - MEGARL_CACHE_DIR (the prompt token cache, megarl.data.token_cache) in the session's pytest
   temp folder, shared by its xdist workers (``_megarl_cache_dir``), not in the user's home.
+- torch's and python's global generators reseeded before each test.
 """
 
 import os
+import random
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -20,6 +22,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _same_random_draws_in_any_order():
+    """Reseed torch's and python's global generators before each test: a test that draws without
+    its own generator gets the same data alone, in a subset (mutmut runs only the tests that
+    reach a mutant), in another order or on another xdist worker."""
+    random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="session", autouse=True)

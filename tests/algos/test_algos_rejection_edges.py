@@ -91,8 +91,8 @@ def test_parsing_drops_empty_and_repeated_options():
     (None, 2.0, r"rollout_rs must be a non-empty string of options \['token_k1', .*got None"),
     ("token", 2.0, r"unknown rollout_rs option 'token'; valid: \['token_k1'"),
     (" , ", 2.0, r"rollout_rs names no option, got ' , '"),
-    ("token_k2", None, r"rollout_rs_threshold must be given with rollout_rs \(verl has no "
-                       r"default\)"),
+    ("token_k2", None, r"^rollout_rs_threshold must be given with rollout_rs \(verl has no "
+                       r"default\)$"),
     ("token_k2", True, r"rollout_rs_threshold must be a number or a string, got True"),
     ("token_k1,token_k2", "1,2,3", r"rollout_rs_threshold has 3 entries for 2 rollout_rs "
                                    r"options \['token_k1', 'token_k2'\]: give one for all"),

@@ -139,6 +139,10 @@ def test_missing_engine_logprobs_name_the_setting_and_the_fix():
         "the sampled tokens, and this engine returned none for some responses; use an engine "
         "that returns them (actor_rollout_ref.rollout.name=torch, vllm or sglang) or set "
         "algorithm.rollout_correction.rollout_is=null")
+    with pytest.raises(UserInputError, match=r"^algorithm\.rollout_correction\.rollout_is='token' "
+                                             r"needs .* set algorithm\.rollout_correction\."
+                                             r"rollout_is=null$"):
+        add_rollout_is_weights(_batch(old_logprob=torch.zeros(2, 3)), IS)
     with pytest.raises(UserInputError, match=r"rollout_rs='token_k1' needs .* set "
                                              r"algorithm\.rollout_correction\.rollout_rs=null$"):
         add_rollout_rejection(_batch(old_logprob=torch.zeros(2, 3)), RS)
@@ -161,6 +165,15 @@ def test_truncated_weights_pair_the_recomputation_with_the_engine():
     b = _batch(rollout_logprob=rollout, old_logprob=rollout, prox_logprob=old)
     add_rollout_is_weights(b, IS, loss_has_ratio=False)
     torch.testing.assert_close(b.tensors["rollout_is_weights"], want, rtol=0, atol=1e-6)
+    # the level and the batch normalisation reach the weights
+    seq = SimpleNamespace(rollout_is="sequence", rollout_is_threshold=1.5,
+                          rollout_is_batch_normalize=True)
+    b = _batch(rollout_logprob=rollout, old_logprob=old)
+    add_rollout_is_weights(b, seq)
+    want, _ = algos.compute_rollout_is_weights(old, rollout, MASK, level="sequence",
+                                               threshold=1.5, batch_normalize=True)
+    assert torch.equal(b.tensors["rollout_is_weights"], want)
+    assert not torch.allclose(want, _truncated(old, rollout).float())
 
 
 @pytest.mark.parametrize("staleness,has_ratio,rollout_is,refused", [
