@@ -25,15 +25,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from megarl.rewards.pool import RewardPool, RewardRequest, RewardResult
+from megarl.rewards.pool import RewardRequest, RewardResult
+from megarl.rewards.pool_policy import Batch, PoolSlot, SupervisedRewardPool
 from megarl.utils import lifetime
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
@@ -105,8 +104,11 @@ class _Zygote:
             self.proc.wait()
 
 
-class _Worker:
-    """One worker process: forked by the zygote, or (without one) started directly."""
+class _Worker(PoolSlot):
+    """One worker process: forked by the zygote, or (without one) started directly.
+
+    inflight: the request indices sent to it and not answered, in send order.
+    """
 
     def __init__(self, memory_mb: int, zygote: _Zygote | None):
         req_r, req_w = os.pipe()
@@ -132,11 +134,7 @@ class _Worker:
             os.close(res_w)
         self.outbox = Connection(req_w, readable=False)
         self.inbox = Connection(res_r, writable=False)
-        self.started = time.monotonic()
-        self.ready = False
-        self.fresh = True  # has not been sent any item yet
-        self.inflight: deque[int] = deque()
-        self.item_start = 0.0
+        super().__init__()
         self.crash_message: str | None = None
         self.status: str | None = None
 
@@ -183,14 +181,18 @@ def _shutdown(workers: list[_Worker | None], zygote_box: list[_Zygote | None]) -
         zygote_box[0] = None
 
 
-class LocalRewardPool(RewardPool):
+class LocalRewardPool(SupervisedRewardPool):
     """Worker subprocesses with a per-item wall-clock bound and a per-worker RLIMIT_AS.
 
     num_workers: processes scoring in parallel. timeout_s: seconds one item may take.
     memory_mb: RLIMIT_AS of each worker (its whole address space, ~60 MiB of which is the
     idle interpreter with math-verify). chunk_size: items sent per message (pipelining).
     start_timeout_s: seconds a new worker may take to import and warm up.
+    max_start_failures: start failures in a row (death or start timeout before "ready") that
+    close the pool and raise. Crash / timeout policy: `megarl.rewards.pool_policy`.
     """
+
+    start_fix = "check that `python -m megarl.rewards._worker` can import megarl and math_verify."
 
     def __init__(
         self,
@@ -202,16 +204,12 @@ class LocalRewardPool(RewardPool):
         max_start_failures: int = 3,
         use_zygote: bool = True,
     ):
-        super().__init__()
-        self.num_workers, self.timeout_s, self.memory_mb = num_workers, timeout_s, memory_mb
-        self.chunk_size, self.start_timeout_s = chunk_size, start_timeout_s
-        self.max_start_failures = max_start_failures
-        self._start_failures = 0
-        self._lock = threading.Lock()
+        super().__init__(num_workers, timeout_s, memory_mb, start_timeout_s, max_start_failures)
+        self.chunk_size = chunk_size
         # Workers are forked on first use; the zygote warms up meanwhile.
         self._zygote: list[_Zygote | None] = [_Zygote(start_timeout_s) if use_zygote else None]
-        self._workers: list[_Worker | None] = [None] * num_workers
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._zygote)
+        self._slots: list[_Worker | None] = [None] * num_workers
+        self._finalizer = weakref.finalize(self, _shutdown, self._slots, self._zygote)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -220,13 +218,13 @@ class LocalRewardPool(RewardPool):
             raise RuntimeError("LocalRewardPool.score() after close()")
         with self._lock:
             try:
-                return self._score(list(requests))
+                return self._score(Batch(list(requests)))
             except BaseException:
                 # Interrupted (e.g. KeyboardInterrupt): drop workers holding stale items.
-                for k, w in enumerate(self._workers):
+                for k, w in enumerate(self._slots):
                     if w is not None and w.inflight:
                         w.kill()
-                        self._workers[k] = None
+                        self._slots[k] = None
                 raise
 
     def close(self) -> None:
@@ -234,45 +232,37 @@ class LocalRewardPool(RewardPool):
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def _score(self, requests: list[RewardRequest]) -> list[RewardResult]:
-        n = len(requests)
-        results: list[RewardResult | None] = [None] * n
-        pending: deque[int] = deque(range(n))
-        retries: deque[int] = deque()
-        crashes = [0] * n
-        remaining = n
-        for k, w in enumerate(self._workers):
+    def _score(self, batch: Batch) -> list[RewardResult]:
+        for k, w in enumerate(self._slots):
             if w is None:
-                self._workers[k] = self._new_worker()
-        while remaining:
-            self._dispatch(requests, pending, retries)
-            busy = [w for w in self._workers if w is not None and (w.inflight or not w.ready)]
+                self._slots[k] = self._new_slot()
+        while batch.remaining:
+            self._dispatch(batch)
+            busy = [w for w in self._slots if w is not None and (w.inflight or not w.ready)]
             now = time.monotonic()
             deadlines = [self._deadline(w) for w in busy]
             if not deadlines:
                 raise RuntimeError("LocalRewardPool: items left but no worker is busy (scheduler bug)")
             timeout = max(0.0, min(deadlines) - now)
-            live = {w.inbox: w for w in self._workers if w is not None}
+            live = {w.inbox: w for w in self._slots if w is not None}
             for conn in wait(list(live), timeout):
-                remaining -= self._drain(live[conn], requests, results, pending, retries, crashes)
+                self._drain(live[conn], batch)
             now = time.monotonic()
             for w in busy:
-                if w in self._workers and (w.inflight or not w.ready) and now > self._deadline(w):
-                    remaining -= self._expire(w, results, pending)
-        return results  # type: ignore[return-value]
+                if w in self._slots and (w.inflight or not w.ready) and now > self._deadline(w):
+                    self._expire(batch, w)
+        return batch.results  # type: ignore[return-value]
 
-    def _deadline(self, w: _Worker) -> float:
-        if not w.ready:
-            return w.started + self.start_timeout_s
-        return w.item_start + self.timeout_s
-
-    def _dispatch(self, requests, pending: deque[int], retries: deque[int]) -> None:
-        fresh_available = any(w is not None and w.fresh for w in self._workers)
-        for w in self._workers:
+    def _dispatch(self, batch: Batch) -> None:
+        """Send each ready idle worker one retried item, or a chunk of pending ones."""
+        pending = batch.pending
+        fresh_available = any(w is not None and w.fresh for w in self._slots)
+        for w in self._slots:
             if w is None or not w.ready or w.inflight:
                 continue
-            if retries and (w.fresh or not fresh_available):
-                items = [retries.popleft()]
+            retry = batch.take_retry(w, fresh_available)
+            if retry is not None:
+                items = [retry]
             elif pending:
                 k = max(1, min(self.chunk_size, len(pending) // (2 * self.num_workers)))
                 items = [pending.popleft() for _ in range(min(k, len(pending)))]
@@ -282,24 +272,23 @@ class LocalRewardPool(RewardPool):
             w.inflight.extend(items)
             w.item_start = time.monotonic()
             try:
-                w.outbox.send(("score", [(i, requests[i]) for i in items]))
+                w.outbox.send(("score", [(i, batch.requests[i]) for i in items]))
             except (OSError, ValueError):
                 pass  # the worker died; its pipe reports EOF and _drain handles it
 
-    def _drain(self, w, requests, results, pending, retries, crashes) -> int:
-        """Read every message the worker has sent; returns the number of items finished."""
-        finished = 0
+    def _drain(self, w: _Worker, batch: Batch) -> None:
+        """Read every message the worker has sent; on EOF the worker died (`_died`)."""
         while True:
             try:
                 if not w.inbox.poll():
-                    return finished
+                    return
                 msg = w.inbox.recv()
             except (EOFError, OSError):
-                return finished + self._died(w, results, pending, retries, crashes)
+                self._died(w, batch)
+                return
             kind = msg[0]
             if kind == "ready":
-                w.ready = True
-                self._start_failures = 0
+                self._started(w)
             elif kind == "failed":
                 w.crash_message = f"worker failed to start: {msg[1]}"
             elif kind == "crash":
@@ -308,12 +297,10 @@ class LocalRewardPool(RewardPool):
                 _, index, score, extra, status = msg
                 head = w.inflight.popleft()
                 assert head == index, (head, index)
-                results[index] = RewardResult(float(score), extra, status)
-                self._count_status(status)
-                finished += 1
+                self._record(batch, index, score, extra, status)
                 w.item_start = time.monotonic()
 
-    def _new_worker(self) -> _Worker:
+    def _new_slot(self) -> _Worker:
         zygote = self._zygote[0]
         if zygote is not None:
             try:
@@ -324,53 +311,12 @@ class LocalRewardPool(RewardPool):
                 self._zygote[0] = None
         return _Worker(self.memory_mb, None)
 
-    def _replace(self, w: _Worker) -> None:
+    def _kill(self, w: _Worker) -> None:
         w.kill()
-        self._workers[self._workers.index(w)] = self._new_worker()
-        self.stats["reward/worker_restarts"] += 1
 
-    def _requeue_rest(self, w: _Worker, pending: deque[int]) -> None:
-        pending.extendleft(reversed(w.inflight))
-        w.inflight.clear()
-
-    def _start_failed(self, reason: str) -> None:
-        self._start_failures += 1
-        if self._start_failures >= self.max_start_failures:
-            self.close()
-            raise RuntimeError(
-                f"reward workers failed to start {self._start_failures} times in a row ({reason}). "
-                f"Fix: raise reward_model.memory_mb (now {self.memory_mb}) or check that "
-                "`python -m megarl.rewards._worker` can import megarl and math_verify."
-            )
-
-    def _died(self, w, results, pending, retries, crashes) -> int:
+    def _died(self, w: _Worker, batch: Batch) -> None:
         reason = w.death_reason()
         if not w.ready:
-            self._start_failed(reason)
-        finished = 0
-        if w.inflight:
-            head = w.inflight.popleft()
-            crashes[head] += 1
-            if crashes[head] >= 2:
-                results[head] = RewardResult(0.0, {"error": f"{reason} (after one retry)"}, "error")
-                self.stats["reward/errors"] += 1
-                finished = 1
-            else:
-                retries.append(head)
-                self.stats["reward/crash_retries"] += 1
-            self._requeue_rest(w, pending)
-        self._replace(w)
-        return finished
-
-    def _expire(self, w, results, pending) -> int:
-        if not w.ready:
-            w.kill()
-            self._start_failed(f"worker did not start within {self.start_timeout_s} s")
-            self._replace(w)
-            return 0
-        head = w.inflight.popleft()
-        results[head] = RewardResult(0.0, {"error": f"timed out after {self.timeout_s} s"}, "timeout")
-        self.stats["reward/timeouts"] += 1
-        self._requeue_rest(w, pending)
-        self._replace(w)
-        return 1
+            self._start_failed(w, reason)
+        else:
+            self._crashed(batch, w, reason)

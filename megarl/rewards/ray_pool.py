@@ -29,13 +29,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from megarl.rewards.pool import RewardPool, RewardRequest, RewardResult
+from megarl.rewards.pool import RewardRequest, RewardResult
+from megarl.rewards.pool_policy import Batch, PoolSlot, SupervisedRewardPool
 
 
 def _vm_size_bytes() -> int:
@@ -141,24 +140,31 @@ class _RewardActor:
             os._exit(3)  # the pool sees the actor die and retries the item on a fresh one
 
 
-class _Slot:
+class _Slot(PoolSlot):
+    """One actor: its handle and warm-up call; inflight holds (index, ObjectRef) in call order."""
+
     def __init__(self, handle, ready_ref):
+        super().__init__()
         self.handle, self.ready_ref = handle, ready_ref
-        self.started = time.monotonic()
-        self.ready = False
-        self.fresh = True
-        self.inflight: deque[tuple[int, Any]] = deque()  # (index, ObjectRef), in call order
-        self.item_start = 0.0
+
+    def indices(self) -> list[int]:
+        return [i for i, _ in self.inflight]
 
 
-class RayRewardPool(RewardPool):
+class RayRewardPool(SupervisedRewardPool):
     """Ray actors with a per-item wall-clock bound and an address-space bound per actor.
 
     address: a running cluster ("auto", "ray://...", host:port) or None to start a local Ray
     (or reuse the one this process already initialised). init_kwargs: extra `ray.init`
     arguments for a local start (default: 256 MiB object store, no dashboard).
     actor_num_cpus: CPUs each actor reserves. pipeline_depth: calls queued per actor.
+    start_timeout_s: seconds a new actor may take to start and warm up. max_start_failures:
+    start failures in a row that close the pool and raise. Crash / timeout policy:
+    `megarl.rewards.pool_policy`.
     """
+
+    worker_noun = "actor"
+    start_fix = "install megarl and math-verify on every Ray node."
 
     def __init__(
         self,
@@ -172,7 +178,7 @@ class RayRewardPool(RewardPool):
         start_timeout_s: float = 300.0,
         max_start_failures: int = 3,
     ):
-        super().__init__()
+        super().__init__(num_workers, timeout_s, memory_mb, start_timeout_s, max_start_failures)
         try:
             import ray
         except ImportError as e:
@@ -180,10 +186,7 @@ class RayRewardPool(RewardPool):
                 "reward_model.pool=ray needs Ray: pip install 'megarl[ray]' (or pool=local)"
             ) from e
         self._ray = ray
-        self.num_workers, self.timeout_s, self.memory_mb = num_workers, timeout_s, memory_mb
-        self.pipeline_depth, self.start_timeout_s = max(1, pipeline_depth), start_timeout_s
-        self.max_start_failures = max_start_failures
-        self._start_failures = 0
+        self.pipeline_depth = max(1, pipeline_depth)
         self._owns_ray = False
         self._reaper: subprocess.Popen | None = None
         if not ray.is_initialized():
@@ -196,7 +199,6 @@ class RayRewardPool(RewardPool):
             self._owns_ray = True
             self._reaper = _start_reaper(ray)
         self._actor_cls = ray.remote(num_cpus=actor_num_cpus, max_restarts=0, max_task_retries=0)(_RewardActor)
-        self._lock = threading.Lock()
         self._closed = False
         self._slots = [self._new_slot() for _ in range(num_workers)]
 
@@ -207,7 +209,7 @@ class RayRewardPool(RewardPool):
             raise RuntimeError("RayRewardPool.score() after close()")
         with self._lock:
             try:
-                return self._score(list(requests))
+                return self._score(Batch(list(requests)))
             except BaseException:
                 # Interrupted: replace actors that still hold calls of this batch.
                 if not self._closed:
@@ -245,24 +247,10 @@ class RayRewardPool(RewardPool):
         except Exception:  # noqa: BLE001 - already gone
             pass
 
-    def _replace(self, s: _Slot) -> None:
-        self._kill(s)
-        self._slots[self._slots.index(s)] = self._new_slot()
-        self.stats["reward/worker_restarts"] += 1
-
-    def _deadline(self, s: _Slot) -> float:
-        return (s.item_start + self.timeout_s) if s.ready else (s.started + self.start_timeout_s)
-
-    def _score(self, requests: list[RewardRequest]) -> list[RewardResult]:
+    def _score(self, batch: Batch) -> list[RewardResult]:
         ray = self._ray
-        n = len(requests)
-        results: list[RewardResult | None] = [None] * n
-        pending: deque[int] = deque(range(n))
-        retries: deque[int] = deque()
-        crashes = [0] * n
-        remaining = n
-        while remaining:
-            self._dispatch(requests, pending, retries)
+        while batch.remaining:
+            self._dispatch(batch)
             watched: dict[Any, _Slot] = {}
             for s in self._slots:
                 if not s.ready:
@@ -283,51 +271,40 @@ class RayRewardPool(RewardPool):
                 if not s.ready:
                     self._on_ready(s)
                 else:
-                    remaining -= self._on_result(s, results, pending, retries, crashes)
+                    self._on_result(s, batch)
             now = time.monotonic()
             for s in list(self._slots):
                 if (s.inflight or not s.ready) and now > self._deadline(s):
-                    remaining -= self._expire(s, results, pending)
-        return results  # type: ignore[return-value]
+                    self._expire(batch, s)
+        return batch.results  # type: ignore[return-value]
 
-    def _dispatch(self, requests, pending: deque[int], retries: deque[int]) -> None:
+    def _dispatch(self, batch: Batch) -> None:
+        """Keep each ready actor `pipeline_depth` calls deep: retried items first, then pending."""
         fresh_available = any(s.fresh for s in self._slots)
         for s in self._slots:
             if not s.ready:
                 continue
             while len(s.inflight) < self.pipeline_depth:
-                if retries and (s.fresh or not fresh_available):
-                    i = retries.popleft()
-                elif pending:
-                    i = pending.popleft()
-                else:
-                    break
+                i = batch.take_retry(s, fresh_available)
+                if i is None:
+                    if not batch.pending:
+                        break
+                    i = batch.pending.popleft()
                 if not s.inflight:
                     s.item_start = time.monotonic()
                 s.fresh = False
-                s.inflight.append((i, s.handle.score.remote(requests[i])))
+                s.inflight.append((i, s.handle.score.remote(batch.requests[i])))
 
     def _on_ready(self, s: _Slot) -> None:
         try:
             self._ray.get(s.ready_ref)
         except Exception as e:  # noqa: BLE001
-            self._start_failed(s, f"{type(e).__name__}: {e}")
+            self._start_failed(s, f"{type(e).__name__}: {e}"[:500])
             return
-        s.ready = True
-        self._start_failures = 0
+        self._started(s)
 
-    def _start_failed(self, s: _Slot, reason: str) -> None:
-        self._start_failures += 1
-        if self._start_failures >= self.max_start_failures:
-            self.close()
-            raise RuntimeError(
-                f"reward actors failed to start {self._start_failures} times in a row ({reason[:500]}). "
-                f"Fix: raise reward_model.memory_mb (now {self.memory_mb}) or install megarl and "
-                "math-verify on every Ray node."
-            )
-        self._replace(s)
-
-    def _on_result(self, s: _Slot, results, pending, retries, crashes) -> int:
+    def _on_result(self, s: _Slot, batch: Batch) -> None:
+        """The head call finished: its result, or the actor died (`_crashed`)."""
         ray = self._ray
         index, ref = s.inflight[0]
         try:
@@ -336,39 +313,8 @@ class RayRewardPool(RewardPool):
             score, extra, status = 0.0, {"error": f"{type(e).__name__}: {e}"[:500]}, "error"
         except ray.exceptions.RayError as e:  # the actor died
             first = (str(e).strip().splitlines() or [""])[0][:200]
-            return self._died(s, f"actor died: {type(e).__name__}: {first}", results, pending, retries, crashes)
+            self._crashed(batch, s, f"actor died: {type(e).__name__}: {first}")
+            return
         s.inflight.popleft()
         s.item_start = time.monotonic()
-        results[index] = RewardResult(float(score), extra, status)
-        self._count_status(status)
-        return 1
-
-    def _requeue_rest(self, s: _Slot, pending: deque[int]) -> None:
-        pending.extendleft(reversed([i for i, _ in s.inflight]))
-        s.inflight.clear()
-
-    def _died(self, s: _Slot, reason: str, results, pending, retries, crashes) -> int:
-        head, _ = s.inflight.popleft()
-        crashes[head] += 1
-        finished = 0
-        if crashes[head] >= 2:
-            results[head] = RewardResult(0.0, {"error": f"{reason} (after one retry)"}, "error")
-            self.stats["reward/errors"] += 1
-            finished = 1
-        else:
-            retries.append(head)
-            self.stats["reward/crash_retries"] += 1
-        self._requeue_rest(s, pending)
-        self._replace(s)
-        return finished
-
-    def _expire(self, s: _Slot, results, pending) -> int:
-        if not s.ready:
-            self._start_failed(s, f"actor did not start within {self.start_timeout_s} s")
-            return 0
-        head, _ = s.inflight.popleft()
-        results[head] = RewardResult(0.0, {"error": f"timed out after {self.timeout_s} s"}, "timeout")
-        self.stats["reward/timeouts"] += 1
-        self._requeue_rest(s, pending)
-        self._replace(s)
-        return 1
+        self._record(batch, index, score, extra, status)
