@@ -29,10 +29,15 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
+def world():
+    """The process group a TorchBackend needs: a world of one."""
+    mdist.init_distributed(torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory, world):
     from megarl.models.testing import make_tiny_hf_model
 
-    mdist.init_distributed(torch.device("cpu"))
     return make_tiny_hf_model(tmp_path_factory.mktemp("r2") / "m", "qwen3_moe")
 
 
@@ -121,7 +126,7 @@ def test_r2_records_the_old_logprob_pass_and_the_update_replays_it(model_path):
     assert not getattr(be, "_warned_no_routing", False)
 
 
-def test_r2_refuses_dense_models(tmp_path):
+def test_r2_refuses_dense_models(tmp_path, world):
     from megarl.backends.routing import check_r2_layout
     from megarl.models.testing import make_tiny_hf_model
 
