@@ -204,19 +204,13 @@ def parse_rollout_rs(rollout_rs: str, threshold: str | float | None) -> dict[str
                          f"rollout_rs options {options}: give one for all, or one per option")
     out: dict[str, tuple[float | None, float]] = {}
     for opt, spec in zip(options, specs):
+        k1, parts = opt.endswith("k1"), spec.split("_")
+        if len(parts) > (2 if k1 else 1):
+            shape = "'lower_upper' or a single upper bound" if k1 else "a single upper bound"
+            raise ValueError(f"rollout_rs_threshold for {opt!r} is {shape}, got {spec!r}")
         try:
-            if opt.endswith("k1"):
-                parts = spec.split("_")
-                if len(parts) > 2:
-                    raise ValueError(f"rollout_rs_threshold for {opt!r} is 'lower_upper' or a "
-                                     f"single upper bound, got {spec!r}")
-                hi = float(parts[-1])
-                lo = float(parts[0]) if len(parts) == 2 else 1.0 / hi
-            else:
-                if "_" in spec:
-                    raise ValueError(f"rollout_rs_threshold for {opt!r} is a single upper bound "
-                                     f"(no '_'), got {spec!r}")
-                lo, hi = None, float(spec)
+            hi = float(parts[-1])
+            lo = (float(parts[0]) if len(parts) == 2 else 1.0 / hi) if k1 else None
         except (ValueError, ZeroDivisionError) as e:
             raise ValueError(f"bad rollout_rs_threshold {spec!r} for {opt!r}: {e}") from None
         if not hi > 0 or (lo is not None and not lo > 0):

@@ -164,7 +164,8 @@ class SupervisedRewardPool(RewardPool):
         """The slot is past its `_deadline`: a start failure if it is not ready, else its head
         item scores 0 with status "timeout", the rest go back to the queue, it is replaced."""
         if not slot.ready:
-            self._start_failed(slot, f"{self.worker_noun} did not start within {self.start_timeout_s} s")
+            self._start_failed(slot, f"{self.worker_noun} did not start within "
+                                     f"{self.start_timeout_s} s")
             return
         indices = slot.indices()
         slot.inflight.clear()

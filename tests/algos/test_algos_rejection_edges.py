@@ -96,9 +96,10 @@ def test_parsing_drops_empty_and_repeated_options():
     ("token_k2", True, r"rollout_rs_threshold must be a number or a string, got True"),
     ("token_k1,token_k2", "1,2,3", r"rollout_rs_threshold has 3 entries for 2 rollout_rs "
                                    r"options \['token_k1', 'token_k2'\]: give one for all"),
-    ("token_k2", "0.1_0.2", r"for 'token_k2' is a single upper bound \(no '_'\), got '0.1_0.2'"),
-    ("token_k1", "0.5_1_5", r"for 'token_k1' is 'lower_upper' or a single upper bound, got "
-                            r"'0.5_1_5'"),
+    ("token_k2", "0.1_0.2", r"^rollout_rs_threshold for 'token_k2' is a single upper bound, got "
+                            r"'0.1_0.2'$"),
+    ("token_k1", "0.5_1_5", r"^rollout_rs_threshold for 'token_k1' is 'lower_upper' or a single "
+                            r"upper bound, got '0.5_1_5'$"),
     ("token_k1", "a_2", r"bad rollout_rs_threshold 'a_2' for 'token_k1': could not convert"),
     ("token_k2", 0, r"rollout_rs_threshold bounds for 'token_k2' must be > 0, got '0'"),
     ("token_k1", "0_2", r"rollout_rs_threshold bounds for 'token_k1' must be > 0, got '0_2'"),

@@ -13,7 +13,8 @@ Measured (2-core Intel Xeon, one process, nothing else running; policy_tools as 
 builds it, 2 threads: 920 SFT steps, held-out 31.0%): over 20 steps 31.0% -> 43.6% (step 10) ->
 45.4% (step 20), 162 s; 1.0 calculator call per training trajectory at steps 1 and 20,
 erroneous calls 10.2% -> 1.6%. Most of the gain comes in the first 10 steps, which the test
-runs: 31.0% -> 38.2% (step 5) -> 43.6% (step 10), +12.6 (one process, shared box). A 1-thread build (620 SFT steps, held-out 27.8%) gained +6.0 over 20 steps.
+runs: 31.0% -> 38.2% (step 5) -> 43.6% (step 10), +12.6 (one process, shared box). A 1-thread
+build (620 SFT steps, held-out 27.8%) gained +6.0 over 20 steps.
 Policies that still misread the tool's answer do not learn in 20 steps: from 8.8% -> 9.6, from
 18.0% -> 11.6 (docs/demo.md).
 """
@@ -42,7 +43,8 @@ def calls_calculator(output: str) -> bool:
 def test_grpo_with_the_calculator_learns(tmp_path, demo_assets):
     dump = tmp_path / "val_dump"
     train(tmp_path, "grpo_tools", f"trainer.total_training_steps={STEPS}",
-          f"trainer.test_freq={STEPS // 2}", "trainer.val_before_train=true", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
+          f"trainer.test_freq={STEPS // 2}", "trainer.val_before_train=true",
+          "trainer.save_freq=-1", "trainer.logger=[jsonl]",
           "trainer.export_hf=false", f"trainer.validation_data_dir={dump}", *BATCH,
           fast=False, timeout=RUN_TIMEOUT)
     rows = metrics(tmp_path)

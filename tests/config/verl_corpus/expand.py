@@ -15,7 +15,11 @@ empty, variables at their defaults), with nothing real executed:
 - ``date`` prints a fixed time, ``sleep`` returns at once; each script gets ``TIMEOUT`` seconds.
 
 Paths are written as on the machine the scripts were written for: the scratch home is
-``/home/user``, the verl checkout (the working directory) ``/home/user/verl``. A
+``/home/user``, the verl checkout (the working directory) ``/home/user/verl``. A path a script
+hardcodes stays as verl wrote it (``/root/data/gsm8k/train.parquet`` in
+``run_deepseek671b_math_megatron_80gb.sh``): the corpus is verl's text, and nothing reads
+these paths (the config check opens no data or model file; the trainer tests that run two
+of verl's scripts append the embedded demo's paths after verl's). A
 ``--config-name`` of one of the examples' own config files (``--config-path`` under
 ``examples/``) is recorded with that file's keys (less ``hydra`` / ``defaults``) and
 the trainer config it extends, so the corpus is complete without verl's tree.
