@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import pytest
@@ -379,6 +380,26 @@ def test_python_tool_bounds_hostile_programs(name):
         assert "hi" not in out.text and "rc " in out.text
     if name == "infinite loop":
         assert metrics["timed_out"]
+
+
+def test_python_tool_reports_a_timeout_when_the_cpu_limit_kills_first(monkeypatch):
+    """On a loaded host the parent can resume after the child's RLIMIT_CPU (cpu_s = timeout_s + 1)
+    killed it: the wall-clock bound still ran out, so the text names the timeout, not SIGKILL."""
+    spawn = asyncio.create_subprocess_exec
+
+    async def resume_after_the_child_died(*args, **kwargs):
+        proc = await spawn(*args, **kwargs)
+        t0 = time.monotonic()
+        while proc.returncode is None and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.05)
+        return proc
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", resume_after_the_child_died)
+    tool = PythonTool({"timeout_s": 1, "max_output_bytes": 4096})
+    out, _, metrics = asyncio.run(tool.execute("i", {"code": "while True:\n    pass"}))
+    assert metrics["exit_code"] == -signal.SIGKILL  # the CPU limit, not megarl's timer, ended it
+    assert "did not finish within 1 s" in out.text and "SIGKILL" not in out.text
+    assert metrics["timed_out"]
 
 
 def test_python_tool_runs_programs_without_network_or_files(tmp_path):

@@ -161,10 +161,13 @@ def test_a_silent_engine_fails_the_wait_naming_the_request(tiny_folder):
     torch.set_num_threads(1)
     path = tiny_folder("qwen2")
     base = load_model(path, head="lm").state_dict()
-    proc = ProcessRolloutEngine(_spec(path, max_num_seqs=4), slots=2, timeout_s=3.0)
+    proc = ProcessRolloutEngine(_spec(path, max_num_seqs=4), slots=2, timeout_s=120.0)
     try:
         proc.update_weights(base.items())
         proc.generate(prompts_of([5], seed=0), SamplingParams(max_new_tokens=2, seed=0))
+        # The short bound only for the planted silence: on a loaded host, mapping the weight
+        # ring above can itself take longer than 3 s, and would fail the wrong wait.
+        proc.timeout_s = 3.0
         os.kill(proc._proc.pid, signal.SIGSTOP)
         rid = proc.submit(prompts_of([5], seed=1), SamplingParams(max_new_tokens=4, seed=0))
         outcome: dict[str, BaseException] = {}

@@ -39,6 +39,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -402,6 +403,7 @@ class PythonTool(BaseTool):
         out_path = os.path.join(tmp, OUTPUT_FILE)
         timed_out = False
         rc: int | None = None
+        deadline = time.monotonic() + self.timeout_s  # from the spawn: a late resume counts
         try:
             Path(tmp, "main.py").write_text(code)
             if root:
@@ -416,7 +418,7 @@ class PythonTool(BaseTool):
                          "OPENBLAS_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"},
                     start_new_session=True)
             try:
-                rc = await asyncio.wait_for(proc.wait(), self.timeout_s)
+                rc = await asyncio.wait_for(proc.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 timed_out = True
             finally:
@@ -428,6 +430,10 @@ class PythonTool(BaseTool):
                     _kill_uid(uid)
                 if rc is None:
                     rc = await proc.wait()
+            # RLIMIT_CPU (cpu_s > timeout_s) ends a busy program only after its wall-clock time
+            # ran out; a loaded host can deliver that kill before the timer: one cause, one text.
+            if rc is not None and -rc in (signal.SIGKILL, signal.SIGXCPU):
+                timed_out = timed_out or time.monotonic() >= deadline
             status = Path(tmp, ".status")
             if status.exists():
                 self.network_isolated = "netns=1" in status.read_text()
