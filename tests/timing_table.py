@@ -4,8 +4,8 @@ Every test report carries the seconds of its phase (set-up, call, tear-down); un
 controller receives them all. At the end this prints, per test folder and for the slowest
 files, the test-seconds spent (the sum over tests, not wall time: with ``-n 2`` two tests run
 at once) and the set-up share (fixtures: a module-scoped engine or model is charged to the
-first test that uses it). ``MEGARL_TIMINGS=path.json`` also writes the per-file numbers there,
-the source of the table in docs/testing.md.
+first test that uses it). ``MEGARL_TIMINGS=path.json`` also writes the per-file numbers and
+each test's seconds there, the source of the tables in docs/testing.md.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ class TimingTable:
     def __init__(self) -> None:
         # file -> [setup s, call s, teardown s, tests]
         self.files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+        self.tests: dict[str, float] = defaultdict(float)  # test id -> seconds, all phases
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         row = self.files[report.nodeid.split("::")[0]]
         row[("setup", "call", "teardown").index(report.when)] += report.duration
+        self.tests[report.nodeid] += report.duration
         if report.when == "call" or (report.when == "setup" and not report.passed):
             row[3] += 1
 
@@ -62,8 +64,10 @@ class TimingTable:
         out = os.environ.get("MEGARL_TIMINGS")
         if out:
             with open(out, "w") as f:
-                json.dump({p: dict(zip(("setup", "call", "teardown", "tests"), r))
-                           for p, r in sorted(self.files.items())}, f, indent=1)
+                json.dump({"files": {p: dict(zip(("setup", "call", "teardown", "tests"), r))
+                                     for p, r in sorted(self.files.items())},
+                           "tests": dict(sorted(self.tests.items(), key=lambda kv: -kv[1]))},
+                          f, indent=1)
 
 
 def pytest_configure(config: pytest.Config) -> None:
