@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
@@ -400,6 +401,27 @@ def test_python_tool_reports_a_timeout_when_the_cpu_limit_kills_first(monkeypatc
     assert metrics["exit_code"] == -signal.SIGKILL  # the CPU limit, not megarl's timer, ended it
     assert "did not finish within 1 s" in out.text and "SIGKILL" not in out.text
     assert metrics["timed_out"]
+
+
+def test_concurrent_programs_of_equally_seeded_processes_do_not_kill_each_other():
+    """Every rank of a world (and a resumed run) seeds ``random`` alike. Run as root, each
+    program gets a private uid that its clean-up kills whole; drawn from ``random``, two
+    concurrent programs got the same uid, and the quick one's clean-up killed the slow one
+    (the suite's reseeded tests met this on two xdist workers: "killed by SIGKILL")."""
+    tool = PythonTool({"timeout_s": 20})
+
+    async def run_both():
+        random.seed(0)
+        slow = asyncio.create_task(tool.execute("s", {"code": "import time\ntime.sleep(3)\n"
+                                                                 "print('slow done')"}))
+        await asyncio.sleep(0.5)  # the slow program is running
+        random.seed(0)
+        quick = await tool.execute("q", {"code": "print('quick done')"})
+        return await slow, quick
+
+    (slow, _, slow_m), (quick, _, _) = asyncio.run(run_both())
+    assert quick.text == "quick done\n"
+    assert slow.text == "slow done\n" and slow_m["exit_code"] == 0, slow.text
 
 
 def test_python_tool_runs_programs_without_network_or_files(tmp_path):

@@ -34,7 +34,7 @@ import json
 import logging
 import math
 import os
-import random
+import secrets
 import shutil
 import signal
 import sys
@@ -345,6 +345,13 @@ def _kill_uid(uid: int) -> None:
             return
 
 
+def _fresh_uid() -> int:
+    """A private uid for one sandboxed program, drawn from the OS's entropy: never from the
+    ``random`` module, which runs seed alike (every rank of a world, a resumed run) and would
+    give two concurrent programs one uid, so that one's clean-up (`_kill_uid`) kills the other."""
+    return 1_500_000_000 + secrets.randbelow(100_000_000)
+
+
 class PythonTool(BaseTool):
     """Runs a Python program in a separate process and returns what it printed.
 
@@ -397,7 +404,7 @@ class PythonTool(BaseTool):
         """(what the program printed, bounded; metrics) for one program."""
         tmp = tempfile.mkdtemp(prefix="megarl_py_")
         root = os.geteuid() == 0
-        uid = random.randrange(1_500_000_000, 1_600_000_000) if root else -1
+        uid = _fresh_uid() if root else -1
         settings = {"parent": os.getpid(), "uid": uid, "memory_mb": self.memory_mb,
                     "cpu_s": self.cpu_s, "file_mb": self.max_file_mb, "preload": self.preload}
         out_path = os.path.join(tmp, OUTPUT_FILE)
