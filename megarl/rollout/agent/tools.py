@@ -439,7 +439,7 @@ class PythonTool(BaseTool):
                     rc = await proc.wait()
             # RLIMIT_CPU (cpu_s > timeout_s) ends a busy program only after its wall-clock time
             # ran out; a loaded host can deliver that kill before the timer: one cause, one text.
-            if rc is not None and -rc in (signal.SIGKILL, signal.SIGXCPU):
+            if rc in (-signal.SIGKILL, -signal.SIGXCPU):
                 timed_out = timed_out or time.monotonic() >= deadline
             status = Path(tmp, ".status")
             if status.exists():
