@@ -1,6 +1,8 @@
 """Expand verl's example scripts into the argument lists they pass to ``verl.trainer.main_ppo``.
 
-    python tests/config/verl_corpus/expand.py [--verl-git DIR] [--commit REV]
+    python tests/config/verl_corpus/expand.py --verl-git DIR [--commit REV]
+
+DIR: a git directory of verl (a clone, bare or not; or ``VERL_GIT=DIR`` in the environment).
 
 Each ``examples/**/*.sh`` of the verl commit that calls ``python3 -m verl.trainer.main_ppo`` (or
 ``python -m``) runs under bash, as its shell would run it, in a scratch copy of verl's
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -45,7 +48,6 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
-VERL_GIT = "/work/.mirror/volcengine+verl/repo"
 HOME, ROOT = "/home/user", "/home/user/verl"
 TIMEOUT = 20
 # a one-node SLURM job's environment, for the scripts that read it without a default (used only
@@ -185,7 +187,9 @@ def expand(git_dir: str, commit: str) -> tuple[list[dict], list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--verl-git", default=VERL_GIT, help="a git directory of verl")
+    p.add_argument("--verl-git", default=os.environ.get("VERL_GIT"),
+                   required="VERL_GIT" not in os.environ,
+                   help="a git directory of verl (default: $VERL_GIT)")
     p.add_argument("--commit", default="HEAD")
     p.add_argument("--out", default=str(HERE / "lines.jsonl"))
     a = p.parse_args(argv)
