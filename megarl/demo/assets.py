@@ -144,8 +144,9 @@ def _ensure_locked(component, base, config, threads, forced, log, done) -> None:
     try:
         with torch_threads(config.threads):
             meta = BUILDERS[component](staging, base, config, log or _quiet)
+        meta.setdefault("build_id", uuid.uuid4().hex)  # a builder may name its content
         meta.update(
-            build_threads=config.threads, version=ASSETS_VERSION, build_id=uuid.uuid4().hex,
+            build_threads=config.threads, version=ASSETS_VERSION,
             build_seconds=round(time.perf_counter() - t0, 1), build_config=asdict(config),
             deps={d: (read_meta(base / d) or {}).get("build_id") for d in DEPENDS[component]},
         )

@@ -7,6 +7,8 @@ metadata.json and renames the folder into place. Dependencies are read from ``ba
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,16 +58,22 @@ def build_tokenizer(staging: Path, base: Path, config: BuildConfig, log: Log) ->
 
 
 def build_arith(staging: Path, base: Path, config: BuildConfig, log: Log) -> dict:
+    """The RL, held-out and SFT problem sets. Its build id is a digest of the rows (integer
+    draws from seeded generators: the same on every machine), so a shipped policy trained on
+    these rows finds them again wherever they are rebuilt."""
     sets = _problem_sets(config)
     staging.mkdir(parents=True, exist_ok=True)
     rows = {}
+    digest = hashlib.sha256()
     for name, split, with_response in (("train", "train", False), ("val", "val", False),
                                         ("sft", "sft", True)):
         data = [arith.to_row(p, split, i, with_response) for i, p in enumerate(sets[name])]
         write_rows(data, str(staging / f"{name}.parquet"))
         rows[f"{name}.parquet"] = len(data)
+        digest.update(json.dumps([name, data], sort_keys=True).encode())
     log(f"  arith: {rows}")
     return {
+        "build_id": digest.hexdigest()[:32],
         "rows": rows,
         "task": "multi-step 2-digit +/- arithmetic; steps joined by '\\n\\n'; \\boxed{answer}",
         "example": {"prompt": sets["val"][0].prompt, "solution": sets["val"][0].solution},

