@@ -30,9 +30,10 @@ $(STAMP): setup.py
 		-d $(VENV)/engine-wheels sglang==$$v || exit 1; done
 	touch $(STAMP)
 
-# The demo assets first (2 threads, as make demo builds them: the same SFT policy and PRM).
+# The demo assets first: the shipped checkpoints installed, the rest derived from them (seconds).
 # Prints the 30 slowest tests, test-seconds per folder and the slowest files (tests/timing_table.py).
-test: assets
+test: install
+	$(PY) -m megarl.demo.assets
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n 2 --dist loadgroup --timeout=1200 --durations=30 tests
 
 # The inner loop (under 2 minutes on 2 cores): no trainer, engine, torchrun world, server or
@@ -41,10 +42,12 @@ test-fast: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --durations=10 \
 		-m "not slow and not dist and not vllm and not ray and not e2e" tests
 
+# Every demo asset built from scratch (minutes) into assets-built/; MEGARL_ASSETS=assets-built
+# points a run at them. `python -m megarl.demo.assets --build --ship` makes them the shipped set.
 assets: install
-	$(PY) -m megarl.demo.assets
+	$(PY) -m megarl.demo.assets --build
 
-# Builds the assets it lacks (2 threads), then torchrun 2 ranks; ARGS='key=value ...' to override.
+# torchrun 2 ranks (the run installs the shipped demo checkpoints it reads); ARGS='key=value ...'.
 # pure_prm_vr names no model, so the embedded demo's overlay (configs/demo/) applies.
 demo: install
 	$(PY) -m megarl.demo.run $(ARGS)
@@ -70,7 +73,7 @@ bench: install
 	$(PY) bench/kernels.py && $(PY) bench/rollout.py && $(PY) bench/step.py
 
 clean:
-	rm -rf $(VENV) assets runs .pytest_cache
+	rm -rf $(VENV) assets assets-built runs .pytest_cache
 
 # The wheels bench/gpu_check.sh installs on an offline GPU machine (whose Python already has
 # torch, Triton, transformers, tensorboard, pyarrow and pytest): megarl's other needs and Liger

@@ -83,12 +83,14 @@ setup(
     "on megatron-core or a pure-PyTorch fallback",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl*", "megarl_kernels*", "conversion*", "launch*"]),
-    package_data={"megarl.config": ["verl_keys.yaml"]},  # verl's keys and defaults
+    package_data={"megarl.config": ["verl_keys.yaml"],  # verl's keys and defaults
+                  # the demo's trained checkpoints (megarl.demo.shipped)
+                  "megarl.demo": ["checkpoints/manifest.json", "checkpoints/*/*"]},
     install_requires=CORE,
     extras_require=EXTRAS,
     cmdclass={"build_py": BuildWithRecipes},
     entry_points={
-        # embedded://NAME: the demo assets, built on first use (megarl.data.locations)
+        # embedded://NAME: the demo assets, installed or built on first use (megarl.data.locations)
         "megarl.path_schemes": ["embedded = megarl.demo.assets:resolve_uri"],
         "console_scripts": [
             "megarl-convert=conversion.__main__:main",

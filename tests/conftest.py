@@ -52,9 +52,10 @@ def _megarl_cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_assets():
-    """The embedded demo (tokenizer, data, SFT policy, PRM, critic), built once and cached
-    under the repo's assets/ (``make test`` builds them before pytest starts, with 2 threads
-    as ``make demo`` does: the SFT result depends on the thread count)."""
+    """The embedded demo (tokenizer, data, SFT policy, PRM, critic, ...) under the repo's
+    assets/: the shipped checkpoints, installed once (``make test`` does it before pytest
+    starts), so every machine's tests train from the same weights; the rest derived from
+    them in seconds."""
     from megarl.demo.assets import build_all
 
     return build_all()

@@ -1,7 +1,12 @@
 """Build and locate the embedded demo assets (``embedded://...``).
 
-    python -m megarl.demo.assets            # build everything missing, print accuracies/times
-    python -m megarl.demo.assets --force    # rebuild
+    python -m megarl.demo.assets            # install the shipped checkpoints, derive the rest
+    python -m megarl.demo.assets --build    # build all from scratch into assets-built/ (minutes)
+    python -m megarl.demo.assets --build --ship   # ... and make that build the shipped set
+
+The trained components (tokenizer, policy, prm, policy_tools) ship with the package
+(`megarl.demo.shipped`): a run installs them on first use, checked against their sha256, and
+derives the others from them in seconds. A rebuilt set is read with MEGARL_ASSETS=<its root>.
 
 Layout under the assets root (``$MEGARL_ASSETS``, default ``<repo>/assets``)::
 
@@ -46,6 +51,8 @@ from megarl.demo.recipe import (
     default_threads,
     read_meta,
 )
+from megarl.demo.shipped import install as install_shipped
+from megarl.demo.shipped import shipped_build_id
 
 SCHEME = "embedded://"
 
@@ -61,17 +68,27 @@ def assets_root(root: str | os.PathLike | None = None) -> Path:
 
 
 def is_built(component: str, root: str | os.PathLike | None = None,
-             threads: int | None = None) -> bool:
+             threads: int | None = None, shipped: bool = False) -> bool:
     """Built with this ASSETS_VERSION, from the dependency builds that are present now and,
-    for THREADED components when `threads` is given, with that many torch threads."""
+    for THREADED components when `threads` is given, with that many torch threads. With
+    ``shipped``, an installed copy of a shipped checkpoint counts only while it is the one the
+    package ships now (a newer shipped set replaces it; a local build is kept)."""
     base = assets_root(root)
     meta = read_meta(base / component)
     if meta is None or meta.get("version") != ASSETS_VERSION:
+        return False
+    if (shipped and meta.get("source") == "shipped"
+            and meta.get("build_id") != shipped_build_id(component)):
         return False
     built_with = meta.get("build_threads", meta.get("threads"))
     if (component in THREADED and threads is not None and built_with is not None
             and built_with != threads):
         return False
+    return _deps_match(meta, component, base)
+
+
+def _deps_match(meta: dict, component: str, base: Path) -> bool:
+    """Whether ``meta`` was built from the dependency builds present under ``base``."""
     for dep in DEPENDS[component]:
         dep_meta = read_meta(base / dep) or {}
         if meta.get("deps", {}).get(dep) != dep_meta.get("build_id"):
@@ -97,19 +114,22 @@ def ensure(
     force: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> Path:
-    """Path of a built component, building it (and what it needs) first if missing. With an
-    explicit `config`, a policy or PRM built with another thread count is rebuilt; without one
-    (a training run resolving embedded://), any present build is used."""
+    """Path of a built component, making it (and what it needs) first if missing. Without a
+    `config` (a training run resolving embedded://) the trained components are the shipped
+    checkpoints (`megarl.demo.shipped`), installed on first use, and any present local build
+    is used; with an explicit `config` everything missing is built from scratch, and a policy
+    or PRM built with another thread count is rebuilt."""
     if component not in COMPONENTS:
         raise ValueError(f"unknown demo asset {component!r}; one of {COMPONENTS}")
     base = assets_root(root)
-    threads = config.threads if config is not None else None
+    shipped = config is None
+    threads = None if shipped else config.threads
     config = config or BuildConfig()
-    if not force and is_built(component, base, threads):
+    if not force and is_built(component, base, threads, shipped):
         return base / component
     with _lock(base):
         _ensure_locked(component, base, config, threads, {component} if force else set(), log,
-                       set())
+                       set(), shipped)
     return base / component
 
 
@@ -128,28 +148,31 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _ensure_locked(component, base, config, threads, forced, log, done) -> None:
+def _ensure_locked(component, base, config, threads, forced, log, done, shipped) -> None:
     for dep in DEPENDS[component]:
         if dep not in done:
-            _ensure_locked(dep, base, config, threads, forced, log, done)
+            _ensure_locked(dep, base, config, threads, forced, log, done, shipped)
     done.add(component)
-    if component not in forced and is_built(component, base, threads):
-        return  # present (possibly built by another rank while we waited for the lock)
-    from megarl.demo.build import BUILDERS  # heavy imports only when something must be built
-
+    if component not in forced and is_built(component, base, threads, shipped):
+        return  # present (possibly made by another rank while we waited for the lock)
+    log = log or _quiet
     staging = base / f".staging-{component}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     t0 = time.perf_counter()
-    (log or _quiet)(f"[assets] building {component} in {base}")
     try:
-        with torch_threads(config.threads):
-            meta = BUILDERS[component](staging, base, config, log or _quiet)
-        meta.setdefault("build_id", uuid.uuid4().hex)  # a builder may name its content
-        meta.update(
-            build_threads=config.threads, version=ASSETS_VERSION,
-            build_seconds=round(time.perf_counter() - t0, 1), build_config=asdict(config),
-            deps={d: (read_meta(base / d) or {}).get("build_id") for d in DEPENDS[component]},
-        )
+        meta = None
+        if shipped and shipped_build_id(component) is not None:
+            meta = install_shipped(component, staging)
+            if not _deps_match(meta, component, base):
+                # a local build of what it depends on (a rebuilt set stays one): build it too
+                log(f"[assets] the shipped {component} was trained on other dependencies "
+                    f"than those in {base}: building it")
+                shutil.rmtree(staging, ignore_errors=True)
+                meta = None
+            else:
+                log(f"[assets] {component}: the shipped checkpoint, installed in {base}")
+        if meta is None:
+            meta = _build(component, staging, base, config, log)
         staging.mkdir(parents=True, exist_ok=True)
         with open(staging / "metadata.json", "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
@@ -160,7 +183,25 @@ def _ensure_locked(component, base, config, threads, forced, log, done) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    (log or _quiet)(f"[assets] {component} done in {time.perf_counter() - t0:.1f}s")
+    log(f"[assets] {component} done in {time.perf_counter() - t0:.1f}s")
+
+
+def _build(component: str, staging: Path, base: Path, config: BuildConfig,
+           log: Callable[[str], None]) -> dict:
+    """Run the component's build step into ``staging``; its metadata with the common fields."""
+    from megarl.demo.build import BUILDERS  # heavy imports only when something must be built
+
+    log(f"[assets] building {component} in {base}")
+    t0 = time.perf_counter()
+    with torch_threads(config.threads):
+        meta = BUILDERS[component](staging, base, config, log)
+    meta.setdefault("build_id", uuid.uuid4().hex)  # a builder may name its content
+    meta.update(
+        build_threads=config.threads, version=ASSETS_VERSION,
+        build_seconds=round(time.perf_counter() - t0, 1), build_config=asdict(config),
+        deps={d: (read_meta(base / d) or {}).get("build_id") for d in DEPENDS[component]},
+    )
+    return meta
 
 
 def _quiet(msg: str) -> None:
@@ -190,14 +231,17 @@ def resolve_uri(uri: str, root: str | os.PathLike | None = None) -> str:
 def build_all(root: str | os.PathLike | None = None, config: BuildConfig | None = None,
               force: bool = False, only: tuple[str, ...] = COMPONENTS,
               log: Callable[[str], None] = print) -> dict[str, dict]:
-    """Build (or find) the components in ``only``; returns their metadata."""
+    """Make (or find) the components in ``only``, as `ensure` does (without a ``config``:
+    the shipped checkpoints, the rest derived from them); returns their metadata."""
     base = assets_root(root)
-    threads = config.threads if config is not None else None
+    shipped = config is None
+    threads = None if shipped else config.threads
     config = config or BuildConfig()
     with _lock(base):
         done: set[str] = set()
         for c in only:
-            _ensure_locked(c, base, config, threads, set(only) if force else set(), log, done)
+            _ensure_locked(c, base, config, threads, set(only) if force else set(), log, done,
+                           shipped)
     return {c: read_meta(base / c) or {} for c in only}
 
 
@@ -205,31 +249,56 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megarl.demo.assets", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=None, help="assets folder (default $MEGARL_ASSETS or "
-                   "<repo>/assets)")
+                   "<repo>/assets; with --build, <repo>/assets-built)")
+    p.add_argument("--build", action="store_true",
+                   help="build every component from scratch (the trained ones included: "
+                   "minutes) instead of installing the shipped checkpoints")
+    p.add_argument("--ship", action="store_true",
+                   help="with --build: copy the trained components into the package's shipped "
+                   "set (megarl/demo/checkpoints) and write its manifest")
     p.add_argument("--threads", type=int, default=default_threads(),
-                   help="torch threads for the build (default $MEGARL_ASSETS_THREADS or 2)")
-    p.add_argument("--force", action="store_true", help="rebuild even if present")
+                   help="torch threads for a build (default $MEGARL_ASSETS_THREADS or 2)")
     p.add_argument("--only", nargs="+", choices=COMPONENTS, default=list(COMPONENTS))
     p.add_argument("--sft-max-steps", type=int, default=None)
     p.add_argument("--prm-steps", type=int, default=None)
     args = p.parse_args(argv)
+    if args.ship and not args.build:
+        p.error("--ship copies a fresh build: add --build")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = BuildConfig(threads=args.threads)
-    if args.sft_max_steps is not None:
-        config.sft_max_steps = args.sft_max_steps
-    if args.prm_steps is not None:
-        config.prm_steps = args.prm_steps
+    config = None
+    root = args.root
+    if args.build:
+        config = BuildConfig(threads=args.threads)
+        if args.sft_max_steps is not None:
+            config.sft_max_steps = args.sft_max_steps
+        if args.prm_steps is not None:
+            config.prm_steps = args.prm_steps
+        root = root or repo_root() / "assets-built"
     t0 = time.perf_counter()
-    metas = build_all(args.root, config, args.force, tuple(args.only))
-    base = assets_root(args.root)
-    print(f"[assets] root {base} ({time.perf_counter() - t0:.1f}s, {args.threads} threads)")
+    metas = build_all(root, config, args.build, tuple(args.only))
+    base = assets_root(root)
+    how = f"built with {args.threads} threads" if args.build else "shipped checkpoints"
+    print(f"[assets] root {base} ({time.perf_counter() - t0:.1f}s, {how})")
     for c, meta in metas.items():
-        print(f"  {SCHEME}{c:<10} {base / c}  {summary(c, meta)}")
+        print(f"  {SCHEME}{c:<12} {base / c}  {summary(c, meta)}")
+    if args.build and base != assets_root():
+        print(f"[assets] a run reads these with MEGARL_ASSETS={base}")
+    if args.ship:
+        from megarl.demo.shipped import SHIPPED_DIR, ship
+
+        ship(base)
+        print(f"[assets] shipped set written to {SHIPPED_DIR}")
     return 0
 
 
 def summary(component: str, meta: dict) -> str:
+    """One line on what the component's build did and measured."""
+    text = _summary(component, meta)
+    return f"shipped checkpoint: {text}" if meta.get("source") == "shipped" else text
+
+
+def _summary(component: str, meta: dict) -> str:
     if component == "policy_moe":
         return (f"{meta.get('num_experts')} experts, top-{meta.get('top_k')}, greedy held-out "
                 f"accuracy {meta.get('val_accuracy')} (dense: {meta.get('dense_val_accuracy')})")

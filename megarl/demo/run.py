@@ -2,10 +2,11 @@
 
     python -m megarl.demo.run [--config pure_prm_vr] [--nproc 2] [--out DIR] [key=value ...]
 
-1. Builds (or finds) the embedded assets: tokenizer, arithmetic data, SFT policy, critic, PRM.
-2. Runs ``torchrun --standalone --nproc_per_node=N launch/train.py --config CONFIG`` on the CPU
+1. Runs ``torchrun --standalone --nproc_per_node=N launch/train.py --config CONFIG`` on the CPU
    into a fresh run folder (``runs/demo-<time>`` unless ``--out``), output streamed as it goes.
-3. Reads the run's metrics.jsonl and prints the held-out greedy accuracy before and after
+   The run makes the embedded assets it reads on first use, and only those (`embedded://`
+   paths: the shipped SFT policy and PRM of pure_prm_vr, the tool-using policy of grpo_tools).
+2. Reads the run's metrics.jsonl and prints the held-out greedy accuracy before and after
    training (``val/test_score/arith``: 500 three-operation problems kept out of every training set).
 
 Exit status: torchrun's when training fails, else 0 (the gain is reported, not asserted).
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from megarl.demo.assets import assets_root, build_all, repo_root
+from megarl.demo.assets import assets_root, repo_root
 
 VAL_KEY = "val/test_score/arith"
 
@@ -69,13 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
-    import torch
-
-    torch.set_num_threads(max(1, min(int(os.environ.get("MEGARL_ASSETS_THREADS", "2")),
-                                     os.cpu_count() or 1)))
-    print(f"[demo] embedded assets under {assets_root()} (built once, then cached)", flush=True)
-    build_all()
-    t_assets = time.perf_counter() - t0
+    print(f"[demo] embedded assets under {assets_root()} (the shipped checkpoints, installed "
+          "on first use)", flush=True)
 
     root = repo_root()
     out = Path(a.out) if a.out else root / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
@@ -91,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] training failed (exit {rc}); logs under {out}", file=sys.stderr)
         return rc
     before, after = read_accuracy(out / "metrics.jsonl")
-    print("[demo] " + report(before, after, {"assets": t_assets, "training": t_train,
+    print("[demo] " + report(before, after, {"training": t_train,
                                             "total": time.perf_counter() - t0}))
     print(f"[demo] run folder: {out} (metrics.jsonl, tensorboard/, curves.png, hf_actor/)")
     return 0

@@ -89,7 +89,7 @@ def test_sft_policy_starts_inside_the_band_rl_needs(assets, held_out):
     acc = greedy_accuracy(assets / "policy", assets, held_out)
     assert START_BAND[0] <= acc <= START_BAND[1], (
         f"SFT start accuracy {acc:.3f} outside {START_BAND}: rebuild the assets "
-        "(python -m megarl.demo.assets --force) with 2 threads, or revisit the SFT stop rule")
+        "(python -m megarl.demo.assets --build --ship) with 2 threads, or revisit the SFT stop rule")
 
 
 def true_step_labels(operands: list[int], ops: list[str], answer: int, steps: list[str]

@@ -17,10 +17,13 @@ from trainer_helpers import metrics, train
 
 M = "actor_rollout_ref.model"
 # a large learning rate moves the policy far from the base in one step (KL ~0.1), so the
-# engine's logprobs show whether it runs the merged adapters or the base
+# engine's logprobs show whether it runs the merged adapters or the base; the entropy bonus
+# makes that step's gradient non-zero by construction (a step-1 batch whose groups all score
+# alike has none: on an AMD EPYC the adapters then stayed at B = 0 and the KL at 0)
 LORA = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linear",
         "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.check_logprobs=true",
-        "trainer.save_freq=1", "trainer.export_hf=true"]
+        "actor_rollout_ref.actor.entropy_coeff=0.01", "trainer.save_freq=1",
+        "trainer.export_hf=true"]
 # megatron: the adapters named by megatron-core's four linears (= the seven HF ones)
 STRATEGY = {"torch": [], "megatron": [
     "actor_rollout_ref.actor.strategy=megatron",
