@@ -360,15 +360,31 @@ class PythonTool(BaseTool):
     16384 (stdout + stderr returned; the file it goes to is capped by RLIMIT_FSIZE at
     ``max_file_mb`` 8), ``max_code_chars`` 20000. The process starts in a fresh temporary
     directory (removed after), its own session, with an empty environment, no core files, and
-    dies with its parent. Run as root (as here), it also: enters a new network namespace (no
-    interface but a down loopback: no network), then drops to a private unprivileged uid
-    with RLIMIT_NPROC 1 (no fork: no shell, no subprocess, no fork bomb) and no_new_privs,
-    after pre-importing ``preload`` modules (the interpreter's stdlib may not be readable by
-    that uid). Not root: a new user + network namespace where the kernel allows it
+    dies with its parent (the parent-death signal is set again after the uid drop, which
+    clears it).
+
+    Files (``filesystem``: auto | mount_namespace | landlock): the program sees only the
+    system's libraries and the interpreter's (read-only), /dev/null, zero, random and urandom,
+    a private /tmp (a tmpfs of ``max_file_mb``, gone with the program) and its own folder at
+    /work, the only writable place: no repository, no data or run folder, no /proc, no
+    /dev/shm. That is a mount namespace whose root is a fresh tmpfs (needs root with
+    CAP_SYS_ADMIN, or unprivileged user namespaces); where the kernel refuses namespaces (a
+    container without CAP_SYS_ADMIN), a Landlock domain (Linux >= 5.13, no privilege needed)
+    allows the same reads and writes only in its folder (TMPDIR points there), and from
+    Landlock ABI 4 / 6 also denies TCP and signals or abstract sockets outside it. "auto" takes
+    the first that works; ``filesystem_isolation`` says which ran ("none": neither: a warning
+    is logged).
+
+    Run as root (as here), it also: enters a new network namespace (no interface but a down
+    loopback: no network), then drops to a private unprivileged uid with RLIMIT_NPROC 1 (no
+    fork: no shell, no subprocess, no fork bomb) and no_new_privs, after pre-importing
+    ``preload`` modules. Not root: a new user + network namespace where the kernel allows it
     (``network_isolated`` says whether it did), RLIMIT_NPROC at the user's current process
     count, and the program runs as the user (no uid separation). Not a defence against kernel
     exploits; for hostile-at-scale code use a container or gVisor around the trainer.
     """
+
+    FILESYSTEM = ("auto", "mount_namespace", "landlock")
 
     PRELOAD = ("math", "cmath", "json", "re", "itertools", "functools", "collections",
                "fractions", "decimal", "statistics", "random", "string", "heapq", "bisect",
@@ -388,7 +404,12 @@ class PythonTool(BaseTool):
         self.max_file_mb = int(c.get("max_file_mb", 8))
         self.max_code_chars = int(c.get("max_code_chars", 20000))
         self.preload = list(c.get("preload", self.PRELOAD))
+        self.filesystem = str(c.get("filesystem", "auto"))
+        if self.filesystem not in self.FILESYSTEM:
+            raise UserInputError(f"python tool: filesystem={self.filesystem!r}; use one of "
+                                 f"{', '.join(self.FILESYSTEM)}")
         self.network_isolated: bool | None = None  # known after the first run
+        self.filesystem_isolation: str | None = None  # likewise
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs):
         code = parameters.get("code")
@@ -400,13 +421,23 @@ class PythonTool(BaseTool):
         text, metrics = await self.run(code)
         return ToolResponse(text=text), 0.0, metrics
 
+    def _read_status(self, text: str) -> None:
+        self.network_isolated = "netns=1" in text
+        fs = next((line.split("=", 1)[1] for line in text.splitlines()
+                   if line.startswith("filesystem=")), None)
+        if fs == "none" and self.filesystem_isolation != "none":
+            logger.warning("python tool: the kernel refused both a mount namespace and Landlock: "
+                        "programs can read every file their uid can")
+        self.filesystem_isolation = fs
+
     async def run(self, code: str) -> tuple[str, dict[str, Any]]:
         """(what the program printed, bounded; metrics) for one program."""
         tmp = tempfile.mkdtemp(prefix="megarl_py_")
         root = os.geteuid() == 0
         uid = _fresh_uid() if root else -1
         settings = {"parent": os.getpid(), "uid": uid, "memory_mb": self.memory_mb,
-                    "cpu_s": self.cpu_s, "file_mb": self.max_file_mb, "preload": self.preload}
+                    "cpu_s": self.cpu_s, "file_mb": self.max_file_mb, "preload": self.preload,
+                    "filesystem": self.filesystem}
         out_path = os.path.join(tmp, OUTPUT_FILE)
         timed_out = False
         rc: int | None = None
@@ -443,7 +474,7 @@ class PythonTool(BaseTool):
                 timed_out = timed_out or time.monotonic() >= deadline
             status = Path(tmp, ".status")
             if status.exists():
-                self.network_isolated = "netns=1" in status.read_text()
+                self._read_status(status.read_text())
             with open(out_path, "rb") as f:
                 data = f.read(self.max_output_bytes + 1)
                 size = os.fstat(f.fileno()).st_size
