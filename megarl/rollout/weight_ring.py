@@ -19,10 +19,12 @@ Host memory: ``slots x (bytes of the model's weights)`` per ring, one ring per n
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import secrets
+import shutil
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megarl.errors import UserInputError
 
 ALIGN = 64  # bytes; every tensor starts at a multiple (the widest dtype view needs 8)
 PREFIX = "megarl-ring-"
@@ -140,7 +144,13 @@ class WeightRing:
                                           tuple(tensor.shape), offset, raw.nbytes))
                 end = offset + raw.nbytes
             layout = RingLayout(tuple(places), -(-end // ALIGN) * ALIGN, slots)
-            os.ftruncate(fd, layout.file_bytes)
+            _reserve(fd, folder, layout)
+        except OSError as e:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.EFBIG):
+                raise _short_memory(folder, end, slots) from None
+            raise
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -188,6 +198,30 @@ class WeightRing:
     def unlink(self) -> None:
         """Remove the file's name (the mappings stay valid; memory goes with the last one)."""
         self.path.unlink(missing_ok=True)
+
+
+def _reserve(fd: int, folder: Path, layout: RingLayout) -> None:
+    """Give the file all its pages now: a sparse file on a /dev/shm too small for it maps
+    fine and kills the process with SIGBUS at the first write past the free memory."""
+    try:
+        os.posix_fallocate(fd, 0, layout.file_bytes)
+    except OSError as e:
+        if e.errno != errno.EOPNOTSUPP:  # tmpfs and local file systems support it
+            raise
+        os.ftruncate(fd, layout.file_bytes)
+
+
+def _short_memory(folder: Path, slot_bytes: int, slots: int) -> UserInputError:
+    """The start-up error for a ``folder`` (normally /dev/shm) that cannot hold the ring."""
+    need = slot_bytes * slots
+    free = shutil.disk_usage(folder).free
+    gib = -(-2 * need // 2**30)  # twice the ring, whole GiB
+    return UserInputError(
+        f"weight ring: {folder} has {free / 2**20:,.1f} MiB free, the asynchronous rollout's "
+        f"ring needs {need / 2**20:,.1f} MiB ({slots} copies of {slot_bytes / 2**20:,.1f} MiB "
+        f"of weights, at least): give the job more shared memory (docker run --shm-size="
+        f"{gib}g, or a larger /dev/shm mount), or keep fewer copies (a lower "
+        "async_training.staleness_threshold)")
 
 
 def _pwrite_all(fd: int, raw: Any, offset: int) -> None:
