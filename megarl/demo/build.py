@@ -246,7 +246,7 @@ def build_policy_tools(staging: Path, base: Path, config: BuildConfig, log: Log)
     )
     from megarl.models import load_model, save_model
     from megarl.rollout.agent import tool_schemas
-    from megarl.rollout.agent.loop import ChatContinuation
+    from megarl.rollout.agent.chat import ChatContinuation
 
     tok = _load_tokenizer(base)
     val = _arith_problems(base / "arith" / "val.parquet")

@@ -12,7 +12,7 @@ and finishes the remaining steps by hand from the tool's value::
 
 ``tool_ops`` = the operations the calculator computes: 0 (no call: the plain solution), 1 or 2
 (never all three: the call is for a sub-expression). The ids of a trace are those the agent
-loop builds at rollout time (`megarl.rollout.agent.loop.ChatContinuation`): each assistant
+loop builds at rollout time (`megarl.rollout.agent.chat.ChatContinuation`): each assistant
 turn tokenized alone and closed by the eos token, then the template's own rendering of the
 tool turn and the next assistant header, appended with loss mask 0.
 """
@@ -99,7 +99,7 @@ def encode_trace(problem: Problem, tool_ops: int, tokenizer, chat, tools: list[d
             mask += [1] * len(turn)
             tail = chat.open_tail(turn, stopped=True)
         else:
-            glue = chat.encode(tail + chat.tool_turn_text([m["content"]]))
+            glue = chat.tool_turn_ids(tail, [m["content"]])
             ids += glue
             mask += [0] * len(glue)
     return ToolSFTExample(ids, mask, tool_ops)

@@ -10,7 +10,8 @@ import pytest
 from megarl.data import RLDataset
 from megarl.errors import UserInputError
 from megarl.models.testing import make_tiny_tokenizer
-from megarl.rollout.agent.loop import AgentLoopSettings, ChatContinuation
+from megarl.rollout.agent.chat import ChatContinuation
+from megarl.rollout.agent.loop import AgentLoopSettings
 
 # reads both variables: a system line for reasoning_effort, an empty think block after every
 # assistant header when enable_thinking is false (as Qwen3's template does)

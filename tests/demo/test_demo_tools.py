@@ -28,7 +28,7 @@ from megarl.demo.tool_sft import (
     tool_trace,
 )
 from megarl.rollout.agent import AgentLoopSettings, run_agent_loop, tool_schemas
-from megarl.rollout.agent.loop import ChatContinuation
+from megarl.rollout.agent.chat import ChatContinuation
 from megarl.rollout.protocol import Completion
 
 PROBLEMS = arith.sample_problems(7, 24, 3)

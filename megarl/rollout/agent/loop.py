@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megarl.data.tokenizer import chat_template_kwargs
 from megarl.errors import UserInputError
+from megarl.rollout.agent.chat import ChatContinuation
 from megarl.rollout.agent.tool_parser import ParseError, get_tool_parser
 from megarl.rollout.agent.tools import BaseTool, ToolResponse, tool_schemas
 from megarl.rollout.protocol import RolloutEngine, SamplingParams, resolve_prompt_keys
@@ -146,69 +146,6 @@ turn's completion (None where it stamps none)."""
 
 
 # --- the chat template, incrementally --------------------------------------------------------
-
-_SENTINEL = "\u2063MEGARL_ASSISTANT\u2063"
-_PREFIX = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-
-
-class ChatContinuation:
-    """The text a chat template puts after an assistant turn's content, and the rendering of
-    tool responses plus the next assistant header, computed from the template itself."""
-
-    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None):
-        self.tokenizer = tokenizer
-        self.template_kwargs = chat_template_kwargs(template_kwargs)
-        closed = self.render([*_PREFIX, {"role": "assistant", "content": _SENTINEL}], False)
-        if _SENTINEL not in closed:
-            raise UserInputError("the chat template does not render an assistant message's "
-                                 "content; multi-turn rollouts need one that does")
-        self._closed = closed
-        self.tail = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]
-
-    def render(self, messages: list[dict], add_generation_prompt: bool,
-               tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **self.template_kwargs)
-
-    def tool_turn_text(self, contents: list[str], role: str = "tool") -> str:
-        """The template's rendering of ``role`` messages ``contents`` (tool responses, or the
-        interaction's user turn) and the assistant header after them (not the tail of the
-        assistant turn before)."""
-        msgs = [{"role": role, "content": c} for c in contents]
-        with_tools = self.render(
-            [*_PREFIX, {"role": "assistant", "content": _SENTINEL}, *msgs], True)
-        if with_tools.startswith(self._closed):
-            return with_tools[len(self._closed):]
-        system = self.render(_PREFIX[:1], False)
-        alone = self.render([*_PREFIX[:1], *msgs], True)
-        if not alone.startswith(system):
-            raise UserInputError(f"the chat template renders {role} messages differently "
-                                 "depending on what precedes them; cannot append them "
-                                 "incrementally")
-        return alone[len(system):]
-
-    def open_tail(self, model_ids: list[int], stopped: bool) -> str:
-        """What of the tail the model did not generate: the tail after the model's stop token
-        when the turn ended with it (Qwen: "\\n" after <|im_end|>), else the whole tail."""
-        if stopped and model_ids:
-            last = self.tokenizer.decode(model_ids[-1:], skip_special_tokens=False)
-            if last and self.tail.startswith(last):
-                return self.tail[len(last):]
-        return self.tail
-
-    def assistant_content(self, model_ids: list[int], stopped: bool) -> str:
-        """The assistant message's content as the template would hold it (the decoded ids
-        without the part of the tail the model generated)."""
-        text = self.tokenizer.decode(model_ids, skip_special_tokens=False)
-        generated_tail = self.tail[: len(self.tail) - len(self.open_tail(model_ids, stopped))]
-        if generated_tail and text.endswith(generated_tail):
-            text = text[: -len(generated_tail)]
-        return text
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
 
 def truncate_tool_response(text: str, limit: int, side: str) -> str:
     """verl's truncation of a tool response longer than ``limit`` characters."""
@@ -521,7 +458,7 @@ def run_agent_loop(
                         t.tool_errors.append(r.response)
                 t.tool_calls += records
                 t.user_turns += 1
-                ids = chat.encode(t._open_tail + chat.tool_turn_text(contents))
+                ids = chat.tool_turn_ids(t._open_tail, contents)
                 if len(t.response_ids) + len(ids) >= budget:
                     t.finish_reason = "length"
                     continue
@@ -542,7 +479,7 @@ def run_agent_loop(
                 if terminate:
                     t.finish_reason = "stop"
                     continue
-                ids = chat.encode(t._open_tail + chat.tool_turn_text([content], "user"))
+                ids = chat.tool_turn_ids(t._open_tail, [content], "user")
                 if len(t.response_ids) + len(ids) >= budget:
                     t.finish_reason = "length"
                     continue
@@ -583,12 +520,20 @@ def sanity_check(chat: ChatContinuation, traj: Trajectory, prompt_messages: list
     the template renders it (up to the end of the assistant turn the trajectory stopped in);
     else a description of the first difference. ``ignore_strippable``: differences whose
     text on both sides is whitespace only are ignored."""
-    messages = [*prompt_messages, *traj.messages]
+    plain: dict[str, str] = {}  # tool / interaction contents with token strings: plain text
+    appended = []
+    for m in traj.messages:
+        if m["role"] != "assistant" and chat.has_token_strings(m["content"]):
+            mark = f"\u2063MEGARL_CONTENT_{len(plain)}\u2063"
+            plain[mark] = m["content"]
+            m = {**m, "content": mark}
+        appended.append(m)
+    messages = [*prompt_messages, *appended]
     ends_with_tool = bool(traj.messages) and traj.messages[-1]["role"] in ("tool", "user")
     text = chat.render(messages, ends_with_tool, tools)
     if traj._open_tail and text.endswith(traj._open_tail):
         text = text[: -len(traj._open_tail)]
-    expected = chat.encode(text)
+    expected = chat.encode_with_plain(text, plain) if plain else chat.encode(text)
     got = traj.prompt_ids + traj.response_ids
     if expected == got:
         return None
