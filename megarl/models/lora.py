@@ -375,11 +375,14 @@ def save_merged(model: nn.Module, directory: str | os.PathLike, *,
 # ---------------------------------------------------------------------------------------------
 
 ADAPTER_PATH_KEY = "actor_rollout_ref.model.lora_adapter_path"
-# adapter_config.json fields megarl's adapters cannot reproduce, with the value that is fine
+# adapter_config.json fields megarl's adapters cannot reproduce, with the value that is fine.
+# Not among them: lora_dropout, a training-time regulariser that is no part of the adapter's
+# function (PEFT applies it in train mode only; rollouts and logprobs run without it): an
+# adapter saved with dropout starts a run like any other, trained at the run's own dropout.
 _PEFT_PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "lora_bias": False,
                "fan_in_fan_out": False,
                "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-               "layers_to_transform": None, "lora_dropout": 0.0}
+               "layers_to_transform": None}
 
 
 def _read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:

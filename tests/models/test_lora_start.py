@@ -123,6 +123,25 @@ def test_torch_backend_from_config_starts_from_the_adapter_folder(tmp_path):
         assert torch.equal(got.cpu(), t.to(got.dtype)), name  # the folder is float64
 
 
+def test_an_adapter_saved_with_dropout_starts_the_run(tmp_path):
+    """Most SFT adapters are trained with lora_dropout 0.05 or 0.1 (and megarl's own saves
+    record the run's): such a folder loads, and the actor starts at PEFT's eval-mode model
+    (dropout off) within 1e-9. Before: refused ("lora_dropout=0.05; megarl trains plain LoRA
+    adapters")."""
+    folder, adapter, ids = _peft_folder(tmp_path)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "lora_dropout": 0.05}))
+    settings = adapter_settings(adapter, 0, 16.0)
+    assert settings.dropout == 0.0  # the run's own (verl's default), not the folder's
+    ref = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=F64), adapter).eval()
+    assert ref.peft_config["default"].lora_dropout == 0.05
+    ours = load_model(folder, dtype=F64)
+    apply_actor_lora(ours, settings, Layout(pp=1, dp_shard=1, tp=1, sp=False), seed=0)
+    with torch.no_grad():
+        assert (ours(ids) - ref(input_ids=ids).logits).abs().max() <= 1e-9
+
+
 def test_adapter_path_refusals_name_the_key(tmp_path):
     folder, adapter, _ = _peft_folder(tmp_path)
     with pytest.raises(UserInputError, match=r"lora_rank=8 .* has r=4"):
