@@ -135,8 +135,9 @@ def engine_main(spec: EngineSpec, requests: Any, results: Any) -> None:
                 loaded = serial
             results.send(("loaded", rid))
             generate = time.perf_counter()
-            if kind == "agent":
-                trajectories = worker.run(engine, version, request, sampling)
+            if kind == "agent":  # a report after each turn: a long request is not silence
+                trajectories = worker.run(engine, version, request, sampling,
+                                          on_turn=lambda rid=rid: results.send(("progress", rid)))
                 results.send(("agent_done", rid, trajectories,
                               (start, generate, time.perf_counter())))
                 continue

@@ -40,7 +40,8 @@ size); prompts and completions travel as flat arrays (`megarl.rollout.packed`). 
 process says "ready" once it has built its engine (on a GPU the proxy waits for it before
 returning, so the trainer does not load its models while the engine sizes its memory), dies
 with the trainer (`megarl.utils.lifetime`), and a wait on it that hears nothing for
-``timeout_s`` fails naming what it waited for.
+``timeout_s`` fails naming what it waited for. A multi-turn request reports progress after
+each turn, so the silence is counted from the last turn, not from the request's start.
 """
 
 from __future__ import annotations
@@ -419,6 +420,8 @@ class ProcessRolloutEngine:
             return
         if kind == "attached":
             self._attached = True
+            return
+        if kind == "progress":  # a turn of a multi-turn request done: the wait starts anew
             return
         req = self._requests[msg[1]]
         if kind == "loaded":

@@ -16,11 +16,14 @@ fails the version check; a checkpointed multi-turn request not restored fails th
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 import yaml
 
 from megarl.rollout.agent.tool_parser import ParsedTurn, ToolCall, register_tool_parser
+from megarl.rollout.agent.tools import CalculatorTool
 
 pytestmark = pytest.mark.e2e  # starts an engine process
 
@@ -35,6 +38,17 @@ class EveryTurnCalc:
 
 
 register_tool_parser(FORMAT, EveryTurnCalc)
+
+
+class SlowCalculator(CalculatorTool):
+    """The calculator taking TOOL_SECONDS per call (importable by the engine process)."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(TOOL_SECONDS)
+        return await super().execute(instance_id, parameters, **kwargs)
+
+
+TOOL_SECONDS = 2.0
 
 
 def _perturbed(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict:
@@ -162,3 +176,34 @@ def test_a_checkpointed_multi_turn_request_is_restored_exactly(setup, tmp_path):
     again = proc.generate_agent(agent, request, sp)
     _same([trajectory_from_plain(d) for d in again], [trajectory_from_plain(d) for d in got])
     assert again == got
+
+
+def test_a_long_multi_turn_request_reports_progress_after_each_turn(setup, tmp_path):
+    """A request of 4 tool rounds of 2 s each (8 s in all) on an engine process whose silence
+    timeout is 5 s: the process reports after each turn, so the wait counts from the last
+    turn and the request completes. Before: "sent nothing for 5 s" at the request's 5th
+    second (a timeout that long agent steps could only outgrow by weakening hang detection)."""
+    from megarl.rollout.agent import AgentLoopSettings, load_tools
+    from megarl.rollout.process import ProcessRolloutEngine
+    from megarl.rollout.protocol import SamplingParams
+    from megarl.trainer.generation import AgentRollout, agent_request
+    from test_rollout_process import _spec
+
+    path, tok, _, items, base, _, _ = setup
+    tools_yaml = tmp_path / "slow_tools.yaml"
+    tools_yaml.write_text(yaml.safe_dump({"tools": [
+        {"class_name": f"{__name__}.SlowCalculator", "config": {"type": "native"}}]}))
+    settings = AgentLoopSettings(format=FORMAT, max_assistant_turns=5,
+                                 tool_config_path=str(tools_yaml))
+    agent = AgentRollout(load_tools(tools_yaml), settings, tok)
+    sp = SamplingParams(n=1, temperature=1.0, seed=3, max_new_tokens=200,
+                        stop_token_ids=list(range(40, 70)))
+    request = agent_request(items[:1], [0], sp, 0, agent)
+    proc = ProcessRolloutEngine(_spec(path, max_num_seqs=8), slots=2, timeout_s=5.0)
+    try:
+        proc.update_weights(base.items())
+        got = proc.generate_agent(agent, request, sp)
+    finally:
+        proc.close()
+    assert [d["user_turns"] for d in got] == [4], [d["finish_reason"] for d in got]
+    assert all(c["response"] == "42" for d in got for c in d["tool_calls"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -79,16 +80,20 @@ def agent_setup(settings: AgentLoopSettings, tokenizer: Any, tools: dict[str, An
 
 
 class _Stamped:
-    """An engine whose completions say which weight version generated them."""
+    """An engine whose completions say which weight version generated them; ``on_turn``
+    (if any) is called after each of its generations (each turn of the agent loop)."""
 
-    def __init__(self, engine: RolloutEngine, version: int | None):
-        self.engine, self.version = engine, version
+    def __init__(self, engine: RolloutEngine, version: int | None,
+                 on_turn: Callable[[], None] | None = None):
+        self.engine, self.version, self.on_turn = engine, version, on_turn
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_keys: Any = None) -> list[Completion]:
         out = self.engine.generate(prompts, sampling, prompt_keys=prompt_keys)
         for c in out:
             c.policy_version = self.version
+        if self.on_turn is not None:
+            self.on_turn()
         return out
 
 
@@ -113,10 +118,12 @@ class AgentWorker:
                              if s.interaction_config_path else {})
 
     def run(self, engine: RolloutEngine, version: int | None, request: AgentRequest,
-            sampling: SamplingParams) -> list[dict[str, Any]]:
+            sampling: SamplingParams, on_turn: Callable[[], None] | None = None
+            ) -> list[dict[str, Any]]:
         """The request's trajectories (plain data), every turn on ``engine``'s current
-        weights, stamped ``version``."""
-        trajs = run_agent_loop(_Stamped(engine, version), request.prompts, sampling,
+        weights, stamped ``version``; ``on_turn`` is called after each turn's generation
+        (the engine process's progress report)."""
+        trajs = run_agent_loop(_Stamped(engine, version, on_turn), request.prompts, sampling,
                                self.tokenizer, self.tools, self.settings,
                                interactions=self.interactions, **request.loop_kwargs())
         return [trajectory_to_plain(t) for t in trajs]
