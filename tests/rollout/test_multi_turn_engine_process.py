@@ -183,11 +183,12 @@ def test_a_long_multi_turn_request_reports_progress_after_each_turn(setup, tmp_p
     timeout is 5 s: the process reports after each turn, so the wait counts from the last
     turn and the request completes. Before: "sent nothing for 5 s" at the request's 5th
     second (a timeout that long agent steps could only outgrow by weakening hang detection)."""
+    from test_rollout_process import _spec
+
     from megarl.rollout.agent import AgentLoopSettings, load_tools
     from megarl.rollout.process import ProcessRolloutEngine
     from megarl.rollout.protocol import SamplingParams
     from megarl.trainer.generation import AgentRollout, agent_request
-    from test_rollout_process import _spec
 
     path, tok, _, items, base, _, _ = setup
     tools_yaml = tmp_path / "slow_tools.yaml"
