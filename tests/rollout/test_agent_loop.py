@@ -239,6 +239,45 @@ def test_tool_output_is_tokenized_as_plain_text(tok):
         tok, "56")
 
 
+# Two behaviours of Qwen3's template (written here: no package ships its text offline): the
+# empty think block only on the last assistant turn, and an error when no user message exists
+QWEN3_LIKE = (
+    "{%- set ns = namespace(user=false) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.user = true %}{% endif %}"
+    "{%- endfor %}"
+    "{%- if not ns.user %}{{ raise_exception('No user query found in messages.') }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}"
+    "{%- endif %}{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_tool_turns_of_a_template_that_needs_a_user_query():
+    """A template that renders the last assistant turn differently (its think block) makes
+    the continuation fall back from [system, user, assistant, tool]; the fallback renders the
+    tool turn after [system, user], not after [system] alone (verl's way), on which a
+    Qwen3-style template raises "No user query found in messages" (before: that error at the
+    first tool call)."""
+    from megarl.rollout.agent.chat import ChatContinuation
+
+    t = make_tiny_tokenizer()
+    t.chat_template = QWEN3_LIKE
+    chat = ChatContinuation(t)
+    assert chat.tool_turn_text(["5", "7"]) == (
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert chat.tool_turn_text(["go on"], "user") == (
+        "<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_limits_stop_the_loop(tok):
     tools = {"calculator": CalculatorTool()}
     c = call("calculator", '{"expression": "1 + 1"}')

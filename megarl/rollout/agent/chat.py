@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jinja2 import TemplateError
+
 from megarl.data.tokenizer import chat_template_kwargs
 from megarl.errors import UserInputError
 
@@ -48,13 +50,23 @@ class ChatContinuation:
             [*_PREFIX, {"role": "assistant", "content": _SENTINEL}, *msgs], True)
         if with_tools.startswith(self._closed):
             return with_tools[len(self._closed):]
-        system = self.render(_PREFIX[:1], False)
-        alone = self.render([*_PREFIX[:1], *msgs], True)
-        if not alone.startswith(system):
-            raise UserInputError(f"the chat template renders {role} messages differently "
-                                 "depending on what precedes them; cannot append them "
-                                 "incrementally")
-        return alone[len(system):]
+        # The template renders the assistant turn differently once a message follows it
+        # (Qwen3 drops an empty think block): the messages after [system, user] instead, and
+        # last after [system] alone (verl's way; templates that need a user query, as Qwen3's
+        # does, raise on it).
+        errors = []
+        for base in (_PREFIX, _PREFIX[:1]):
+            try:
+                before = self.render(base, False)
+                after = self.render([*base, *msgs], True)
+            except TemplateError as e:
+                errors.append(str(e))
+                continue
+            if after.startswith(before):
+                return after[len(before):]
+        raise UserInputError(f"the chat template renders {role} messages differently "
+                             "depending on what precedes them; cannot append them "
+                             f"incrementally{' (' + '; '.join(errors) + ')' if errors else ''}")
 
     def open_tail(self, model_ids: list[int], stopped: bool) -> str:
         """What of the tail the model did not generate: the tail after the model's stop token
