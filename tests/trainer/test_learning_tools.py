@@ -1,20 +1,18 @@
 """GRPO with the calculator tool learns on the embedded demo (slow; recipe grpo_tools).
 
 The shipped recipe (configs/grpo_tools.yaml + configs/demo/grpo_tools.yaml: embedded://policy_tools,
-multi-turn rollouts through the agent loop with configs/tools/calculator.yml) runs 10 steps in one
+multi-turn rollouts through the agent loop with configs/tools/calculator.yml) runs 20 steps in one
 process, with 32 prompts x 8 trajectories per step (half the demo's 64: the time). The measure
 is the greedy accuracy on the 500 held-out problems, validated through the agent loop (tool
-calls run) at steps 0, 5 and 10: it must gain 5 points, and at step 10 more than half of the
+calls run) at steps 0, 10 and 20: it must gain 5 points, and at step 20 more than half of the
 held-out trajectories must call the calculator (counted in the validation dump: a trajectory
 calls it when its text holds a <tool_call> block answered by a tool turn). The last training
 step's multi_turn/tool_calls/mean must be above 0.5 and its tool_error_ratio below 0.1.
 
-Measured (2-core Intel Xeon, one process, nothing else running; policy_tools as make assets
-builds it, 2 threads: 920 SFT steps, held-out 31.0%): over 20 steps 31.0% -> 43.6% (step 10) ->
-45.4% (step 20), 162 s; 1.0 calculator call per training trajectory at steps 1 and 20,
-erroneous calls 10.2% -> 1.6%. Most of the gain comes in the first 10 steps, which the test
-runs: 31.0% -> 38.2% (step 5) -> 43.6% (step 10), +12.6 (one process, shared box). A 1-thread
-build (620 SFT steps, held-out 27.8%) gained +6.0 over 20 steps.
+Measured (2-core Intel Xeon, one process; the shipped policy_tools, held-out 31.0% through the
+agent loop): seeds 42 / 1 / 2 gained +12.6 / +5.4 / +6.0 at 10 steps, too close to the bar for
+another CPU's float order, and +14.4 (45.4%) / +13.8 / +11.2 at 20 steps
+(`bench/learning_margins.py`).
 Policies that still misread the tool's answer do not learn in 20 steps: from 8.8% -> 9.6, from
 18.0% -> 11.6 (docs/demo.md).
 """
@@ -27,7 +25,7 @@ import pytest
 from trainer_helpers import metrics, train
 
 VAL = "val/test_score/arith"
-STEPS = 10
+STEPS = 20  # at 10 steps the smallest gain of 3 seeds was +5.4 (bench/learning_margins.py)
 RUN_TIMEOUT = 1080  # s: below pytest's --timeout=1200 (Makefile), which would kill it first
 BATCH = ["data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=32"]
 
