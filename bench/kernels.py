@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -66,15 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _device_name(torch, device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+    from megarl.utils.host import cpu_model
+
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def _step_fn(method: str, args, torch, hidden, weight, labels, a, b):

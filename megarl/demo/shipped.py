@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import shutil
 import subprocess
 import time
@@ -91,16 +90,9 @@ def cpu_name() -> str:
     """The CPU's model name and torch's SIMD level, e.g. "Intel(R) Xeon(R) Processor (AVX512)"."""
     import torch
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+    from megarl.utils.host import cpu_model
+
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def ship(root: Path, shipped_dir: Path = SHIPPED_DIR, repo: Path | None = None) -> dict:

@@ -63,8 +63,9 @@ print(json.dumps(result))
 
 @pytest.fixture
 def open_folder():
-    """A world-readable folder under /tmp (pytest's own tmp_path is private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="megarl_drill_", dir="/tmp"))
+    """A world-readable folder in the temporary folder (pytest's tmp_path is private to
+    root)."""
+    path = Path(tempfile.mkdtemp(prefix="megarl_drill_"))
     os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -80,7 +81,8 @@ def test_a_hostile_program_reads_and_writes_nothing_outside_its_folder(mode, ope
     shm = Path("/dev/shm") / f"megarl_drill_{os.getpid()}_{mode}"
     reads = {"training file": str(train), "repository": str(ROOT / "README.md"),
              "passwd": "/etc/passwd", "proc": "/proc/self/environ"}
-    writes = {"tmp": f"/tmp/megarl_drill_{os.getpid()}_{mode}", "dev shm": str(shm),
+    host_tmp = Path(tempfile.gettempdir())  # the host's shared temporary folder
+    writes = {"tmp": str(host_tmp / f"megarl_drill_{os.getpid()}_{mode}"), "dev shm": str(shm),
               "repository": str(ROOT / f"megarl_drill_{mode}.txt"),
               "data folder": str(data / "written")}
     code = f"READS = {reads!r}\nWRITES = {writes!r}\n" + DRILL
@@ -108,7 +110,7 @@ def test_a_private_tmp_is_gone_with_the_program():
     """Under the mount namespace /tmp is the program's own tmpfs: what it writes there is
     readable by itself and gone afterwards, and a second program does not see it."""
     tool = PythonTool({"timeout_s": 20, "filesystem": "mount_namespace"})
-    name = f"/tmp/megarl_private_{os.getpid()}"
+    name = f"/tmp/megarl_private_{os.getpid()}"  # the sandbox's own /tmp (its view's path)
     code = (f"open({name!r}, 'w').write('x')\nimport os\n"
             f"print(os.path.exists({name!r}), os.listdir('/tmp'))")
     out, _, _ = asyncio.run(tool.execute("a", {"code": code}))
