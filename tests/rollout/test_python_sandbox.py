@@ -31,34 +31,40 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = ["mount_namespace", "landlock"]
 
 DRILL = r'''
-import json, os
-result = {}
+import errno, json, os
+result = {"read": {}, "write": {}}
 for name, path in READS.items():
     try:
         with open(path) as f:
-            result[name] = "read " + f.read(20)
+            result["read"][name] = "read " + f.read(20)
     except OSError as e:
-        result[name] = type(e).__name__
+        result["read"][name] = errno.errorcode[e.errno]
 for name, path in WRITES.items():
     try:
         with open(path, "w") as f:
             f.write("left behind")
-        result[name] = "wrote"
+        result["write"][name] = "wrote"
     except OSError as e:
-        result[name] = type(e).__name__
+        result["write"][name] = errno.errorcode[e.errno]
 try:
     with open("mine.txt", "w") as f:
         f.write("ok")
     result["own folder"] = open("mine.txt").read()
 except OSError as e:
-    result["own folder"] = type(e).__name__
+    result["own folder"] = errno.errorcode[e.errno]
 try:
     while True:
         os.fork()
 except OSError as e:
-    result["fork"] = type(e).__name__
+    result["fork"] = errno.errorcode[e.errno]
 print(json.dumps(result))
 '''
+
+# what a refused open reports: the path is absent from the program's view, access is denied,
+# or (writes) the private root is read-only; which one depends on where the repository lies
+# relative to the folders the view binds (the interpreter's prefix can sit inside a checkout)
+REFUSED_READ = ("ENOENT", "EACCES", "EPERM")
+REFUSED_WRITE = (*REFUSED_READ, "EROFS")
 
 
 @pytest.fixture
@@ -91,17 +97,17 @@ def test_a_hostile_program_reads_and_writes_nothing_outside_its_folder(mode, ope
     assert metrics["exit_code"] == 0, out.text
     result = json.loads(out.text)
     for name in reads:
-        assert result[name] in ("FileNotFoundError", "PermissionError"), (name, result)
+        assert result["read"][name] in REFUSED_READ, (name, result)
     for name, path in writes.items():
         # the mount namespace's /tmp is the program's own (test_a_private_tmp_is_gone...)
         private = mode == "mount_namespace" and name == "tmp"
-        denied = ("FileNotFoundError", "PermissionError", *(("wrote",) if private else ()))
-        assert result[name] in denied, (name, result)
+        denied = (*REFUSED_WRITE, *(("wrote",) if private else ()))
+        assert result["write"][name] in denied, (name, result)
         assert not os.path.exists(path), path
     assert result["own folder"] == "ok"
     assert tool.filesystem_isolation == mode
     if os.geteuid() == 0:  # a private uid with RLIMIT_NPROC 1
-        assert result["fork"] == "BlockingIOError", result
+        assert result["fork"] == "EAGAIN", result
     out, _, metrics = asyncio.run(tool.execute("next", {"code": "print(sum(range(10)))"}))
     assert out.text == "45\n" and metrics["exit_code"] == 0
 
