@@ -22,6 +22,7 @@ import torch
 
 from megarl.errors import UserInputError
 from megarl.rollout.protocol import RolloutEngine
+from megarl.utils.dtypes import torch_dtype
 
 ENGINES = ("torch", "vllm", "sglang")
 SPEC_ENGINES = ("torch", "vllm")  # engines that can run in a process of their own
@@ -59,6 +60,13 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if self.engine not in SPEC_ENGINES:
             raise ValueError(f"EngineSpec.engine={self.engine!r}; expected one of {SPEC_ENGINES}")
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (its model dtype)."""
+        name = (self.settings["dtype"] if self.engine == "torch"
+                else self.settings["engine_kwargs"]["dtype"])
+        return torch_dtype(name, "actor_rollout_ref.model.dtype")
 
     @property
     def routes_experts(self) -> bool:

@@ -31,8 +31,9 @@ request; the engine process runs the agent loop on it (`megarl.rollout.agent.rem
 built there from the run's tool config, once), so every turn of its trajectories is generated
 by the version the request named.
 
-Host memory per node: ``slots x W`` for the ring (W: the bytes of the published weights)
-plus each engine's own copy of the model (on the GPU for vLLM).
+Host memory per node: ``slots x W`` for the ring (W: the bytes of the published weights in the
+engine's dtype: fp32 master weights travel as the bf16 a bf16 engine loads) plus each engine's
+own copy of the model (on the GPU for vLLM).
 
 Transport: two one-way pipes, each drained by a thread on its receiving side, so neither side
 ever blocks sending while the other is blocked sending too (requests and results of any
@@ -352,7 +353,7 @@ class ProcessRolloutEngine:
         leader = ranks.index(node) == mdist.rank()
         info = None
         if leader:
-            self._ring = WeightRing.create(named, self._nslots)
+            self._ring = WeightRing.create(named, self._nslots, self.spec.weight_dtype)
             info = (str(self._ring.path), self._ring.layout)
         else:
             for _ in named:

@@ -13,8 +13,11 @@ every process that reads it has mapped it, so the kernel frees the memory with t
 mapping whatever kills the processes. A file left by a creator killed before that point is
 removed by the next ring created on the host.
 
-Host memory: ``slots x (bytes of the model's weights)`` per ring, one ring per node
-(`megarl.rollout.process` shares it between the node's ranks).
+A ring holds floating-point tensors in the engine's weight dtype (``float_dtype``): a trainer
+that keeps fp32 master weights publishes them rounded to the bf16 the engine loads, as the
+engine would round them itself (the same round-to-nearest-even cast, so the same bits), in half
+the memory and copy time. Host memory: ``slots x (bytes of the weights in the engine's dtype)``
+per ring, one ring per node (`megarl.rollout.process` shares it between the node's ranks).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class RingLayout:
     places: tuple[TensorPlace, ...]
     slot_bytes: int
     slots: int
+    float_dtype: str | None = None  # floating tensors are held in it ("bfloat16"); None: as sent
 
     @property
     def file_bytes(self) -> int:
@@ -102,6 +106,16 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def held(t: torch.Tensor, float_dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as a ring holds it: a floating tensor wider than ``float_dtype`` rounded to it
+    (a narrower one, e.g. bf16 weights for an fp32 engine, stays: the engine widens it exactly
+    at load); anything else as is."""
+    if (float_dtype is not None and t.is_floating_point()
+            and t.element_size() > float_dtype.itemsize):
+        return t.detach().to(float_dtype)
+    return t
+
+
 def _raw(t: torch.Tensor) -> Any:
     """``t``'s bytes as a buffer (a numpy view of a contiguous CPU copy; any dtype)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
@@ -125,9 +139,11 @@ class WeightRing:
         self._slots = [self._views(j) for j in range(layout.slots)]
 
     @classmethod
-    def create(cls, weights: Iterable[tuple[str, torch.Tensor]], slots: int) -> WeightRing:
+    def create(cls, weights: Iterable[tuple[str, torch.Tensor]], slots: int,
+               float_dtype: torch.dtype | None = None) -> WeightRing:
         """A new ring file of ``slots`` slots whose slot 0 holds the (name, tensor) stream,
-        written tensor by tensor as it arrives (no copy of the whole model in between)."""
+        written tensor by tensor as it arrives (no copy of the whole model in between), its
+        floating tensors in ``float_dtype`` (`held`; the engine's weight dtype)."""
         if slots < 1:
             raise ValueError(f"weight ring: slots must be >= 1, got {slots}")
         folder = shm_dir()
@@ -137,13 +153,16 @@ class WeightRing:
         try:
             places, end = [], 0
             for name, tensor in weights:
+                tensor = held(tensor, float_dtype)
                 raw = _raw(tensor)
                 offset = -(-end // ALIGN) * ALIGN
                 _pwrite_all(fd, raw, offset)
                 places.append(TensorPlace(name, str(tensor.dtype).removeprefix("torch."),
                                           tuple(tensor.shape), offset, raw.nbytes))
                 end = offset + raw.nbytes
-            layout = RingLayout(tuple(places), -(-end // ALIGN) * ALIGN, slots)
+            layout = RingLayout(tuple(places), -(-end // ALIGN) * ALIGN, slots,
+                                None if float_dtype is None
+                                else str(float_dtype).removeprefix("torch."))
             _reserve(fd, folder, layout)
         except OSError as e:
             os.close(fd)
@@ -178,9 +197,11 @@ class WeightRing:
 
     def write(self, j: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a (name, tensor) stream into slot ``j``; it must carry exactly the tensors of
-        the first stream, with their shapes and dtypes."""
+        the first stream, with their shapes and dtypes (floating ones rounded as `create` did)."""
         target, seen = self._slots[j], set()
+        float_dtype = None if self.layout.float_dtype is None else _dtype(self.layout.float_dtype)
         for name, tensor in weights:
+            tensor = held(tensor, float_dtype)
             view = target.get(name)
             if view is None:
                 raise ValueError(f"update_weights: {name!r} was not in the first published "

@@ -116,6 +116,34 @@ def test_engine_errors_surface_in_the_trainer(setup):
         proc.generate([[1, 10**6]], SamplingParams(max_new_tokens=3, seed=0))
 
 
+def test_the_ring_holds_the_engines_dtype_and_the_engine_gets_the_same_bits(tiny_folder):
+    """A bf16 engine fed fp32 master weights (the torch backend's mixed precision): the ring
+    holds every floating tensor in bf16, half the bytes of the fp32 stream, and the engine
+    generates exactly what an in-process bf16 engine that rounds the fp32 weights itself
+    generates (the same cast, so the same bits), for the first publish and a later one.
+    Before: the ring held fp32 (twice the host memory and copy time)."""
+    torch.set_num_threads(1)
+    path = tiny_folder("qwen2")
+    base = {k: v.clone() for k, v in load_model(path, head="lm").state_dict().items()}
+    assert {v.dtype for v in base.values()} == {torch.float32}
+    fp32_bytes = sum(v.numel() * 4 for v in base.values())
+    ref = TorchRolloutEngine.from_pretrained(path, dtype=torch.bfloat16, tokenizer=None,
+                                             max_num_seqs=4)
+    proc = ProcessRolloutEngine(_spec(path, dtype="bf16", max_num_seqs=4), slots=2)
+    try:
+        prompts = prompts_of([5, 7], seed=4)
+        sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=3)
+        for state in (base, _perturbed(base, 0.05, 5)):
+            proc.update_weights(state.items())
+            ref.update_weights(state.items())
+            _same(proc.generate(prompts, sp, [1, 2]), ref.generate(prompts, sp, [1, 2]))
+        layout = proc._ring.layout
+        assert {p.dtype for p in layout.places} == {"bfloat16"}
+        assert sum(p.nbytes for p in layout.places) == fp32_bytes // 2
+    finally:
+        proc.close()
+
+
 @pytest.mark.parametrize("overrides, field", [
     (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name=torch or vllm"),
     (["actor_rollout_ref.rollout.name=vllm",
