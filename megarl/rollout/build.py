@@ -49,6 +49,8 @@ class EngineSpec:
         engine process sees that one GPU only, as cuda:0 (`megarl.rollout.process`).
     cpus, threads: an engine process pins itself to ``cpus`` (empty: inherit) and runs
         ``threads`` torch intra-op threads.
+    tool_cpus: where the engine process runs its python tool programs (empty: on its own
+        CPUs; `megarl.rollout.engine_process.cores_apart`).
     """
 
     engine: str
@@ -56,6 +58,7 @@ class EngineSpec:
     device: str = "cpu"
     cpus: list[int] = field(default_factory=list)
     threads: int = 1
+    tool_cpus: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.engine not in SPEC_ENGINES:

@@ -45,6 +45,23 @@ def pin_process(cpus: Sequence[int], threads: int) -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
+def cores_apart(engine_cpus: Sequence[int]) -> list[int]:
+    """The CPUs of this process (the trainer's, which its engine process inherits) apart from
+    the node's ``engine_cpus``: where an engine process pinned to one of them runs its tool
+    programs. [] (inherit) when no engine is pinned; every CPU, with a warning, when the
+    engines take them all."""
+    if not engine_cpus or not hasattr(os, "sched_getaffinity"):
+        return []
+    mine = sorted(os.sched_getaffinity(0))
+    apart = [c for c in mine if c not in set(int(c) for c in engine_cpus)]
+    if not apart:
+        log.warning("async_training.engine_cpus=%s leaves no CPU of this process (%s) to the "
+                    "python tool's programs: they share the engines' cores", list(engine_cpus),
+                    mine)
+        return mine
+    return apart
+
+
 def engine_process_env(device: str, environ: Mapping[str, str]
                        ) -> tuple[dict[str, str | None], str]:
     """How the engine process of the trainer's ``device`` sets its environment, given the
@@ -123,7 +140,7 @@ def engine_main(spec: EngineSpec, requests: Any, results: Any) -> None:
             if kind == "agent_setup":
                 from megarl.rollout.agent.remote import AgentWorker
 
-                worker = AgentWorker(msg[1])
+                worker = AgentWorker(msg[1], program_cpus=spec.tool_cpus)
                 continue
             if kind == "agent":  # a whole multi-turn request: every turn on one version
                 _, rid, version, slot, serial, request, sampling = msg

@@ -98,11 +98,13 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
             spec.settings["engine_kwargs"].update(lora_engine_kwargs(lora_rank(cfg)))
             return engine_from_spec(spec)
         return build_engine(cfg, model_path, device)
+    from megarl.rollout.engine_process import cores_apart
     from megarl.rollout.process import ProcessRolloutEngine
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     mine = [cpus[local % len(cpus)]] if cpus else []
     spec = engine_spec(cfg, model_path, device, own_process=True, cpus=mine)
+    spec.tool_cpus = cores_apart(cpus)
     timeout = cfg.async_training.engine_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise UserInputError(f"async_training.engine_timeout_s={timeout!r}: expected seconds "

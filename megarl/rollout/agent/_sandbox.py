@@ -221,6 +221,11 @@ def isolate_files(libc, folder, settings, mount_ns):
 def main(folder, settings):
     libc = ctypes.CDLL(None, use_errno=True)
     _die_with_parent(libc, settings["parent"])
+    if settings.get("cpus"):  # the tool's CPUs, not the (pinned) parent's
+        try:
+            os.sched_setaffinity(0, settings["cpus"])
+        except OSError:
+            pass
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     _limit(resource.RLIMIT_CPU, int(settings["cpu_s"]))
     _limit(resource.RLIMIT_FSIZE, int(settings["file_mb"]) << 20)

@@ -100,12 +100,15 @@ class _Stamped:
 class AgentWorker:
     """The engine process's side: the tools and interactions of an `AgentSetup`, built once."""
 
-    def __init__(self, setup: AgentSetup):
+    def __init__(self, setup: AgentSetup, program_cpus: list[int] | None = None):
+        """program_cpus: where the python tool's programs run (`place_programs`; None or []:
+        on this process's CPUs)."""
         from megarl.data.locations import resolve_path
         from megarl.rollout.agent.interactions import load_interactions
         from megarl.rollout.agent.tool_parser import register_tool_parser
-        from megarl.rollout.agent.tools import load_tools
+        from megarl.rollout.agent.tools import load_tools, place_programs
 
+        place_programs(program_cpus or [])
         s = setup.settings
         if setup.parser_factory is not None:
             register_tool_parser(s.format, setup.parser_factory)

@@ -326,6 +326,22 @@ VERL_BUILTINS: dict[str, str] = {
 
 _RUNNER = str(Path(__file__).with_name("_sandbox.py"))
 OUTPUT_FILE = "output.txt"
+_program_cpus: list[int] = []  # where python tool programs run; []: this process's CPUs
+
+
+def place_programs(cpus: list[int]) -> None:
+    """Run this process's python tool programs on ``cpus`` ([]: on this process's own CPUs).
+    An engine process pinned to its core calls it with the node's cores apart from the
+    engines' (`megarl.rollout.engine_process.cores_apart`), so its programs neither inherit
+    that one core nor take it from the engine."""
+    _program_cpus[:] = [int(c) for c in cpus]
+
+
+def program_cpus() -> list[int]:
+    """The CPUs python tool programs run on (`place_programs`, else this process's)."""
+    if _program_cpus:
+        return list(_program_cpus)
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def _kill_uid(uid: int) -> None:
@@ -408,6 +424,13 @@ class PythonTool(BaseTool):
         if self.filesystem not in self.FILESYSTEM:
             raise UserInputError(f"python tool: filesystem={self.filesystem!r}; use one of "
                                  f"{', '.join(self.FILESYSTEM)}")
+        self.max_running = c.get("max_running")
+        if self.max_running is not None and (isinstance(self.max_running, bool) or not
+                                             isinstance(self.max_running, int) or
+                                             self.max_running < 1):
+            raise UserInputError(f"python tool: max_running={self.max_running!r}; expected an "
+                                 "int >= 1 (programs at once) or null (one per program CPU)")
+        self._turns: dict[Any, asyncio.Semaphore] = {}  # per event loop
         self.network_isolated: bool | None = None  # known after the first run
         self.filesystem_isolation: str | None = None  # likewise
 
@@ -430,14 +453,28 @@ class PythonTool(BaseTool):
                         "programs can read every file their uid can")
         self.filesystem_isolation = fs
 
+    def _turn(self, cpus: list[int]) -> asyncio.Semaphore:
+        """This event loop's bound on programs running at once."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._turns:
+            self._turns = {lp: sem for lp, sem in self._turns.items() if not lp.is_closed()}
+            self._turns[loop] = asyncio.Semaphore(self.max_running or max(1, len(cpus)))
+        return self._turns[loop]
+
     async def run(self, code: str) -> tuple[str, dict[str, Any]]:
-        """(what the program printed, bounded; metrics) for one program."""
+        """(what the program printed, bounded; metrics) for one program, once one of the
+        ``max_running`` turns is free."""
+        cpus = program_cpus()
+        async with self._turn(cpus):
+            return await self._run(code, cpus)
+
+    async def _run(self, code: str, cpus: list[int]) -> tuple[str, dict[str, Any]]:
         tmp = tempfile.mkdtemp(prefix="megarl_py_")
         root = os.geteuid() == 0
         uid = _fresh_uid() if root else -1
         settings = {"parent": os.getpid(), "uid": uid, "memory_mb": self.memory_mb,
                     "cpu_s": self.cpu_s, "file_mb": self.max_file_mb, "preload": self.preload,
-                    "filesystem": self.filesystem}
+                    "filesystem": self.filesystem, "cpus": cpus}
         out_path = os.path.join(tmp, OUTPUT_FILE)
         timed_out = False
         rc: int | None = None
