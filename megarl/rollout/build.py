@@ -154,11 +154,19 @@ def engine_spec(cfg: Any, model_path: str, device: torch.device | str, *,
 
 def engine_from_spec(spec: EngineSpec, device: str | None = None) -> RolloutEngine:
     """Build ``spec``'s engine in this process; ``device`` replaces the spec's (an engine
-    process numbers its one GPU cuda:0)."""
+    process numbers its one GPU cuda:0). Settings with ``lora`` (a `LoraSettings`; vLLM
+    only, `megarl.trainer.parts.with_adapter_sync`) give an engine whose syncs are adapters
+    (`megarl.rollout.vllm.lora.AdapterSyncedEngine`)."""
     settings = dict(spec.settings)
     if spec.engine == "torch" and device is not None:
         settings["device"] = device
-    return engine_class(spec.engine).from_settings(settings)
+    lora = settings.pop("lora", None)
+    engine = engine_class(spec.engine).from_settings(settings)
+    if lora is None:
+        return engine
+    from megarl.rollout.vllm.lora import AdapterSyncedEngine
+
+    return AdapterSyncedEngine(engine, lora)
 
 
 def build_engine(cfg: Any, model_path: str, device: torch.device | str) -> RolloutEngine:

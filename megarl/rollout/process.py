@@ -65,7 +65,7 @@ from megarl.rollout.engine_process import drain_into, engine_main
 from megarl.rollout.packed import pack_completions, pack_prompts, unpack_completions
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.reshard import as_named
-from megarl.rollout.weight_ring import WeightRing
+from megarl.rollout.weight_ring import RingLayout, WeightRing
 from megarl.utils import dist as mdist
 
 # Default seconds a wait on the engine process may hear nothing before the run fails.
@@ -132,6 +132,8 @@ class ProcessRolloutEngine:
         self._ready = self._attached = False
         self._nslots = slots
         self._ring: WeightRing | None = None  # this node's ring, on the rank that wrote it
+        self._layout: RingLayout | None = None  # the node's ring's, on every rank
+        self.last_sync_bytes = 0  # the tensor bytes of the last publish (the engine's dtype)
         self._published = False
         self._slot_serial: list[int | None] = [None] * slots
         self._next_slot = 0
@@ -175,6 +177,7 @@ class ProcessRolloutEngine:
                 for _ in as_named(weights):
                     pass
             mdist.barrier()  # written before any engine of the node may load it
+        self.last_sync_bytes = sum(p.nbytes for p in self._layout.places)
         self._serial += 1
         self._slot_serial[slot] = self._serial
         self._latest = (version, slot, self._serial)
@@ -360,6 +363,7 @@ class ProcessRolloutEngine:
                 pass
         infos = mdist.all_gather_objects((node, info))
         path, layout = next(i for n, i in infos if n == node and i is not None)
+        self._layout = layout
         self._send(("ring", path, layout))
         while not self._attached:
             self._receive(f"it to map the weight ring {path}")

@@ -22,7 +22,7 @@ from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
 from megarl.data.extern import ExternSampler, prompt_dataset, prompt_sampler
 from megarl.errors import UserInputError
 from megarl.logging import MetricLogger
-from megarl.rollout.build import build_engine, check_engine_installed, engine_spec
+from megarl.rollout.build import EngineSpec, build_engine, check_engine_installed, engine_spec
 from megarl.rollout.protocol import RolloutEngine
 from megarl.trainer.generation import AgentRollout, Scorer
 from megarl.trainer.outcome_rm import OutcomeRewardModel
@@ -92,18 +92,16 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
     if staleness == 0:
         if adapter_sync(cfg):
             from megarl.rollout.build import engine_from_spec
-            from megarl.rollout.vllm.lora import lora_engine_kwargs
 
-            spec = engine_spec(cfg, model_path, device)
-            spec.settings["engine_kwargs"].update(lora_engine_kwargs(lora_rank(cfg)))
-            return engine_from_spec(spec)
+            return engine_from_spec(with_adapter_sync(cfg, engine_spec(cfg, model_path, device)))
         return build_engine(cfg, model_path, device)
     from megarl.rollout.engine_process import cores_apart
     from megarl.rollout.process import ProcessRolloutEngine
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     mine = [cpus[local % len(cpus)]] if cpus else []
-    spec = engine_spec(cfg, model_path, device, own_process=True, cpus=mine)
+    spec = with_adapter_sync(cfg, engine_spec(cfg, model_path, device, own_process=True,
+                                              cpus=mine))
     spec.tool_cpus = cores_apart(cpus)
     timeout = cfg.async_training.engine_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -114,39 +112,56 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
 
 def adapter_sync(cfg: Any) -> bool:
     """Whether the engine receives the actor's LoRA adapters at each sync instead of merged
-    weights (`megarl.rollout.vllm.lora`: a colocated, single-process-group vLLM engine that
-    keeps its base weights); where not, the reason is logged once and merged weights are sent."""
+    weights (`megarl.rollout.vllm.lora`: vLLM keeps its base weights, colocated or in an
+    engine process of its own, any rollout TP); where not, the reason is logged once and
+    merged weights are sent."""
     rank = lora_rank(cfg)
     ro = cfg.actor_rollout_ref.rollout
     if not rank or ro.name != "vllm":
         return False
-    from megarl.rollout.vllm.launch import sleep_supported
     from megarl.rollout.vllm.lora import adapter_sync_refusal
 
-    why = adapter_sync_refusal(
-        rank, engine=ro.name, staleness=async_settings(cfg)[0],
-        tp_size=ro.tensor_model_parallel_size,
-        sleep_mode=bool(ro.free_cache_engine) and sleep_supported())
+    why = adapter_sync_refusal(rank, engine=ro.name)
     if why is not None:
         log.info("LoRA: the engine receives merged weights (%s)", why)
     return why is None
 
 
+def with_adapter_sync(cfg: Any, spec: EngineSpec) -> EngineSpec:
+    """``spec`` (a vLLM engine's) set up for adapter sync when `adapter_sync` holds: started
+    with one LoRA slot of the run's rank, sleeping at level 1 (the base weights kept), its
+    syncs adapters (`megarl.rollout.build.engine_from_spec`)."""
+    if not adapter_sync(cfg):
+        return spec
+    from megarl.backends.torch.lora import lora_settings
+    from megarl.rollout.vllm.lora import lora_engine_kwargs
+
+    lora = lora_settings(cfg)
+    spec.settings["engine_kwargs"].update(lora_engine_kwargs(lora.rank))
+    spec.settings["sleep_level"] = 1
+    spec.settings["lora"] = lora
+    return spec
+
+
 def synced_engine(cfg: Any, engine: RolloutEngine, actor: Backend) -> RolloutEngine:
-    """``engine``, wrapped to receive the actor's adapters when `adapter_sync` holds."""
+    """``engine``, wrapped to send the actor's adapters when `adapter_sync` holds (the
+    colocated engine's targets checked now; an engine process checks them at the first
+    sync)."""
     if not adapter_sync(cfg):
         return engine
-    from megarl.rollout.vllm.lora import AdapterSyncedEngine
+    from megarl.rollout.vllm.lora import AdapterSource
 
-    synced = AdapterSyncedEngine(engine, actor.export_adapter, actor.lora)
-    try:
-        synced.check_targets(actor.adapted_modules())
-    except ValueError as e:
-        raise UserInputError(
-            f"actor_rollout_ref.model.target_modules={cfg.actor_rollout_ref.model.target_modules!r}"
-            f": {e}; target those modules only (all-linear does)") from e
+    check = getattr(engine, "check_targets", None)
+    if check is not None:
+        try:
+            check(actor.adapted_modules())
+        except ValueError as e:
+            raise UserInputError(
+                f"actor_rollout_ref.model.target_modules="
+                f"{cfg.actor_rollout_ref.model.target_modules!r}: {e}; target those modules "
+                "only (all-linear does)") from e
     log.info("LoRA: the vLLM engine receives the adapters only at each weight sync")
-    return synced
+    return AdapterSource(engine, actor.export_adapter)
 
 
 @dataclass

@@ -181,14 +181,16 @@ def test_grpo_lora_vllm_engine_gets_the_adapters(tmp_path):
 @pytest.mark.dist
 @pytest.mark.vllm
 def test_grpo_lora_vllm_two_ranks(tmp_path):
-    """2 ranks, one vLLM engine in each (adapter sync: tensor_model_parallel_size 1, no engine
-    process), the megatron actor tensor parallel with its adapters split over the ranks (the
-    torch actor's adapter sync: test_grpo_lora_vllm_engine_gets_the_adapters): every rank's
-    engine samples from the adapted policy."""
+    """2 ranks, one vLLM engine spanning both (rollout tensor_model_parallel_size 2: each
+    worker takes its slice of the full adapters), the megatron actor tensor parallel with its
+    adapters split over the ranks (the torch actor's adapter sync:
+    test_grpo_lora_vllm_engine_gets_the_adapters): the engine samples from the adapted policy.
+    Before: a tensor-parallel engine was refused adapter sync and took merged weights."""
     layout = [*STRATEGY["megatron"], "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
     train(tmp_path, "grpo", *LORA, *layout, "trainer.total_training_steps=2",
           "trainer.save_freq=-1", "trainer.export_hf=false", "actor_rollout_ref.rollout.name=vllm",
-          "actor_rollout_ref.rollout.enforce_eager=true", nproc=2)
+          "actor_rollout_ref.rollout.enforce_eager=true",
+          "actor_rollout_ref.rollout.tensor_model_parallel_size=2", nproc=2)
     assert_engine_runs_the_adapted_policy(tmp_path)
     # each sync moved the adapters (whole, TP-split ones gathered), not merged weights
     from safetensors.torch import load_file
@@ -199,3 +201,26 @@ def test_grpo_lora_vllm_two_ranks(tmp_path):
     synced = [r["rollout/weight_sync_bytes"] for r in metrics(tmp_path) if r["step"] > 0]
     assert len(synced) == 2 and len(set(synced)) == 1
     assert 0 < synced[0] * 10 < sum(t.numel() * 4 for t in base.values()), synced
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_grpo_lora_async_engine_process_gets_the_adapters(tmp_path):
+    """Asynchronous rollout (staleness 1: vLLM in an engine process of its own): every publish
+    puts the adapters only in the weight ring (the same bytes each step, under a tenth of the
+    base weights'), and the run trains (KL > 0 once the policy moved). Before: an engine process
+    was refused adapter sync and the ring carried merged weights."""
+    from megarl.data import resolve_path
+
+    train(tmp_path, "grpo", *LORA, "trainer.total_training_steps=3", "trainer.save_freq=-1",
+          "trainer.export_hf=false", "actor_rollout_ref.rollout.check_logprobs=false",
+          "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
+          "async_training.staleness_threshold=1")
+    rows = [r for r in metrics(tmp_path) if r["step"] > 0]
+    synced = [r["rollout/weight_sync_bytes"] for r in rows]
+    from safetensors.torch import load_file
+
+    base = load_file(str(next(Path(resolve_path("embedded://policy")).glob("*.safetensors"))))
+    assert len(synced) == 3 and len(set(synced)) == 1
+    assert 0 < synced[0] * 10 < sum(t.numel() * 4 for t in base.values()), synced
+    assert rows[-1]["actor/kl_loss"] > 0

@@ -12,11 +12,13 @@
   kernels; on CPU a tied lm_head and the MoE experts are re-packed by megarl, see
   `refresh_tied_lm_head` and `repack_cpu_moe_experts`), then drops the prefix cache. The engine runs in this process, so the stream is
   consumed lazily: one full tensor beyond the engine's own weights at a time;
-- ``sleep()`` = ``llm.sleep(level=2)``: weights and KV cache freed (the weights are always
-  replaced by the next update, so level 1's host copy would be wasted); an `update_weights`
-  while asleep first wakes the weights (``wake_up(tags=["weights"])``) and `wake` then the KV
-  cache. Where vLLM has no sleep mode (its CPU build), sleep / wake keep the engine resident
-  and say so once.
+- ``sleep()`` = ``llm.sleep(level=sleep_level)``: level 2 (the default) frees weights and KV
+  cache (the weights are always replaced by the next update, so level 1's host copy would be
+  wasted); level 1 keeps a host copy of the weights and frees the KV cache, for a LoRA engine
+  whose syncs carry the adapters only and so need the base weights back
+  (`megarl.rollout.vllm.lora`, as verl). An update while asleep first wakes the weights
+  (`wake_weights`: ``wake_up(tags=["weights"])``) and `wake` then the KV cache. Where vLLM has
+  no sleep mode (its CPU build), sleep / wake keep the engine resident and say so once.
 
 Logprobs are parsed from vLLM's per-position ``{token_id: Logprob}`` dicts (``logprobs=0``:
 the sampled token only; ``flat_logprobs`` must stay off).
@@ -98,6 +100,7 @@ class VLLMEngine:
 
     model_path:    the actor's HF folder; tokenizer: its tokenizer folder (default the same).
     sleep_mode:    free memory on sleep(); None = where vLLM supports it.
+    sleep_level:   vLLM's sleep level (2: weights dropped; 1: weights kept on the host).
     engine_kwargs: more ``vllm.LLM`` arguments (dtype, tensor_parallel_size, max_num_seqs,
                    max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, seed, ...).
     """
@@ -109,8 +112,13 @@ class VLLMEngine:
         tokenizer: str | None = None,
         llm: Any = None,
         sleep_mode: bool | None = None,
+        sleep_level: int = 2,
         **engine_kwargs: Any,
     ) -> None:
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMEngine: sleep_level={sleep_level!r}; vLLM's levels are 1 "
+                             "(weights kept on the host) and 2 (weights dropped)")
+        self.sleep_level = sleep_level
         vllm = import_vllm()
         self.sampling_params_cls = vllm.SamplingParams
         supported = launch.sleep_supported()
@@ -152,7 +160,8 @@ class VLLMEngine:
     def from_settings(cls, settings: dict[str, Any]) -> VLLMEngine:
         """The engine of `engine_settings`' plain data (another process's included)."""
         return cls(settings["model_path"], tokenizer=settings["tokenizer"],
-                   sleep_mode=settings["sleep_mode"], **settings["engine_kwargs"])
+                   sleep_mode=settings["sleep_mode"], sleep_level=settings.get("sleep_level", 2),
+                   **settings["engine_kwargs"])
 
     @staticmethod
     def engine_settings(cfg: Any, model_path: str, **overrides: Any) -> dict[str, Any]:
@@ -233,9 +242,7 @@ class VLLMEngine:
     def update_weights(self, weights: Iterable[Any]) -> None:
         """Load a (HF name, full tensor) stream, flat or in buckets, into every worker: the
         whole policy, so an adapter loaded before is dropped."""
-        if self._asleep and not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])
-            self._weights_awake = True
+        self.wake_weights()
         self.last_sync_bytes = 0
 
         def counted(pairs: Iterator[tuple[str, torch.Tensor]]
@@ -252,17 +259,24 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self._weights_loaded = True
 
+    def wake_weights(self) -> None:
+        """Give the weights their device memory back (a sleeping engine's; level 1: with their
+        values) before anything writes them."""
+        if self._asleep and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+
     def sleep(self) -> None:
-        """Free weights and KV cache (level 2) until the next update and `wake`."""
+        """Free the KV cache and the weights' device memory (`sleep_level`) until `wake`."""
         if not self.sleep_mode:
             if not self._told_no_sleep:
                 log.info("vLLM engine: sleep mode is off or unsupported here; it stays resident")
                 self._told_no_sleep = True
             return
         if not self._asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=self.sleep_level)
             self._asleep, self._weights_awake = True, False
-            self._weights_loaded = False
+            self._weights_loaded = self.sleep_level == 1  # level 1 keeps them on the host
 
     def wake(self) -> None:
         """Bring the KV cache back after `update_weights` refilled the weights."""
@@ -273,6 +287,7 @@ class VLLMEngine:
                 "VLLMEngine.wake() after sleep() without update_weights(): a level-2 sleep "
                 "discarded the weights; load them first (the trainer syncs every step)"
             )
+        self.wake_weights()
         self.llm.wake_up(tags=["kv_cache"])
         self._asleep = False
 

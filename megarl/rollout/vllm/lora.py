@@ -1,25 +1,30 @@
 """LoRA adapters handed to a vLLM engine as they are, not merged into the base weights.
 
-With ``actor_rollout_ref.model.lora_rank > 0`` a colocated vLLM engine can keep the base model
-it was started from and receive only the adapter tensors at each weight sync (A [r, in] and
-B [out, r] of every adapted linear: about ``2 r / hidden`` of the adapted weights' bytes), instead
-of every merged weight ``W + (alpha / r) B A``:
+With ``actor_rollout_ref.model.lora_rank > 0`` a vLLM engine keeps the base model it was
+started from and receives only the adapter tensors at each weight sync (A [r, in] and B [out,
+r] of every adapted linear: about ``2 r / hidden`` of the adapted weights' bytes), instead of
+every merged weight ``W + (alpha / r) B A``, as verl does:
 
 - the engine is started with ``enable_lora=True``, ``max_lora_rank`` = the smallest rank vLLM
-  accepts that is >= the run's (`lora_engine_kwargs`), one adapter slot;
-- each sync builds vLLM's ``LoRAModel`` from the tensors in every worker
-  (`install_adapter`: ``LoRAModel.from_lora_tensors``, PEFT's names and scaling) under a new
-  adapter id (one per weight version) and drops the previous one; every request then runs
-  with that adapter (``LoRARequest`` of the new id), so the prefix cache of an older version is
-  never reused;
+  accepts that is >= the run's (`lora_engine_kwargs`), one adapter slot, and sleeps at level 1
+  (the base weights kept on the host while the trainer trains, not dropped);
+- each sync builds vLLM's ``LoRAModel`` from the full tensors in every worker
+  (`install_adapter`: ``LoRAModel.from_lora_tensors``, PEFT's names and scaling; with tensor
+  parallelism each worker's LoRA layers take their own slice, as for an adapter read from a
+  folder) under a new adapter id (one per weight version) and drops the previous one; every
+  request then runs with that adapter (``LoRARequest`` of the new id), so the prefix cache of
+  an older version is never reused;
 - vLLM 0.32 has no public call that adds an adapter from tensors (a ``LoRARequest`` names a
   folder), so `install_adapter` uses the worker's adapter manager
   (``model_runner.lora_manager._adapter_manager``) of the releases in
   `megarl.rollout.vllm.launch.SUPPORTED_VLLM`.
 
-`AdapterSyncedEngine` wraps the run's engine so the trainer's ``update_weights(actor stream)``
-sends the adapters instead (see its docstring). Merged sync stays the path wherever this one is
-not taken (`adapter_sync_refusal` says why).
+Two wrappers split the work: `AdapterSyncedEngine` is the engine's side (its
+``update_weights`` takes an adapter stream), built by `megarl.rollout.build.engine_from_spec`
+from a spec whose settings carry ``lora``, in the trainer's process or in an asynchronous
+engine process; `AdapterSource` is the trainer's side (its ``update_weights`` drops the
+actor's merged stream and sends ``actor.export_adapter()`` instead), around that engine or
+around the `megarl.rollout.process.ProcessRolloutEngine` whose ring then carries the adapters.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from megarl.models.lora import PEFT_PREFIX, LoraSettings, peft_adapter_config
+from megarl.rollout.reshard import as_named
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +56,14 @@ def lora_engine_kwargs(rank: int) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": fit[0], "max_loras": 1, "max_cpu_loras": 1}
 
 
-def adapter_sync_refusal(rank: int, *, engine: str, staleness: int, tp_size: int,
-                         sleep_mode: bool) -> str | None:
+def adapter_sync_refusal(rank: int, *, engine: str) -> str | None:
     """Why a run syncs merged weights instead of adapters (None: adapters are sent).
 
-    engine: actor_rollout_ref.rollout.name; staleness: async_training.staleness_threshold;
-    tp_size: the rollout's tensor_model_parallel_size; sleep_mode: whether the engine frees
-    its weights on sleep (a level-2 sleep drops the base weights the adapters need)."""
+    engine: actor_rollout_ref.rollout.name."""
     if rank <= 0:
         return "LoRA is off"
     if engine != "vllm":
         return f"the {engine} engine takes merged weights"
-    if staleness > 0:
-        return "an engine process of its own (asynchronous rollout) takes merged weights"
-    if tp_size != 1:
-        return "a tensor-parallel vLLM engine takes merged weights"
-    if sleep_mode:
-        return "the engine's sleep mode frees the base weights the adapters apply to"
     if rank > VLLM_MAX_LORA_RANKS[-1]:
         return f"lora_rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANKS[-1]}"
     return None
@@ -113,24 +110,21 @@ def install_adapter(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor],
 
 
 class AdapterSyncedEngine:
-    """A vLLM engine (started with `lora_engine_kwargs`) whose weight syncs carry the actor's
-    LoRA adapters only.
+    """A vLLM engine (started with `lora_engine_kwargs`) whose weight syncs are LoRA adapters.
 
-    ``update_weights(stream)``: the trainer hands the actor's merged export
-    (``actor.export_weights()``, a lazy generator); it is closed unstarted and
-    ``adapter_source()`` (``actor.export_adapter``: (``<module>.lora_{A,B}.weight``, full
-    tensor), collective over the actor's ranks like the merged stream) is sent instead, under a
-    new adapter id. Everything else is the wrapped engine's. ``last_sync_bytes``: the bytes
-    the last sync handed the engine."""
+    ``update_weights(stream)``: the stream is the adapter ((``<module>.lora_{A,B}.weight``,
+    full tensor) pairs, as ``actor.export_adapter`` or a weight-ring slot gives them), handed
+    to every worker as a new adapter version (`load_adapter`); the first one is checked
+    against the modules vLLM adapts. Everything else is the wrapped engine's.
+    ``last_sync_bytes``: the bytes the last sync handed the engine."""
 
-    def __init__(self, engine: Any, adapter_source: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-                 settings: LoraSettings) -> None:
+    def __init__(self, engine: Any, settings: LoraSettings) -> None:
         self.engine = engine
-        self.adapter_source = adapter_source
         self.settings = settings
         self._ids = itertools.count(1)
         self.lora_request: Any = None
         self.last_sync_bytes = 0
+        self._checked = False
 
     def check_targets(self, targets: Iterable[str]) -> None:
         """Raise ValueError naming the adapted modules this vLLM model cannot adapt."""
@@ -138,12 +132,10 @@ class AdapterSyncedEngine:
         bad = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in ok})
         if bad:
             raise ValueError(f"vLLM cannot run adapters on {bad[:4]} (it adapts {sorted(ok)})")
+        self._checked = True
 
     def update_weights(self, weights: Iterable[Any]) -> None:
-        close = getattr(weights, "close", None)
-        if close is not None:  # the merged stream: never started, so nothing was gathered
-            close()
-        self.load_adapter(self.adapter_source())
+        self.load_adapter(as_named(weights))
 
     def load_adapter(self, adapter: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand the engine ``adapter`` ((``<module>.lora_{A,B}.weight``, full tensor) pairs)
@@ -153,8 +145,13 @@ class AdapterSyncedEngine:
         # copies: vLLM folds the scaling into its B tensors in place (LoRAModel.optimize)
         tensors = {PEFT_PREFIX + name: t.detach().clone() for name, t in adapter}
         targets = sorted({n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in tensors})
+        if not self._checked:
+            self.check_targets(targets)
         config = peft_adapter_config(self.settings, targets)
         lora_id = next(self._ids)
+        wake_weights = getattr(self.engine, "wake_weights", None)
+        if wake_weights is not None:  # the adapter slots live with the (sleeping) weights
+            wake_weights()
         self.engine.llm.collective_rpc(install_adapter, args=(lora_id, tensors, config))
         self.engine.llm.reset_prefix_cache()
         self.lora_request = LoRARequest(f"megarl-adapter-{lora_id}", lora_id, IN_MEMORY_PATH)
@@ -164,3 +161,24 @@ class AdapterSyncedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
+
+class AdapterSource:
+    """The trainer's side of adapter sync, around an `AdapterSyncedEngine` or an engine
+    process built with one: ``update_weights(stream)`` closes the actor's merged export
+    (``actor.export_weights()``, a lazy generator, never started, so nothing was gathered) and
+    sends ``adapter_source()`` (``actor.export_adapter``: collective over the actor's ranks
+    like the merged stream) instead. Everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Any,
+                 adapter_source: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+        self.engine = engine
+        self.adapter_source = adapter_source
+
+    def update_weights(self, weights: Iterable[Any]) -> None:
+        close = getattr(weights, "close", None)
+        if close is not None:
+            close()
+        self.engine.update_weights(self.adapter_source())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
