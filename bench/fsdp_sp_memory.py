@@ -53,7 +53,7 @@ def worker(name: str, model: str, out: str) -> None:
     init_distributed(torch.device("cpu"))
     if name == "dp_only":
         backend_mod.fsdp_mesh = lambda mesh, layout: mesh["dp_shard"]
-    be = TorchBackend("actor", model, **LAYOUTS[name], lr=1e-5)
+    be = TorchBackend("actor", model, **LAYOUTS[name], optim={"lr": 1e-5})
     g = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(3, 1000, (2, 64), generator=g)
     batch = SequenceBatch(ids, torch.ones_like(ids), 32, {})

@@ -64,7 +64,7 @@ def _actor(model: str, param_dtype: str | None, lr: float):
     from megarl.backends.torch import TorchBackend
 
     return TorchBackend("actor", model, device="cpu", dtype="bf16", param_dtype=param_dtype,
-                        lr=lr, use_fused_kernels=False)
+                        optim={"lr": lr}, use_fused_kernels=False)
 
 
 def measure(mode: str, model: str) -> dict:

@@ -39,8 +39,13 @@ ENGINES = {
 }
 BACKENDS = ("torch", "megatron")
 MULTI_TURN = {"grpo_tools": ["data.max_response_length=128"]}  # our engine only
-# keys that measure the machine, not the run
+# keys that measure the machine, not the run (prefixes, and wall times anywhere in a name)
 VOLATILE = ("timing_s/", "timing_per_token_ms/", "perf/", "reward/time_s", "memory/", "time/")
+VOLATILE_PARTS = ("time_s",)
+
+
+def _kept(key: str) -> bool:
+    return not key.startswith(VOLATILE) and not any(p in key for p in VOLATILE_PARTS)
 
 
 def cases() -> dict[str, list[str]]:
@@ -70,7 +75,13 @@ def run_case(name: str, spec: list[str], root: Path) -> tuple[str, list[dict] | 
     if proc.returncode != 0:
         return name, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return name, [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+    return name, [{k: v for k, v in r.items() if _kept(k)} for r in rows]
+
+
+def _stripped(fingerprint: dict) -> dict:
+    """A fingerprint with the volatile keys removed (one written before a key was listed)."""
+    return {n: [{k: v for k, v in r.items() if _kept(k)} for r in rows]
+            if isinstance(rows, list) else rows for n, rows in fingerprint.items()}
 
 
 def compare(before: dict, after: dict) -> int:
@@ -101,7 +112,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
     if args.compare:
-        return compare(*(json.loads(p.read_text()) for p in args.compare))
+        return compare(*(_stripped(json.loads(p.read_text())) for p in args.compare))
     if args.out is None:
         ap.error("--out or --compare")
     todo = {n: s for n, s in cases().items()

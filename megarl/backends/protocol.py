@@ -20,6 +20,7 @@ layout above is only the contract at the boundary.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -153,6 +154,18 @@ class Backend(Protocol):
         micro-batches, averaged over DP ranks, see LossFn) plus ``grad_norm``, ``lr`` and
         ``skipped`` (0/1). Every micro-batch list has the same length on every DP rank (the
         trainer pads with fully masked micro-batches), so collectives stay matched."""
+
+    def logprob_stats(self, batch: SequenceBatch, temperature: float = 1.0
+                      ) -> dict[str, torch.Tensor]:
+        """No-grad ``logprob``, ``entropy`` and ``sum_pi_squared`` [B, L] float32 of the
+        response tokens in one forward (``sum_pi_squared``: sum_v pi_v^2 at each position,
+        what ``optimal_token_baseline`` reads). Collective like ``logprobs``."""
+
+    def recording_routing(self, batch: SequenceBatch) -> AbstractContextManager:
+        """Mixture-of-experts actor (routing replay R2): a context manager recording the
+        routing of a no-grad pass over ``batch``: ``with backend.recording_routing(seq) as
+        (tagged, out): backend.logprobs(tagged)`` leaves ``out["routed_experts"]``
+        [B, P + L, n_sparse, k]."""
 
     def routing_metrics(self, batch: SequenceBatch, rollout_logprob: torch.Tensor | None = None,
                         temperature: float = 1.0) -> dict[str, float]:

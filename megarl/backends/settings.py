@@ -13,6 +13,8 @@ Sections read per role (``model`` is ``actor_rollout_ref.model``):
            block (megatron's expert layout is one per process)
     every  seed = trainer.seed; kernels = model.use_fused_kernels / fused_kernel_options (the LM
            head's)
+    lora   the actor's adapters: model.{lora_rank, lora_alpha, target_modules, ...} or the
+           folder of model.lora_adapter_path (`lora_settings`)
 
 Micro-batching of the no-grad passes (verl's rule, as ``load_config`` fills it): a dynamic flag
 None means dynamic unless the role's micro size is given; dynamic packs by ``max_tokens`` and
@@ -35,6 +37,7 @@ from typing import Any
 from megarl.backends.optim_settings import OptimSettings
 from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES
 from megarl.errors import UserInputError
+from megarl.models.lora import LORA_INITS, LoraSettings, adapter_settings
 from megarl.models.overrides import override_key
 from megarl.utils.dtypes import canonical_dtype
 
@@ -94,6 +97,7 @@ class RoleSettings:
     # `megarl.models.overrides`) and its config key
     override_config: dict[str, Any] | None = None
     override_key: str = "actor_rollout_ref.model.override_config"
+    lora: LoraSettings | None = None  # the actor's adapters (`lora_settings`)
 
     @property
     def trainable(self) -> bool:
@@ -145,6 +149,7 @@ def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSet
         megatron=cfg.critic.megatron if role == "critic" else actor.megatron,
         override_config=_plain(getattr(own_model, "override_config", None)) or None,
         override_key=override_key(role),
+        lora=lora_settings(cfg) if role == "actor" else None,
     )
 
 
@@ -243,3 +248,41 @@ def _plain(value: Any) -> Any:
 
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
+
+
+_M = "actor_rollout_ref.model"
+
+
+def _listed(value: Any) -> Any:
+    return value if value is None or isinstance(value, str) else list(value)
+
+
+def lora_settings(cfg: Any) -> LoraSettings | None:
+    """The actor's LoRA adapters from ``actor_rollout_ref.model.{lora_rank, lora_alpha,
+    target_modules, exclude_modules, lora_A_init_method, lora_B_init_method,
+    lora_adapter_path}``; None when ``lora_rank`` is 0 and no ``lora_adapter_path`` is set.
+    With ``lora_adapter_path`` the adapter folder gives rank, alpha and modules
+    (`megarl.models.lora.adapter_settings`)."""
+    m = cfg.actor_rollout_ref.model
+    rank = getattr(m, "lora_rank", 0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise UserInputError(f"{_M}.lora_rank={rank!r}: expected a whole number >= 0 (0 = no "
+                             "LoRA; e.g. 8, 16, 32, 64)")
+    path = getattr(m, "lora_adapter_path", None)
+    if rank == 0 and not path:
+        return None
+    alpha = m.lora_alpha
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise UserInputError(f"{_M}.lora_alpha={alpha!r}: expected a number > 0 (the adapters' "
+                             "update is scaled by lora_alpha / lora_rank)")
+    inits = {}
+    for key, field_name in (("lora_A_init_method", "init_a"), ("lora_B_init_method", "init_b")):
+        value = getattr(m, key, "kaiming" if field_name == "init_a" else "zero")
+        if value not in LORA_INITS:
+            raise UserInputError(f"{_M}.{key}={value!r}: expected one of "
+                                 f"{', '.join(LORA_INITS)}")
+        inits[field_name] = value
+    if path:
+        return adapter_settings(path, rank, float(alpha))
+    return LoraSettings(rank=rank, alpha=float(alpha), target_modules=_listed(m.target_modules),
+                        exclude_modules=_listed(m.exclude_modules), **inits)

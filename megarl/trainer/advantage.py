@@ -132,32 +132,6 @@ def compute_step_advantages(batch: RolloutBatch, s: AdvantageSettings,
     return metrics
 
 
-def logprob_stats(actor: Any, seq: SequenceBatch, temperature: float = 1.0
-                  ) -> dict[str, torch.Tensor]:
-    """No-grad ``logprob``, ``entropy`` and ``sum_pi_squared`` [B, L] float32 of ``seq`` under
-    the actor backend (either strategy) in one pass (`megarl.backends.torch.heads.
-    logprob_stats_of`, `megarl.backends.megatron.heads.logprob_stats_of`)."""
-    if type(actor).__module__.startswith("megarl.backends.megatron"):
-        from megarl.backends.megatron.heads import logprob_stats_of
-
-        return logprob_stats_of(actor, seq, temperature)
-    from megarl.backends.torch.heads import logprob_stats_of
-
-    return logprob_stats_of(actor, seq, temperature)
-
-
-def recording_routing(actor: Any, seq: SequenceBatch) -> Any:
-    """R2: the context manager of the actor's strategy (`megarl.backends.torch.moe.
-    recording_routing`, `megarl.backends.megatron.replay.recording_routing`) recording the
-    routing of a no-grad pass over ``seq``: ``with recording_routing(actor, seq) as (tagged,
-    out): actor.logprobs(tagged)`` leaves ``out["routed_experts"]`` [B, P + L, n_sparse, k]."""
-    if type(actor).__module__.startswith("megarl.backends.megatron"):
-        from megarl.backends.megatron.replay import recording_routing as rec
-    else:
-        from megarl.backends.torch.moe import recording_routing as rec
-    return rec(actor, seq)
-
-
 def old_logprob_pass(actor: Any, seq: SequenceBatch, temperature: float = 1.0, *,
                      sum_pi_squared: bool = False, record_routing: bool = False
                      ) -> dict[str, torch.Tensor]:
@@ -165,12 +139,12 @@ def old_logprob_pass(actor: Any, seq: SequenceBatch, temperature: float = 1.0, *
     ``sum_pi_squared`` also ``sum_pi_squared`` [B, L] (sum_v pi_v^2 at each position, what
     ``optimal_token_baseline`` reads); with ``record_routing`` (routing replay R2) also
     ``routed_experts`` [B, P + L, n_sparse, k]: the experts the routers chose in this pass, for
-    the update to replay (`recording_routing`). Collective."""
-    ctx = (recording_routing(actor, seq) if record_routing
+    the update to replay (the backend's ``recording_routing``). Collective."""
+    ctx = (actor.recording_routing(seq) if record_routing
            else contextlib.nullcontext((seq, {})))
     with ctx as (batch, recorded):
         if sum_pi_squared:
-            stats = logprob_stats(actor, batch, temperature)
+            stats = actor.logprob_stats(batch, temperature)
             out = {"old_logprob": stats["logprob"], "entropy": stats["entropy"],
                    "sum_pi_squared": stats["sum_pi_squared"]}
         else:

@@ -50,7 +50,7 @@ def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
 def lora_rank(cfg: Any) -> int:
     """The actor's LoRA rank: ``actor_rollout_ref.model.lora_rank``, or the adapter folder's
     with ``lora_adapter_path`` (0: the actor trains all its parameters)."""
-    from megarl.backends.torch.lora import lora_settings
+    from megarl.backends.settings import lora_settings
 
     settings = lora_settings(cfg)
     return settings.rank if settings is not None else 0
@@ -133,7 +133,7 @@ def with_adapter_sync(cfg: Any, spec: EngineSpec) -> EngineSpec:
     syncs adapters (`megarl.rollout.build.engine_from_spec`)."""
     if not adapter_sync(cfg):
         return spec
-    from megarl.backends.torch.lora import lora_settings
+    from megarl.backends.settings import lora_settings
     from megarl.rollout.vllm.lora import lora_engine_kwargs
 
     lora = lora_settings(cfg)

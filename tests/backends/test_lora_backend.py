@@ -32,7 +32,7 @@ def folder(tmp_path_factory):
 
 
 def actor(folder, **kw) -> TorchBackend:
-    return TorchBackend("actor", str(folder), device="cpu", lr=5e-2, weight_decay=0.0,
+    return TorchBackend("actor", str(folder), device="cpu", optim={"lr": 5e-2, "weight_decay": 0.0},
                         use_fused_kernels=False, lora=LORA, seed=3, **kw)
 
 

@@ -33,7 +33,7 @@ def _worker(model: str, out_dir: str) -> None:
     lora = LoraSettings(rank=RANK, alpha=8.0)
 
     def actor(kw):
-        return TorchBackend("actor", model, device="cpu", lr=5e-2, weight_decay=0.0,
+        return TorchBackend("actor", model, device="cpu", optim={"lr": 5e-2, "weight_decay": 0.0},
                             use_fused_kernels=False, lora=lora, seed=3, **kw)
 
     def adapter_of(b):

@@ -204,7 +204,7 @@ def test_bf16_lora_checkpoint_rebuilds_and_resumes(tmp_path):
     parallel.reset_model_parallel()
     path = lib.make_model(tmp_path / "qwen2", "qwen2", "lm")
     lora = LoraSettings(rank=RANK, alpha=ALPHA, target_modules=["q_proj", "linear_fc2"])
-    kw = {"use_fused_kernels": False, "optim_config": {"lr": 1e-2}}
+    kw = {"use_fused_kernels": False, "optim": {"lr": 1e-2}}
     a = MegatronBackend("actor", str(path), lora=lora, dtype="bf16", **kw)
     assert a.adapted_modules() == [f"model.layers.{i}.{m}" for i in range(2)
                                    for m in ("self_attn.q_proj", "mlp.down_proj")]
@@ -242,7 +242,7 @@ def test_adapters_train_under_activation_recompute(tmp_path):
     lib.ensure_dist()
     path = lib.make_model(tmp_path / "qwen2", "qwen2", "lm")
     lora = LoraSettings(rank=RANK, alpha=ALPHA, target_modules="all-linear", init_b="normal")
-    kw = {"use_fused_kernels": False, "optim_config": {"lr": 1e-2}, "dtype": "fp32"}
+    kw = {"use_fused_kernels": False, "optim": {"lr": 1e-2}, "dtype": "fp32"}
     updates = {}
     for recompute in (None, "full"):
         parallel.reset_model_parallel()

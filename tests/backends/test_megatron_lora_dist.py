@@ -50,7 +50,7 @@ def run_layout(model: str, kw: dict, ck: str | None) -> dict:
 
     def actor():
         return MegatronBackend("actor", model, lora=LoraSettings(rank=RANK, alpha=ALPHA),
-                               optim_config=OPTIM, use_fused_kernels=False, seed=3, **kw)
+                               optim=OPTIM, use_fused_kernels=False, seed=3, **kw)
 
     a = actor()
     fresh = {n: t.clone() for n, t in a.export_adapter()}

@@ -32,7 +32,7 @@ def test_verl_line_reaches_the_megatron_kwargs():
     assert actor["hf_overrides"] == {"model_config": {"max_position_embeddings": 10240}}
     assert actor["transformer_overrides"] == {"apply_rope_fusion": True,
                                               "attention_dropout": 0.1}
-    optim = actor["optim_config"]
+    optim = actor["optim"]
     assert optim.override_optimizer_config == {"optimizer_offload_fraction": 1.0,
                                                "optimizer_cpu_offload": True}
     assert optim.override_key == f"{A}.optim.override_optimizer_config"
@@ -41,7 +41,7 @@ def test_verl_line_reaches_the_megatron_kwargs():
     assert ref["transformer_overrides"] == actor["transformer_overrides"]
     _, plain = megatron_config.backend_kwargs("actor", load_config("grpo", LINE[:4]))
     assert "hf_overrides" not in plain and "transformer_overrides" not in plain
-    assert plain["optim_config"].override_optimizer_config is None
+    assert plain["optim"].override_optimizer_config is None
 
 
 def test_critic_keys_are_its_own():
@@ -50,7 +50,7 @@ def test_critic_keys_are_its_own():
                               "critic.optim.override_optimizer_config.optimizer_cpu_offload=true"])
     _, critic = megatron_config.backend_kwargs("critic", cfg)
     assert critic["transformer_overrides"] == {"attention_dropout": 0.2}
-    assert critic["optim_config"].override_key == "critic.optim.override_optimizer_config"
+    assert critic["optim"].override_key == "critic.optim.override_optimizer_config"
     assert "hf_overrides" not in critic  # critic.model.override_config is the critic's own
     assert role_settings("critic", cfg).override_key == "critic.model.override_config"
 

@@ -49,8 +49,9 @@ def folder(tmp_path_factory):
 
 def actor(folder, lr: float = 1e-3, param_dtype: str | None = "bf16") -> TorchBackend:
     return TorchBackend("actor", str(folder), device="cpu", dtype="bf16", param_dtype=param_dtype,
-                        lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, grad_clip=None,
-                        use_fused_kernels=False)
+                        use_fused_kernels=False,
+                        optim={"lr": lr, "betas": BETAS, "eps": EPS, "weight_decay": WD,
+                               "grad_clip": None})
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

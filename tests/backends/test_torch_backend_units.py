@@ -266,12 +266,13 @@ def test_config_mapping_per_role():
     cfg.critic.optim.lr = 5e-6
     cfg.critic.parallel.pipeline_model_parallel_size = 2
     path, kw = backend_kwargs("actor", cfg, "/m")
-    assert path == "/m" and kw["tp"] == 2 and kw["sp"] and kw["lr"] == 2e-6
-    assert kw["grad_clip"] is None and kw["dtype"] == "bf16" and kw["activation_checkpointing"]
+    assert path == "/m" and kw["tp"] == 2 and kw["sp"] and kw["optim"].lr == 2e-6
+    assert kw["optim"].grad_clip is None and kw["dtype"] == "bf16"
+    assert kw["activation_checkpointing"]
     _, ref = backend_kwargs("ref", cfg, "/m")
-    assert ref["tp"] == 2 and "lr" not in ref
+    assert ref["tp"] == 2 and "optim" not in ref
     _, critic = backend_kwargs("critic", cfg, "/m")
-    assert critic["pp"] == 2 and critic["tp"] == 1 and critic["lr"] == 5e-6
+    assert critic["pp"] == 2 and critic["tp"] == 1 and critic["optim"].lr == 5e-6
     assert critic["dtype"] == "bf16"  # critic.model.dtype None = the actor's
     cfg.reward_model.model.path = "/prm"
     path, prm = backend_kwargs("prm", cfg, None)

@@ -122,7 +122,7 @@ def test_adapter_path_is_read(model):
 def test_backends_read_the_block_settings(model):
     """What both backends build from the resolved config (`lora_settings`): the block's
     rank, alpha, HF targets and draws. Planted: the init methods not passed on fails."""
-    from megarl.backends.torch.lora import lora_settings
+    from megarl.backends.settings import lora_settings
 
     cfg = resolve_config(str(model.path), [f"{M}.lora.rank=8",
                                            f"{M}.lora.lora_B_init_method=normal"]).config

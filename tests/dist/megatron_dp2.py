@@ -25,7 +25,7 @@ def main():
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     path = lib.zoo_model(root, "qwen3_qknorm")
     be = MegatronBackend(
-        "actor", str(path), optim_config=lib.DP_OPTIM, use_distributed_optimizer=True
+        "actor", str(path), optim=lib.DP_OPTIM, use_distributed_optimizer=True
     )
     res = {"dp_size": be.dp_size, "dp_rank": be.dp_rank}
     batch = lib.make_batch(B=5, seed=4)

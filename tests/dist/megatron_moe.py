@@ -80,7 +80,7 @@ def main():
         return
     # EP=2 checkpoint with the distributed optimizer (one step in), then the next step
     path = ml.moe_model(root, "qwen3_moe")
-    be = MegatronBackend("actor", str(path), ep=2, optim_config=lib.RESHARD_OPTIM)
+    be = MegatronBackend("actor", str(path), ep=2, optim=lib.RESHARD_OPTIM)
     res["ckpt.dp_size"] = be.dp_size
     batch = lib.make_batch(B=4, seed=1)
     mbs, n = ml.dp_share(batch, be)

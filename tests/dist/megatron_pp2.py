@@ -23,7 +23,7 @@ def pipeline_checks(res, root, key, **layout):
     from megarl.models.hf_io import load_hf_state_dict
 
     path = lib.zoo_model(root, "llama4_tied")
-    be = MegatronBackend("actor", str(path), **layout, optim_config={"grad_clip": 0.0})
+    be = MegatronBackend("actor", str(path), **layout, optim={"grad_clip": 0.0})
     hf = lib.hf_model(path)
     batch = lib.make_batch(B=5, seed=2)
     ref_lp, ref_ent, ref_logits = lib.hf_logprobs(hf, batch, temperature=1.3)
@@ -73,7 +73,7 @@ def main():
 
     # the TP=2 checkpoint (after one Adam step) loaded at PP=2
     actor = MegatronBackend("actor", str(lib.zoo_model(root, "qwen2_bias")), pp=2,
-                            optim_config=lib.RESHARD_OPTIM)
+                            optim=lib.RESHARD_OPTIM)
     actor.load(str(ckpt))
     res["ckpt.step"] = actor.step
     res["ckpt.logprob"] = actor.logprobs(batch)[0].tolist()

@@ -24,7 +24,7 @@ def lm_checks(res, root, name, **layout):
 
     path = lib.zoo_model(root, name)
     be = MegatronBackend(
-        "actor", str(path), **layout, optim_config=lib.RESHARD_OPTIM
+        "actor", str(path), **layout, optim=lib.RESHARD_OPTIM
     )
     hf = lib.hf_model(path)
     batch = lib.make_batch(seed=1)

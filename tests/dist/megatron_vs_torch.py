@@ -60,8 +60,8 @@ def compare(res: dict, key: str, name: str, layout: dict) -> None:
     from megarl.backends.torch import TorchBackend
 
     path = lib.zoo_model(Path(sys.argv[1]), name)
-    mega = MegatronBackend("actor", str(path), **layout, optim_config=lib.VS_OPTIM)
-    tor = TorchBackend("actor", str(path), **layout, **lib.VS_OPTIM)
+    mega = MegatronBackend("actor", str(path), **layout, optim=lib.VS_OPTIM)
+    tor = TorchBackend("actor", str(path), **layout, optim=lib.VS_OPTIM)
     hf = lib.hf_model(path)
 
     batch = lib.vs_batch(0)

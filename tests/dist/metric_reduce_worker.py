@@ -92,14 +92,14 @@ def main() -> None:
 
     from megarl.backends.torch import TorchBackend
 
-    backend = TorchBackend("actor", str(models / "llama"), lr=1e-3, device="cpu")
+    backend = TorchBackend("actor", str(models / "llama"), optim={"lr": 1e-3}, device="cpu")
     assert backend.dp_size == 2
     record("torch", *train_case(backend, rank))
 
     from megarl.backends.megatron import MegatronBackend
 
     backend = MegatronBackend("actor", str(models / "llama"), dtype="fp32", spec="local",
-                              optim_config={"lr": 1e-3})
+                              optim={"lr": 1e-3})
     assert backend.dp_size == 2
     record("megatron", *train_case(backend, rank))
     dist.barrier()

@@ -46,8 +46,9 @@ def main() -> None:
 
     def actor() -> TorchBackend:
         return TorchBackend("actor", model, device="cpu", dtype="bf16", param_dtype="bf16",
-                            dp_shard=2, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                            grad_clip=None, use_fused_kernels=False)
+                            dp_shard=2, use_fused_kernels=False,
+                            optim={"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8,
+                                   "weight_decay": 0.01, "grad_clip": None})
 
     batch = [make_batch(dist.get_rank())]
     twin = actor()

@@ -70,11 +70,12 @@ def build(backend: str, layout: str, path: str):
     if backend == "torch":
         from megarl.backends.torch import TorchBackend
 
-        return TorchBackend("actor", path, lr=5e-2, grad_clip=None, weight_decay=0.0,
+        return TorchBackend("actor", path, optim={"lr": 5e-2, "grad_clip": None,
+                                                   "weight_decay": 0.0},
                             device="cpu", **kw)
     from megarl.backends.megatron import MegatronBackend
 
-    return MegatronBackend("actor", path, optim_config={"lr": 5e-2, "grad_clip": 0.0,
+    return MegatronBackend("actor", path, optim={"lr": 5e-2, "grad_clip": 0.0,
                                                         "weight_decay": 0.0}, **kw)
 
 

@@ -88,7 +88,7 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 
 def check(path: str, layout: dict) -> dict:
     T = R.TEMPERATURE
-    be = TorchBackend("actor", path, dtype="bf16", lr=1e-3, **layout)
+    be = TorchBackend("actor", path, dtype="bf16", optim={"lr": 1e-3}, **layout)
     lp, _ = be.logprobs(BATCH, T)
     hf = hf_bf16(path)
     with torch.no_grad():

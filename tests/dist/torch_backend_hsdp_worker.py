@@ -64,7 +64,7 @@ def local_bytes(be: TorchBackend) -> tuple[int, int]:
 def grads_and_bytes(path: str, layout: dict, steps: int = 1):
     """Full gradients of one forward/backward of the whole batch split over DP (one micro-batch
     per rank), then ``steps`` AdamW steps: (grads, weights, (param bytes, state bytes))."""
-    be = TorchBackend("actor", path, **layout, **W.OPT)
+    be = TorchBackend("actor", path, **layout, optim=W.OPT)
     dp = be.dp_size
     rows = [list(range(i, R.make_batch().input_ids.shape[0], dp)) for i in range(dp)]
     mb = [W.BATCH.select(rows[be.dp_rank])]

@@ -35,7 +35,7 @@ from megarl.utils.dist import init_distributed  # noqa: E402
 
 
 def check_metrics(name: str, path: str, res: W.Results) -> None:
-    be = TorchBackend("actor", path, dp_shard=2, **W.OPT)
+    be = TorchBackend("actor", path, dp_shard=2, optim=W.OPT)
     got = routing_metrics(be, W.BATCH)
     ref = R.reference_model(path)
     with torch.no_grad(), capture_router_logits(ref) as router:
@@ -52,7 +52,7 @@ def check_metrics(name: str, path: str, res: W.Results) -> None:
 
 def check_tp_refused(name: str, path: str, res: W.Results) -> None:
     try:
-        TorchBackend("actor", path, tp=2, **W.OPT)
+        TorchBackend("actor", path, tp=2, optim=W.OPT)
         res[f"{name}/tp_error"] = "no error"
     except UserInputError as e:
         res[f"{name}/tp_error"] = str(e)

@@ -59,7 +59,7 @@ def run_single(models: dict, work: Path, res) -> None:
     resp = batch.attention_mask[:, P:].double()
 
     # --- logprobs / entropy vs transformers float64 --------------------------------------
-    actor = TorchBackend("actor", main, **W.OPT)
+    actor = TorchBackend("actor", main, optim=W.OPT)
     res["plain_unwrapped"] = type(actor.model).__name__ == "Transformer" and not any(
         "DTensor" in type(p).__name__ for p in actor.model.parameters()
     )
@@ -102,20 +102,20 @@ def run_single(models: dict, work: Path, res) -> None:
     actor.optimizer.zero_grad(set_to_none=True)
 
     # --- naive log_softmax path == fused kernel path -------------------------------------
-    naive = TorchBackend("actor", main, use_fused_kernels=False, **W.OPT)
+    naive = TorchBackend("actor", main, use_fused_kernels=False, optim=W.OPT)
     res["naive/logprob_err"] = float((naive.logprobs(batch, R.TEMPERATURE)[0] - lp).abs().max())
     naive.forward_backward(mbs, W.policy(1), R.TEMPERATURE)
     res["naive/grad_err"] = R.max_err(dict(naive.full_grads()), R.ref_grads(ref, batch))
 
     # --- activation checkpointing changes nothing ----------------------------------------
-    ac = TorchBackend("actor", main, activation_checkpointing=True, **W.OPT)
+    ac = TorchBackend("actor", main, activation_checkpointing=True, optim=W.OPT)
     ac.forward_backward(mbs, W.policy(1), R.TEMPERATURE)
     res["ac/grad_err"] = R.max_err(dict(ac.full_grads()), R.ref_grads(ref, batch))
 
     # --- LR schedule inside train_step, with a skipped (non-finite) step -----------------
     sched = {"lr_scheduler_type": "cosine", "lr_warmup_steps": 2, "total_training_steps": 6,
              "min_lr_ratio": 0.1}
-    be = TorchBackend("actor", main, **{**W.OPT, **sched})
+    be = TorchBackend("actor", main, optim={**W.OPT, **sched})
 
     def nan_loss(out, mb):
         loss, m = W.policy(1)(out, mb)
@@ -146,7 +146,7 @@ def run_single(models: dict, work: Path, res) -> None:
     W.check_dcp_load("tp2_to_tp1", main, {}, res, work)
 
     # --- bf16 --------------------------------------------------------------------------
-    b16 = TorchBackend("actor", main, dtype="bf16", **W.OPT)
+    b16 = TorchBackend("actor", main, dtype="bf16", optim=W.OPT)
     lp16, _ = b16.logprobs(batch, R.TEMPERATURE)
     res["bf16/logprob_close"] = float((lp16 - lp).abs().max())
     m = b16.train_step(mbs, W.policy(1), R.TEMPERATURE)
@@ -158,7 +158,7 @@ def run_single(models: dict, work: Path, res) -> None:
     res["bf16/ref_logprob_close"] = float((ref16.logprobs(batch, R.TEMPERATURE)[0] - lp).abs().max())
 
     # --- critic and PRM heads vs transformers float64 ------------------------------------
-    critic = TorchBackend("critic", models["critic"], **W.OPT)
+    critic = TorchBackend("critic", models["critic"], optim=W.OPT)
     hv = hf_logits(hf_reference(models["critic"], "token_cls"), batch)[:, P - 1 : -1, 0] * resp
     res["critic/values_err"] = float((critic.values(batch).double() - hv).abs().max())
     prm = TorchBackend("prm", models["prm"])

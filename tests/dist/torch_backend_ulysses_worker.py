@@ -51,7 +51,7 @@ SP2 = {"ulysses": 2}
 
 def check_hf64(name: str, path: str, res: W.Results) -> None:
     """SP=2 logprobs / entropy against transformers' own model in float64."""
-    be = TorchBackend("actor", path, **SP2, **W.OPT)
+    be = TorchBackend("actor", path, **SP2, optim=W.OPT)
     lp, ent = be.logprobs(W.BATCH, R.TEMPERATURE, with_entropy=True)
     L = W.BATCH.response_length
     P = W.BATCH.input_ids.shape[1] - L
@@ -68,7 +68,7 @@ def check_refusals(models: dict, res: W.Results) -> None:
     for key, path, kw in (("heads3", models["heads3"], SP2),
                           ("tp2", models["qwen2"], {"ulysses": 2, "tp": 2})):
         try:
-            TorchBackend("actor", path, **kw, **W.OPT)
+            TorchBackend("actor", path, **kw, optim=W.OPT)
             res[f"refuse/{key}"] = "no error"
         except UserInputError as e:
             res[f"refuse/{key}"] = str(e)

@@ -104,7 +104,7 @@ def policy(dp: int, captured: list | None = None):
 
 def check_actor(name: str, path: str, layout: dict, res: Results, work: Path,
                 dcp: bool = False) -> None:
-    be = TorchBackend("actor", path, **layout, **OPT)
+    be = TorchBackend("actor", path, **layout, optim=OPT)
     hf = hf_tensors(path)
     exported = dict(be.export_weights())
     res[f"{name}/export_exact"] = exact(exported, hf)
@@ -160,7 +160,7 @@ def check_dcp_save(be: TorchBackend, mbs, work: Path) -> None:
 
 def check_dcp_load(name: str, path: str, layout: dict, res: Results, work: Path) -> None:
     saved = torch.load(work / "uninterrupted.pt", weights_only=True)
-    be = TorchBackend("actor", path, **layout, **OPT)
+    be = TorchBackend("actor", path, **layout, optim=OPT)
     be.load(str(work / "ckpt"))
     lp, _ = be.logprobs(BATCH, R.TEMPERATURE)
     res[f"{name}/dcp_logprob_err"] = float((lp - saved["lp"]).abs().max())
@@ -171,7 +171,7 @@ def check_dcp_load(name: str, path: str, layout: dict, res: Results, work: Path)
 
 
 def check_critic(name: str, path: str, layout: dict, res: Results) -> None:
-    be = TorchBackend("critic", path, **layout, **OPT)
+    be = TorchBackend("critic", path, **layout, optim=OPT)
     ref = R.reference_model(path, head="token_cls", num_labels=1)
     res[f"{name}/values_err"] = float((be.values(BATCH) - R.ref_values(ref, BATCH)).abs().max())
     _, mbs = micro(be)
@@ -200,7 +200,7 @@ def check_ref(name: str, path: str, layout: dict, res: Results) -> None:
 
 def check_bf16(name: str, path: str, layout: dict, res: Results) -> None:
     """bf16 mixed precision (bf16 compute, fp32 masters): close to the fp32 reference."""
-    be = TorchBackend("actor", path, dtype="bf16", **layout, **OPT)
+    be = TorchBackend("actor", path, dtype="bf16", **layout, optim=OPT)
     ref = R.reference_model(path)
     lp, _ = be.logprobs(BATCH, R.TEMPERATURE)
     rlp, _ = R.ref_logprob_entropy(ref, BATCH)
@@ -221,7 +221,7 @@ def check_bf16(name: str, path: str, layout: dict, res: Results) -> None:
 
 
 def check_skip(name: str, path: str, layout: dict, res: Results) -> None:
-    be = TorchBackend("actor", path, **layout, **OPT)
+    be = TorchBackend("actor", path, **layout, optim=OPT)
     before = dict(be.export_weights())
     _, mbs = micro(be)
 

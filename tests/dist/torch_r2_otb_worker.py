@@ -24,7 +24,7 @@ def main() -> None:
     seq, temperature = given["seq"], given["temperature"]
     out = {}
     moe = TorchBackend("actor", given["moe"], device="cpu", dtype="fp32", router_replay=True,
-                       dp_shard=2, forward_micro_batch_size=2, lr=1e-3)
+                       dp_shard=2, forward_micro_batch_size=2, optim={"lr": 1e-3})
     out["fsdp2"] = old_logprob_pass(moe, seq, temperature, sum_pi_squared=True,
                                     record_routing=True)
     dense = TorchBackend("actor", given["dense"], device="cpu", dtype="fp32", ulysses=2)

@@ -381,7 +381,7 @@ def zero_adam_moments(be) -> int:
 # ----------------------------------------- megatron vs torch backend at the same layout
 
 # The AdamW run both backends take in tests/dist/megatron_vs_torch.py: keys both constructors
-# accept (MegatronBackend(optim_config=...), TorchBackend(**...)). eps 1e-4: each Adam entry's
+# accept (MegatronBackend(optim=...), TorchBackend(**...)). eps 1e-4: each Adam entry's
 # update is lr * g / (|g| + eps), whose sensitivity to gradient noise is lr / eps at most, so
 # eps bounds how far fp32 reduction-order noise travels into the weights, and against the
 # clipped gradients (entries ~1e-4) both eps and the clipping change the update. grad_clip 0.5
@@ -453,7 +453,7 @@ def critic_checks(res: dict, root: Path, batch, **layout) -> None:
     from megarl.backends.megatron import MegatronBackend
 
     path = zoo_model(root, "qwen2_critic")
-    critic = MegatronBackend("critic", str(path), **layout, optim_config={"grad_clip": 0})
+    critic = MegatronBackend("critic", str(path), **layout, optim={"grad_clip": 0})
     hf = hf_model(path, head="token_cls")
     ref_v = hf_values(hf, batch)
     res["critic.values"] = max_diff(critic.values(batch), ref_v)

@@ -67,7 +67,7 @@ def moe_checks(res: dict, path: Path, key: str, **layout) -> None:
     from megarl.backends.megatron import MegatronBackend
     from megarl.models.hf_io import load_hf_state_dict
 
-    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+    be = MegatronBackend("actor", str(path), optim=lib.RESHARD_OPTIM,
                          use_distributed_optimizer=False, **layout)
     hf = hf_moe_model(path)
     batch = lib.make_batch(B=4, seed=1)
@@ -159,7 +159,7 @@ def aux_checks(res: dict, path: Path, key: str, **layout) -> None:
 
     from megarl.backends.megatron import MegatronBackend
 
-    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+    be = MegatronBackend("actor", str(path), optim=lib.RESHARD_OPTIM,
                          use_distributed_optimizer=False, moe_aux_loss_coeff=AUX_COEFF, **layout)
     hf = hf_moe_model(path)
     batch = lib.make_batch(B=4, seed=1)
@@ -235,7 +235,7 @@ def replay_checks(res: dict, path: Path, key: str, recompute=None, **layout) -> 
     from megarl.backends.megatron import MegatronBackend
     from megarl.backends.protocol import SequenceBatch
 
-    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+    be = MegatronBackend("actor", str(path), optim=lib.RESHARD_OPTIM,
                          use_distributed_optimizer=False, router_replay=True,
                          recompute=recompute, **layout)
     batch = lib.make_batch(B=4, seed=1)

@@ -60,7 +60,7 @@ def r2_checks(path: Path, **layout) -> dict:
     from megarl.models import load_model
     from megarl.trainer.advantage import old_logprob_pass
 
-    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+    be = MegatronBackend("actor", str(path), optim=lib.RESHARD_OPTIM,
                          use_distributed_optimizer=False, router_replay=True, **layout)
     batch = lib.make_batch(B=4, P=8, L=7, seed=1)
     batch.tensors["routed_experts"] = ml.random_routing(batch, path)  # stale: must not replay

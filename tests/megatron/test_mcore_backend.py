@@ -123,7 +123,7 @@ def test_agrees_with_megarl_models(zoo, backend_cls):
 
 def test_train_step_gradients_metrics_and_frozen_roles(zoo, backend_cls):
     path = lib.zoo_model(zoo, "qwen2_bias")
-    be = backend_cls("actor", str(path), optim_config={"grad_clip": 0.0, "lr": 1e-3})
+    be = backend_cls("actor", str(path), optim={"grad_clip": 0.0, "lr": 1e-3})
     hf = lib.hf_model(path)
     batch = lib.make_batch(seed=9)
     n = float(batch.response_mask.sum())
@@ -148,7 +148,7 @@ def test_train_step_gradients_metrics_and_frozen_roles(zoo, backend_cls):
 
 def test_non_finite_grad_norm_skips_the_step(zoo, backend_cls):
     path = lib.zoo_model(zoo, "llama_tied_gqa")
-    be = backend_cls("actor", str(path), optim_config={"lr": 1e-2})
+    be = backend_cls("actor", str(path), optim={"lr": 1e-2})
     batch = lib.make_batch(seed=10)
     before = dict(be.export_weights())
 
@@ -170,7 +170,7 @@ def test_activation_recompute_keeps_gradients(zoo, backend_cls, recompute):
     batch = lib.make_batch(seed=11)
     grads = []
     for rc in (None, recompute):
-        be = backend_cls("actor", str(path), recompute=rc, optim_config={"grad_clip": 0})
+        be = backend_cls("actor", str(path), recompute=rc, optim={"grad_clip": 0})
         be.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, 10.0))
         grads.append(dict(be.export_grads()))
     for k in grads[0]:
@@ -201,7 +201,7 @@ def test_bf16_params_and_logprobs(zoo, backend_cls, tmp_path):
     at max 0.65, mean 0.28. Before, a bound of 0.15 against fp32 on the unscaled model let it
     pass."""
     path = spread_copy(lib.zoo_model(zoo, "qwen2_bias"), tmp_path / "spread")
-    be = backend_cls("actor", str(path), dtype="bf16", optim_config={"lr": 1e-3})
+    be = backend_cls("actor", str(path), dtype="bf16", optim={"lr": 1e-3})
     batch = lib.make_batch(seed=12)
     hf16 = lib.hf_model(path, dtype=torch.bfloat16)
     resp = batch.response_mask.bool()
@@ -226,11 +226,11 @@ def test_checkpoint_roundtrip_restores_weights_optimizer_and_step(zoo, backend_c
         return be.train_step([batch], lambda o, mb: lib.pg_loss(o, mb, 10.0))
 
     optim = {"lr": 1e-2, "lr_warmup_steps": 2}
-    a = backend_cls("actor", str(path), optim_config=optim)
+    a = backend_cls("actor", str(path), optim=optim)
     step(a)
     a.save(str(tmp_path / "ckpt"))
     m_a = step(a)
-    b = backend_cls("actor", str(path), optim_config=optim)
+    b = backend_cls("actor", str(path), optim=optim)
     b.load(str(tmp_path / "ckpt"))
     assert b.step == 1
     m_b = step(b)  # same Adam moments, same LR position
@@ -240,9 +240,9 @@ def test_checkpoint_roundtrip_restores_weights_optimizer_and_step(zoo, backend_c
     with pytest.raises(FileExistsError):
         a.save(str(tmp_path / "ckpt"))
     # saved before any update: resuming gives the same first update (Adam step count 0)
-    c = backend_cls("actor", str(path), optim_config={"lr": 1e-2})
+    c = backend_cls("actor", str(path), optim={"lr": 1e-2})
     c.save(str(tmp_path / "ckpt0"))
-    d = backend_cls("actor", str(path), optim_config={"lr": 1e-2})
+    d = backend_cls("actor", str(path), optim={"lr": 1e-2})
     d.load(str(tmp_path / "ckpt0"))
     step(c), step(d)
     wc, wd = dict(c.export_weights()), dict(d.export_weights())

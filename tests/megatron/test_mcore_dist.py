@@ -115,7 +115,7 @@ def _load_tp1(zoo, ckpt):
     from megarl.backends.megatron import MegatronBackend
 
     actor = MegatronBackend("actor", str(lib.zoo_model(zoo, "qwen2_bias")),
-                            optim_config=lib.RESHARD_OPTIM)
+                            optim=lib.RESHARD_OPTIM)
     actor.load(str(ckpt))
     return actor
 
@@ -160,7 +160,7 @@ def test_dp2_distributed_optimizer_matches_dp1_and_torch_adamw(zoo, tmp_path, mc
     from megarl.backends.megatron import MegatronBackend
 
     path = lib.zoo_model(zoo, "qwen3_qknorm")
-    be = MegatronBackend("actor", str(path), optim_config=lib.DP_OPTIM)
+    be = MegatronBackend("actor", str(path), optim=lib.DP_OPTIM)
     metrics, dp1_steps = [], []
     for step in range(lib.DP_STEPS):
         mbs, n = lib.dp_micro_batches(step, 0, 1)
@@ -221,7 +221,7 @@ def test_context_parallel_against_transformers(zoo, tmp_path, layout, nproc, mco
         from megarl.backends.megatron import MegatronBackend
 
         actor = MegatronBackend("actor", str(lib.zoo_model(zoo, "qwen2_bias")),
-                                optim_config=lib.RESHARD_OPTIM, use_distributed_optimizer=False)
+                                optim=lib.RESHARD_OPTIM, use_distributed_optimizer=False)
         actor.load(str(ckpt))
         trained = torch.tensor(res["qwen2_bias.trained_logprob"])
         from fp32_bounds import fp32_ref_gap_bound

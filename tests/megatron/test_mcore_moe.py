@@ -169,7 +169,7 @@ def test_ep2_tp2_layouts_and_checkpoint_resharding(moe_zoo, tmp_path, mcore_dist
 
     def load():
         be = MegatronBackend("actor", str(ml.moe_model(moe_zoo, "qwen3_moe")),
-                             optim_config=lib.RESHARD_OPTIM)
+                             optim=lib.RESHARD_OPTIM)
         be.load(str(ckpt))
         return be
 
@@ -259,7 +259,7 @@ def test_cp2_ep2_on_two_ranks(moe_zoo, tmp_path, mcore_dist):
 def _grads_after_step(path, **kw):
     from megarl.backends.megatron import MegatronBackend
 
-    be = MegatronBackend("actor", str(path), optim_config=lib.RESHARD_OPTIM,
+    be = MegatronBackend("actor", str(path), optim=lib.RESHARD_OPTIM,
                          use_distributed_optimizer=False, moe_aux_loss_coeff=ml.AUX_COEFF, **kw)
     batch = lib.make_batch(B=4, seed=1)
     n = float(batch.response_mask.sum())

@@ -217,6 +217,6 @@ def test_cpu_offload_optimizer_does_not_build_without_cuda(zoo, mcore_dist):
     with pytest.raises(UserInputError, match=(
             rf"^{OPT_KEY}: megatron-core could not build its optimizer with .*without CUDA, "
             r"megatron-core's optimizer_cpu_offload \(HybridDeviceOptimizer\) does not build")):
-        MegatronBackend("actor", str(path), optim_config={
+        MegatronBackend("actor", str(path), optim={
             "override_optimizer_config": {"optimizer_cpu_offload": True,
                                           "optimizer_offload_fraction": 1.0}})

@@ -23,7 +23,7 @@ def test_sum_pi_squared_matches_float64(tmp_path, fused):
 
     path = lib.make_model(tmp_path / "dense", "qwen2", "lm")
     be = MegatronBackend("actor", str(path), use_fused_kernels=fused,
-                         optim_config=lib.RESHARD_OPTIM, use_distributed_optimizer=False)
+                         optim=lib.RESHARD_OPTIM, use_distributed_optimizer=False)
     batch = lib.make_batch(B=4, seed=3)
     res = old_logprob_pass(be, batch, T, sum_pi_squared=True)
     _, _, logits = lib.hf_logprobs(lib.hf_model(path), batch, temperature=T)
@@ -43,7 +43,7 @@ def test_r2_and_sum_pi_squared_in_one_pass(tmp_path):
 
     path = ml.moe_model(tmp_path, "qwen3_moe")
     be = MegatronBackend("actor", str(path), router_replay=True,
-                         optim_config=lib.RESHARD_OPTIM, use_distributed_optimizer=False)
+                         optim=lib.RESHARD_OPTIM, use_distributed_optimizer=False)
     batch = lib.make_batch(B=4, seed=3)
     res = old_logprob_pass(be, batch, T, sum_pi_squared=True, record_routing=True)
     lp, _, routed = replay.record_logprobs(be, batch, T)

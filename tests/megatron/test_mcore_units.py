@@ -132,7 +132,7 @@ def test_all_roles_coexist_in_one_process(zoo, mcore_dist):
 
     batch = lib.make_batch(seed=20)
     actor = MegatronBackend("actor", str(lib.zoo_model(zoo, "qwen2_bias")),
-                            optim_config={"grad_clip": 0})
+                            optim={"grad_clip": 0})
     ref = MegatronBackend("ref", str(lib.zoo_model(zoo, "qwen2_bias")))
     critic = MegatronBackend("critic", str(lib.zoo_model(zoo, "qwen2_critic")))
     prm = MegatronBackend("prm", str(lib.zoo_model(zoo, "qwen3_prm")))

@@ -16,8 +16,9 @@ import torch
 import transformers
 from torch import nn
 
+from megarl.backends.settings import lora_settings
 from megarl.backends.torch.layout import Layout
-from megarl.backends.torch.lora import apply_actor_lora, lora_settings
+from megarl.backends.torch.lora import apply_actor_lora
 from megarl.config.loader import resolve_config
 from megarl.errors import UserInputError
 from megarl.models import load_model

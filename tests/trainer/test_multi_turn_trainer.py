@@ -251,7 +251,7 @@ def test_batch_mask_logprobs_and_loss_on_model_tokens(trajectories):
     from megarl.utils import dist as mdist
 
     mdist.init_distributed(torch.device("cpu"))  # a world of one
-    be = TorchBackend("actor", path, lr=0.0, grad_clip=None)
+    be = TorchBackend("actor", path, optim={"lr": 0.0, "grad_clip": None})
     lp, _ = be.logprobs(seq, temperature=1.0, with_entropy=True)
     torch.testing.assert_close(lp.double()[mask], ref[mask], atol=1e-5, rtol=0)  # the trainer's
     torch.testing.assert_close(lp.double()[mask], engine_lp[mask], atol=1e-5, rtol=0)

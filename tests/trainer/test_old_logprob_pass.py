@@ -77,7 +77,7 @@ def _impls():
 def test_sum_pi_squared_matches_float64(paths, fused, impl):
     seq = batch()
     be = TorchBackend("actor", str(paths["dense"]), device="cpu", dtype="fp32",
-                      use_fused_kernels=fused, kernel_impl=impl, lr=1e-3)
+                      use_fused_kernels=fused, kernel_impl=impl, optim={"lr": 1e-3})
     res = old_logprob_pass(be, seq, T, sum_pi_squared=True)
     want = hf_sum_pi_squared(paths["dense"], seq)
     torch.testing.assert_close(res["sum_pi_squared"].double(), want, rtol=2e-5, atol=1e-6)
@@ -96,7 +96,7 @@ def test_r2_and_sum_pi_squared_in_one_pass(paths):
 
     seq = batch()
     be = TorchBackend("actor", str(paths["moe"]), device="cpu", dtype="fp32",
-                      router_replay=True, lr=1e-3)
+                      router_replay=True, optim={"lr": 1e-3})
     res = old_logprob_pass(be, seq, T, sum_pi_squared=True, record_routing=True)
     lp, _, routed = record_logprobs(be, seq, T)
     assert torch.equal(res["routed_experts"], routed)
@@ -123,7 +123,7 @@ def test_fsdp2_and_ulysses_on_two_ranks(paths, tmp_path):
                  env={"TRITON_INTERPRET": None})
     got = torch.load(tmp_path / "out.pt")
     one = TorchBackend("actor", str(paths["moe"]), device="cpu", dtype="fp32",
-                       router_replay=True, lr=1e-3)
+                       router_replay=True, optim={"lr": 1e-3})
     want = old_logprob_pass(one, seq, T, sum_pi_squared=True, record_routing=True)
     assert torch.equal(got["fsdp2"]["routed_experts"], want["routed_experts"])
     assert torch.equal(want["routed_experts"].long(), row_by_row(one, seq))

@@ -109,7 +109,7 @@ def runs(tmp_path_factory):
 
 def actor(path, replay: bool) -> TorchBackend:
     return TorchBackend("actor", str(path), device="cpu", dtype="fp32", router_replay=replay,
-                        lr=1e-3, grad_clip=None)
+                        optim={"lr": 1e-3, "grad_clip": None})
 
 
 def mismatch(backend: TorchBackend, batch: RolloutBatch) -> dict[str, float]:

@@ -79,7 +79,7 @@ def move_routers(backend: TorchBackend, std: float = 0.3) -> None:
 
 def test_r2_records_the_old_logprob_pass_and_the_update_replays_it(model_path):
     be = TorchBackend("actor", str(model_path), device="cpu", dtype="fp32", router_replay=True,
-                      lr=1e-2, grad_clip=None, forward_micro_batch_size=2)
+                      optim={"lr": 1e-2, "grad_clip": None}, forward_micro_batch_size=2)
     be.router_replay_mode = "R2"
     seq = batch()
     # stale targets in the batch must not be replayed by the recording pass

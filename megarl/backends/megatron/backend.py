@@ -90,9 +90,10 @@ class MegatronBackend:
                  split each micro-batch's sequence; data parallel = world / (tp x pp x cp).
                  Shared by all roles of one process like tp and pp.
     dtype:       "fp32" or "bf16" (bf16 params via Float16Module, fp32 main params and grads).
-    optim_config: `OptimSettings`, a mapping or a config object with its fields (lr, betas, eps,
-                 weight_decay, grad_clip, lr_warmup_steps, lr_warmup_steps_ratio,
-                 lr_scheduler_type, min_lr_ratio, total_training_steps).
+    optim: `OptimSettings` (the shape both backends take), a mapping or a config object with
+                 its fields (lr, betas, eps, weight_decay, grad_clip, lr_warmup_steps,
+                 lr_warmup_steps_ratio, lr_scheduler_type, min_lr_ratio,
+                 total_training_steps).
     recompute:   None | "full" | "selective" | {granularity, method, num_layers, modules}.
     use_fused_kernels: logprob/entropy through ``megarl_kernels.linear_logprob_entropy`` (else
                  the PyTorch fallback built on megatron's vocab_parallel_cross_entropy).
@@ -130,7 +131,7 @@ class MegatronBackend:
         etp: int | None = None,
         cp: int = 1,
         dtype: str = "fp32",
-        optim_config: OptimSettings | Mapping[str, Any] | Any | None = None,
+        optim: OptimSettings | Mapping[str, Any] | Any | None = None,
         use_distributed_optimizer: bool = True,
         recompute: str | Mapping[str, Any] | None = None,
         seed: int = 1,
@@ -170,7 +171,7 @@ class MegatronBackend:
         elif role == "prm":
             self.num_labels = num_labels or num_labels_from_hf_config(self.hf_config)
         self.trainable = role in TRAINABLE_ROLES if train is None else bool(train)
-        self.optim = OptimSettings.coerce(optim_config)
+        self.optim = OptimSettings.coerce(optim)
         self.use_fused_kernels = use_fused_kernels
         self.forward_micro_batch_size = forward_micro_batch_size
         self.seed = seed
@@ -263,10 +264,6 @@ class MegatronBackend:
         """Build ``role`` from the project config (`megarl.backends.megatron.config`);
         ``model_path`` overrides the section's ``model.path``."""
         path, kwargs = backend_kwargs(role, cfg, model_path)
-        if role == "actor":
-            from megarl.backends.torch.lora import lora_settings
-
-            kwargs["lora"] = lora_settings(cfg)
         return cls(role, path, **kwargs)
 
     # ------------------------------------------------------------------ construction helpers
@@ -376,6 +373,17 @@ class MegatronBackend:
             self.step += 1
         metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return metrics
+
+    def logprob_stats(self, batch: SequenceBatch, temperature: float = 1.0
+                      ) -> dict[str, torch.Tensor]:
+        """`megarl.backends.megatron.heads.logprob_stats_of` (the Backend protocol's)."""
+        from megarl.backends.megatron.heads import logprob_stats_of
+
+        return logprob_stats_of(self, batch, temperature)
+
+    def recording_routing(self, batch: SequenceBatch) -> contextlib.AbstractContextManager:
+        """`megarl.backends.megatron.replay.recording_routing` (the Backend protocol's)."""
+        return replay.recording_routing(self, batch)
 
     @torch.no_grad()
     def routing_metrics(self, batch: SequenceBatch, rollout_logprob: torch.Tensor | None = None,

@@ -48,7 +48,7 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
         "ep": int(mega.expert_model_parallel_size or 1),
         "etp": mega.expert_tensor_parallel_size,
         "dtype": dtype,
-        "optim_config": s.optim,
+        "optim": s.optim,
         "use_distributed_optimizer": mega.use_distributed_optimizer is not False,
         "recompute": recompute,
         "seed": s.seed,
@@ -57,6 +57,8 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
         "moe_aux_loss_coeff": float(mega.moe_aux_loss_coeff or 0.0) if s.trainable else 0.0,
         "router_replay": s.router_replay,
     }
+    if role == "actor":
+        kwargs["lora"] = s.lora
     # verl's overrides (the backend's constructor applies them: hf_overrides to config.json as
     # it is read, transformer_overrides onto the TransformerConfig it builds)
     if s.override_config:

@@ -70,6 +70,7 @@ from megarl.models.lora import (
     settings_meta,
 )
 from megarl.models.state_dict_adapter import hf_sort_key
+from megarl.utils.dist import all_gather_objects
 
 # (HF module under model.layers.{i}., megatron linear under decoder.layers.{j}., parallel kind,
 #  verl's megatron names that select it)
@@ -380,12 +381,11 @@ def gather_adapters(chunks: list[MegarlGPTModel], specs: list[AdapterSpec], args
     for pair in mine.values():
         dtype = _value(pair.lora_A, grads).dtype
         break
-    dtypes = [torch.float32 if dtype is None else dtype]
     if layout.pp > 1:  # stages without adapters learn the dtype from the others
-        code = torch.tensor([0 if dtype is None else _DTYPES.index(dtype) + 1],
-                            device=_device())
-        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=parallel.pp_group())
-        dtypes = [_DTYPES[int(code.item()) - 1]]
+        names = all_gather_objects(None if dtype is None else str(dtype).removeprefix("torch."),
+                                   group=parallel.pp_group())
+        dtype = getattr(torch, next(n for n in names if n is not None))
+    dtypes = [torch.float32 if dtype is None else dtype]
     for s in specs:
         owner = layer_owner(args, layout, s.layer)[0]
         for which in ("lora_A", "lora_B"):
@@ -407,8 +407,6 @@ def gather_adapters(chunks: list[MegarlGPTModel], specs: list[AdapterSpec], args
                 dist.broadcast(out, src=pp_ranks[owner], group=parallel.pp_group())
             yield f"{s.module}.{which}.weight", out
 
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def _value(p: torch.Tensor, grads: bool) -> torch.Tensor:

@@ -51,6 +51,7 @@ from megarl.backends.torch.optim import (
     OptimSettings,
     align_grad_placements,
     build_optimizer,
+    check_torch_optim,
     clip_grads_,
     set_lr,
     total_grad_norm,
@@ -93,9 +94,11 @@ class TorchBackend:
                  role, ``dtype`` on a frozen one. Parameters held in a wider dtype than
                  ``dtype`` run under FSDP2 mixed precision (compute in ``dtype``, gradients
                  reduced in fp32); bf16 parameters with fp32 compute are refused.
-    optim:       lr, betas, eps, weight_decay, grad_clip (None/0: off), lr_scheduler_type
-                 (constant | cosine), lr_warmup_steps (-1: use the ratio),
-                 lr_warmup_steps_ratio, min_lr_ratio, total_training_steps.
+    optim:       `OptimSettings` (or a mapping of its fields: lr, betas, eps, weight_decay,
+                 grad_clip (None/0: off), lr_scheduler_type (constant | cosine),
+                 lr_warmup_steps (-1: use the ratio), lr_warmup_steps_ratio, min_lr_ratio,
+                 total_training_steps), the shape both backends take; megatron-core's
+                 override fields are refused.
     activation_checkpointing: recompute each block in backward.
     use_fused_kernels, kernel_impl, chunk_size: logprob/entropy through megarl_kernels
                  (impl "auto" | "torch" | "triton") or the naive log_softmax path.
@@ -126,16 +129,7 @@ class TorchBackend:
         ulysses: int = 1,
         dtype: str = "fp32",
         param_dtype: str | None = None,
-        lr: float = 1e-6,
-        betas: Sequence[float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        grad_clip: float | None = 1.0,
-        lr_scheduler_type: str = "constant",
-        lr_warmup_steps: int = -1,
-        lr_warmup_steps_ratio: float = 0.0,
-        min_lr_ratio: float = 0.0,
-        total_training_steps: int = -1,
+        optim: OptimSettings | Mapping[str, Any] | None = None,
         activation_checkpointing: bool = False,
         use_fused_kernels: bool = True,
         kernel_impl: str = "auto",
@@ -164,14 +158,9 @@ class TorchBackend:
         self.mesh = build_mesh(self.layout, self.device)
         self.param_dtype = held_dtype(self.compute_dtype, param_dtype, self.trainable,
                                       param_dtype_key(role))
-        self.optim = OptimSettings(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, grad_clip=grad_clip,
-            lr_scheduler_type=lr_scheduler_type, lr_warmup_steps=lr_warmup_steps,
-            lr_warmup_steps_ratio=lr_warmup_steps_ratio, min_lr_ratio=min_lr_ratio,
-            total_training_steps=total_training_steps,
-        )
+        self.optim = check_torch_optim(OptimSettings.coerce(optim))
         if self.trainable and self.param_dtype != torch.float32 and dist.get_rank() == 0:
-            logger.warning("%s: %s", role, rounding_notice(self.param_dtype, lr,
+            logger.warning("%s: %s", role, rounding_notice(self.param_dtype, self.optim.lr,
                                                               param_dtype_key(role)))
         self.kernel = {"fused": use_fused_kernels, "impl": kernel_impl, "chunk_size": chunk_size}
         self.forward_max_tokens = forward_max_tokens
@@ -459,6 +448,19 @@ class TorchBackend:
         return {"grad_norm": norm, "lr": lr, "skipped": float(skipped)}
 
     # ------------------------------------------------------------------ weights / checkpoints
+
+    def logprob_stats(self, batch: SequenceBatch, temperature: float = 1.0
+                      ) -> dict[str, torch.Tensor]:
+        """`megarl.backends.torch.heads.logprob_stats_of` (the Backend protocol's)."""
+        from megarl.backends.torch.heads import logprob_stats_of
+
+        return logprob_stats_of(self, batch, temperature)
+
+    def recording_routing(self, batch: SequenceBatch) -> contextlib.AbstractContextManager:
+        """`megarl.backends.torch.moe.recording_routing` (the Backend protocol's)."""
+        from megarl.backends.torch.moe import recording_routing
+
+        return recording_routing(self, batch)
 
     def routing_metrics(self, batch: SequenceBatch, rollout_logprob: torch.Tensor | None = None,
                         temperature: float = 1.0) -> dict[str, float]:

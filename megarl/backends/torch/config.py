@@ -2,16 +2,15 @@
 `megarl.backends.settings` plus what only this backend has (the FSDP shard group and Ulysses
 sizes and the parameter dtype (``param_dtype``, `precision`; the reference: the actor's) of the
 role's ``parallel`` block, ``trainer.device``: auto = this rank's CUDA device, else
-CPU), the actor's LoRA adapters (`lora_settings`). ``virtual_pipeline_model_parallel_size`` is
+CPU), the actor's LoRA adapters (``lora``). ``virtual_pipeline_model_parallel_size`` is
 refused (megatron only)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from megarl.backends.settings import RoleSettings, role_settings
-from megarl.backends.torch.lora import lora_settings
+from megarl.backends.torch.optim import check_torch_optim
 from megarl.errors import UserInputError
 from megarl.utils.dist import resolve_device
 
@@ -27,15 +26,7 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
           "activation_checkpointing": s.activation_checkpointing,
           "param_dtype": getattr(_parallel_section(role, cfg), "param_dtype", None)}
     if s.optim is not None:
-        optim = asdict(s.optim)
-        extra = optim.pop("override_optimizer_config")
-        optim.pop("override_key")
-        if extra:
-            raise UserInputError(
-                f"{s.optim.override_key}={extra!r}: megatron-core optimizer fields, read by "
-                "strategy megatron only; the torch backend's optimizer is torch.optim.AdamW "
-                "(set optim.lr, betas, eps, weight_decay), or use strategy: megatron")
-        kw.update(optim)
+        kw["optim"] = check_torch_optim(s.optim)
     if s.megatron is not None and getattr(s.megatron, "use_dist_checkpointing", False) and (
             role != "prm"):
         m = "critic" if role == "critic" else "actor_rollout_ref.actor"
@@ -47,7 +38,7 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
         kw["hf_overrides"] = s.override_config
     if role == "actor":
         kw["router_replay"] = s.router_replay
-        kw["lora"] = lora_settings(cfg)
+        kw["lora"] = s.lora
     return s.model_path, kw
 
 

@@ -16,11 +16,24 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megarl.backends.optim_settings import OptimSettings
+from megarl.errors import UserInputError
 
 __all__ = [
     "OptimSettings", "align_grad_placements", "build_optimizer", "clip_grads_", "set_lr",
     "total_grad_norm",
 ]
+
+
+def check_torch_optim(s: OptimSettings) -> OptimSettings:
+    """``s``, refused (naming its key) when it carries megatron-core optimizer fields
+    (``override_optimizer_config``): the torch backend's optimizer is torch.optim.AdamW."""
+    if s.override_optimizer_config:
+        raise UserInputError(
+            f"{s.override_key}={s.override_optimizer_config!r}: megatron-core optimizer fields, "
+            "read by strategy megatron only; the torch backend's optimizer is "
+            "torch.optim.AdamW (set optim.lr, betas, eps, weight_decay), or use strategy: "
+            "megatron")
+    return s
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], s: OptimSettings) -> torch.optim.AdamW:
