@@ -40,6 +40,9 @@ clamped to `[1/threshold, threshold]` (ESS = `1 / mean((w / mean w)^2)`, a fract
 1 when all weights are equal), ``rollout_is_truncated_mean`` (mean of the weights applied, a
 megarl addition) and ``rollout_is_batch_norm_factor`` (with ``batch_normalize``). A batch
 without response tokens gives zero weights and no metrics.
+
+`logprob_diff_metrics`: the gap itself, |engine - trainer| logprob per token
+(``rollout/logprob_abs_diff_{mean,max}``, ``rollout.check_logprobs``).
 """
 
 from __future__ import annotations
@@ -299,3 +302,26 @@ def compute_rollout_rejection_mask(
         # as verl: over all responses, empty ones included (the per-option one skips them)
         metrics[f"{prefix}seq_masked_fraction"] = float((mask & ~keep).any(-1).double().mean())
     return keep.to(old_logprob.dtype), metrics
+
+
+# --- the engine / trainer logprob gap (``rollout.check_logprobs``) ----------------------
+
+METRIC_MEAN = "rollout/logprob_abs_diff_mean"
+METRIC_MAX = "rollout/logprob_abs_diff_max"
+
+
+def logprob_diff_metrics(
+    rollout_logprob: torch.Tensor, recomputed: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """{rollout/logprob_abs_diff_mean, rollout/logprob_abs_diff_max} of |rollout - recomputed|
+    over the tokens where ``mask`` is set. All three are [B, L]; with no masked-in token both
+    metrics are 0."""
+    if rollout_logprob.shape != recomputed.shape or recomputed.shape != mask.shape:
+        raise ValueError(
+            f"shapes differ: rollout_logprob {tuple(rollout_logprob.shape)}, recomputed "
+            f"{tuple(recomputed.shape)}, mask {tuple(mask.shape)}"
+        )
+    diff = (rollout_logprob.double() - recomputed.double()).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {METRIC_MEAN: 0.0, METRIC_MAX: 0.0}
+    return {METRIC_MEAN: float(diff.mean()), METRIC_MAX: float(diff.max())}

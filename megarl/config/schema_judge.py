@@ -2,7 +2,7 @@
 
 verl's ``reward_model.use_reward_loop=True`` with ``reward_model.rollout.*`` serves the reward
 model (``reward_model.model.path``) with an inference engine; megarl's judge
-(`megarl.rewards.judge`) renders a prompt from the question and the response, generates a
+(`megarl.judge.judge`) renders a prompt from the question and the response, generates a
 verdict with that engine and parses it into a score. The keys below keep verl's names
 (``verl/trainer/config/reward_model/dp_reward_loop.yaml``) where verl has them; the judge's
 own keys (template, sampling, parser, timeout) come after. Units: ``*_length`` in TOKENS,
@@ -23,7 +23,7 @@ from typing import Any, Literal
 from megarl.config.schema_actor import aliased
 from megarl.utils.dtypes import DTYPE_ALIASES, Dtype
 
-# how a verdict is read (megarl.rewards.judge_parse)
+# how a verdict is read (megarl.judge.parse)
 ScoreParse = Literal["boxed", "score", "yes_no"]
 
 
@@ -64,7 +64,7 @@ class JudgeRolloutConfig:
     top_k: int = -1  # -1 = off
     seed: int | None = None  # sampling seed (temperature > 0); None = trainer.seed
     # --- the judge's own keys
-    # judge prompt: None = the built-in template (megarl.rewards.judge_template.DEFAULT_TEMPLATE);
+    # judge prompt: None = the built-in template (megarl.judge.template.DEFAULT_TEMPLATE);
     # a string containing "{response}" is the template itself, anything else is a file path
     # holding one. Fields: {prompt}, {response}, {ground_truth}; "{{" / "}}" are literal braces
     template: str | None = None

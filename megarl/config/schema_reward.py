@@ -176,7 +176,7 @@ class RewardModelConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     # verl's reward loop: true with rollout.name set serves model.path as a generative judge
-    # (megarl.rewards.judge); true without rollout.name changes nothing
+    # (megarl.judge.judge); true without rollout.name changes nothing
     use_reward_loop: bool = False
     rollout: JudgeRolloutConfig = field(default_factory=JudgeRolloutConfig)  # the judge's engine
 

@@ -6,7 +6,6 @@
   (optional packages, imported only when built).
 - `megarl.rollout.reshard`: a backend's ``export_weights()`` stream in bounded buckets for
   ``engine.update_weights`` and HF export.
-- `megarl.rollout.consistency`: engine vs recomputed logprobs (``rollout.check_logprobs``).
 - `megarl.rollout.sampling`: the sampler (temperature / top-k / top-p by inverse CDF with one
   counter-hash uniform per token).
 """

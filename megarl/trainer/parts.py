@@ -188,7 +188,7 @@ class RunParts:
     agent: AgentRollout | None = None  # rollout.multi_turn.enable: the agent loop's tools
     lock: RunDirLock | None = None  # the run directory's lock (rank 0 only)
     outcome_rm: OutcomeRewardModel | None = None  # verl's reward model (a sequence classifier)
-    judge: Any = None  # the generative judge (megarl.rewards.judge.Judge), this rank's engine
+    judge: Any = None  # the generative judge (megarl.judge.judge.Judge), this rank's engine
 
     def close(self) -> None:
         """Release the run's processes and engines. Called after the run's last collective:
@@ -442,13 +442,13 @@ def _build_rest(cfg: Any, paths: dict[str, Any], device: torch.device, tokenizer
 def serves_judge(cfg: Any, paths: dict[str, Any]) -> bool:
     """Whether the run scores with a generative judge: reward_model.use_reward_loop and
     rollout.name set, and the model (``paths["prm"]``, resolved) generative
-    (`megarl.rewards.judge.is_generative`; a classifier is verl's "disrm": megarl's outcome RM or
+    (`megarl.judge.judge.is_generative`; a classifier is verl's "disrm": megarl's outcome RM or
     PRM, the rollout keys unread). Said at start-up; combinations the judge cannot serve are
     refused (`refuse_judge_combinations`) before any model is loaded."""
     rm = cfg.reward_model
     if not judge_enabled(rm) or "prm" not in paths:
         return False
-    from megarl.rewards.judge import is_generative
+    from megarl.judge.judge import is_generative
 
     if not is_generative(paths["prm"], rm.model.kind):
         if mdist.rank() == 0:
@@ -490,9 +490,9 @@ def say_judge(cfg: Any) -> None:
 
 
 def build_run_judge(cfg: Any, paths: dict[str, Any], device: torch.device) -> Any:
-    """This rank's generative judge (`megarl.rewards.judge.judge_from_config`) on the
+    """This rank's generative judge (`megarl.judge.judge.judge_from_config`) on the
     resolved judge model ``paths["prm"]``."""
-    from megarl.rewards.judge import judge_from_config
+    from megarl.judge.judge import judge_from_config
 
     rm = cfg.reward_model
     local = dataclasses.replace(rm, model=dataclasses.replace(rm.model, path=paths["prm"]))

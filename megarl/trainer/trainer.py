@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from megarl import algos
+from megarl.algos.rollout_correction import logprob_diff_metrics
 from megarl.backends.settings import micro_batch_tokens
 from megarl.config.notices import startup_notices
 from megarl.data.extern import CurriculumBatch
 from megarl.errors import UserInputError
+from megarl.judge.ranks import judge_samples
 from megarl.metrics import Metric, prefixed
-from megarl.rewards.judge_ranks import judge_samples
-from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import generation as R
 from megarl.trainer.advantage import old_logprob_pass

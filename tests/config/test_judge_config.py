@@ -9,7 +9,7 @@ import pytest
 from megarl.config import ConfigError
 from megarl.config.loader import resolve_config
 from megarl.config.provenance import UNUSED
-from megarl.rewards.judge import judge_from_config
+from megarl.judge.judge import judge_from_config
 
 JUDGE = ["reward_model.use_reward_loop=true", "reward_model.rollout.name=torch",
          "reward_model.model.path=some/judge"]

@@ -35,13 +35,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: logprob_reference
 
 from megarl.backends.protocol import SequenceBatch  # noqa: E402
-from megarl.rollout.consistency import (  # noqa: E402
-    METRIC_MAX,
-    completions_to_batch,
-    logprob_diff_metrics,
-)
+from logprob_reference import completions_to_batch  # noqa: E402
+
+from megarl.algos.rollout_correction import METRIC_MAX, logprob_diff_metrics  # noqa: E402
 from megarl.rollout.protocol import SamplingParams  # noqa: E402
 from megarl.rollout.reshard import tensor_bytes, weight_buckets  # noqa: E402
 from megarl.rollout.torch import TorchRolloutEngine  # noqa: E402

@@ -34,14 +34,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: logprob_reference
 
 from rollout_reshard_worker import build, hf_float64, make_batch, pg_loss  # noqa: E402
 
-from megarl.rollout.consistency import (  # noqa: E402
-    METRIC_MAX,
-    completions_to_batch,
-    logprob_diff_metrics,
-)
+from logprob_reference import completions_to_batch  # noqa: E402
+
+from megarl.algos.rollout_correction import METRIC_MAX, logprob_diff_metrics  # noqa: E402
 from megarl.rollout.protocol import SamplingParams  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 14], [1, 30, 31], [1, 77, 78, 79, 80, 81], [1, 40]]

@@ -1,4 +1,4 @@
-"""The generative judge (megarl.rewards.judge) on megarl's torch engine.
+"""The generative judge (megarl.judge.judge) on megarl's torch engine.
 
 The judge model is a "scripted" tiny Llama: embeddings are the identity, every attention and
 MLP block writes zeros (o_proj = down_proj = 0) and the LM head maps each character to the next
@@ -17,8 +17,8 @@ import torch
 
 from megarl.config.schema_judge import JudgeRolloutConfig
 from megarl.errors import UserInputError
-from megarl.rewards.judge import Judge, JudgeTimeoutError, build_judge
-from megarl.rewards.judge_template import load_template
+from megarl.judge.judge import Judge, JudgeTimeoutError, build_judge
+from megarl.judge.template import load_template
 from megarl.rollout.protocol import Completion
 
 EOS = 2
@@ -323,7 +323,7 @@ def test_judge_from_config(judge_folder):
     reward_model.model.path (verl's keys)."""
     from types import SimpleNamespace as NS
 
-    from megarl.rewards.judge import judge_from_config
+    from megarl.judge.judge import judge_from_config
 
     def run(use, name, path):
         rm = NS(use_reward_loop=use, rollout=cfg_of(name=name), model=NS(path=path))

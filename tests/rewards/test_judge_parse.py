@@ -15,8 +15,8 @@ import pytest
 from test_judge import reference_parse
 
 from megarl.errors import UserInputError
-from megarl.rewards.judge_parse import parse_verdict
-from megarl.rewards.judge_template import DEFAULT_TEMPLATE, load_template, parse_template
+from megarl.judge.parse import parse_verdict
+from megarl.judge.template import DEFAULT_TEMPLATE, load_template, parse_template
 
 # ------------------------------------------------------------------------------ templates
 

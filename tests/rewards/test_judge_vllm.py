@@ -18,7 +18,7 @@ from test_judge import (
     reference_parse,
 )
 
-from megarl.rewards.judge import build_judge
+from megarl.judge.judge import build_judge
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

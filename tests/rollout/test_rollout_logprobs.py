@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprob_reference import completions_to_batch, recompute_logprobs
 from rollout_helpers import prompts_of
 
+from megarl.algos.rollout_correction import METRIC_MAX, METRIC_MEAN, logprob_diff_metrics
 from megarl.models import load_model
-from megarl.rollout.consistency import (
-    METRIC_MAX,
-    METRIC_MEAN,
-    completions_to_batch,
-    logprob_diff_metrics,
-    recompute_logprobs,
-)
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
 

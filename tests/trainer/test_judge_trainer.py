@@ -130,9 +130,9 @@ def test_rank_shares_merge_to_the_whole_batch(tmp_path):
     (`declared` + megarl.metrics.merge, as `judge_samples` gathers them) equal one judge call
     over the whole batch: counted by hand from the verdicts."""
     from megarl.config.schema_judge import JudgeRolloutConfig
+    from megarl.judge.judge import build_judge
+    from megarl.judge.ranks import TIME, declared, share
     from megarl.metrics import merge
-    from megarl.rewards.judge import build_judge
-    from megarl.rewards.judge_ranks import TIME, declared, share
 
     for n, world in ((7, 3), (2, 4), (16, 1)):
         got = [i for r in range(world) for i in share(n, world, r)]

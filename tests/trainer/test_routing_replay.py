@@ -7,7 +7,7 @@ tests/megatron/test_mcore_replay.py). The config key turns both on (`backend_kwa
 ``from_config``), and a 2-step GRPO run with it keeps the trainer's logprobs on the engine's.
 
 Reference for the mismatch: the engine's own logprobs of the tokens it sampled, compared with
-`megarl.rollout.consistency.logprob_diff_metrics` (the trainer's ``rollout/logprob_abs_diff_*``
+`megarl.algos.rollout_correction.logprob_diff_metrics` (the trainer's ``rollout/logprob_abs_diff_*``
 metrics). With the engine's weights, replayed logprobs equal the engine's within the fp32 gap
 bound tests/fp32_bounds.py derives from the model (`dense_bound`). The trainer's router then
 moves while the engine's does not (noise of std 0.001, 1% of the routers' weights, added to
@@ -51,10 +51,10 @@ import pytest
 import torch
 from trainer_helpers import FAST, env
 
+from megarl.algos.rollout_correction import METRIC_MAX, METRIC_MEAN, logprob_diff_metrics
 from megarl.backends.torch import TorchBackend
 from megarl.backends.torch.moe import replay_metrics
 from megarl.models.moe import moe_blocks
-from megarl.rollout.consistency import METRIC_MAX, METRIC_MEAN, logprob_diff_metrics
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
 from megarl.trainer import generation as R

@@ -202,7 +202,7 @@ def replay_metrics(backend: Any, batch: SequenceBatch, rollout_logprob: torch.Te
     sparse layer) routing decisions the engine recorded whose expert set the trainer's routers
     choose differently. Collective over the backend's ranks (each routes distinct tokens: its
     DP rows, its sequence slice under SP, its stage's layers)."""
-    from megarl.rollout.consistency import logprob_diff_metrics
+    from megarl.algos.rollout_correction import logprob_diff_metrics
 
     if "routed_experts" not in batch.tensors:
         return {}

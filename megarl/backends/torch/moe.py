@@ -148,12 +148,12 @@ def replay_metrics(backend: Any, batch: SequenceBatch, rollout_logprob: torch.Te
     check step of a backend with ``router_replay`` on ({} otherwise):
 
     ``rollout/logprob_abs_diff_{mean,max}_no_replay``: the engine/trainer logprob gap
-    (`megarl.rollout.consistency.logprob_diff_metrics`) had the trainer routed by its own
+    (`megarl.algos.rollout_correction.logprob_diff_metrics`) had the trainer routed by its own
     routers; ``moe/replay_flipped_fraction``: the fraction of (token, sparse layer) routing
     decisions the engine recorded whose expert set the trainer's routers would not choose.
     Collective like ``logprobs``; without pipeline parallelism."""
+    from megarl.algos.rollout_correction import logprob_diff_metrics
     from megarl.models.moe import record_experts, sparse_layers
-    from megarl.rollout.consistency import logprob_diff_metrics
 
     if not backend.router_replay or "routed_experts" not in batch.tensors:
         return {}

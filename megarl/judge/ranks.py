@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from megarl.judge.judge import Judge, JudgeTimeoutError
 from megarl.metrics import Metric, merge
-from megarl.rewards.judge import Judge, JudgeTimeoutError
 from megarl.utils import dist as mdist
 
 # reward/judge_* metrics that are means over the responses judged (prompt within

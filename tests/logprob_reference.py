@@ -1,9 +1,7 @@
-"""Engine logprobs vs logprobs recomputed by the trainer's model (``rollout.check_logprobs``).
-
-The engine reports, per generated token, its logprob under the distribution it sampled from
-(logits / T, then top-k / top-p, renormalised). A training backend recomputes logprobs from a
-full forward; with top_k / top_p off the two must agree up to float noise (fp32: ~1e-6). A gap
-means stale engine weights, a wrong temperature, or numerics that differ between the engines.
+"""The reference side of engine-logprob checks (tests only): completions as a `SequenceBatch`
+laid out as the Backend protocol lays it out, and logprobs recomputed from one full forward of a
+megarl `Transformer` with top-k / top-p applied by a full sort (the reference for the engines'
+samplers). The gap metric itself is `megarl.algos.rollout_correction.logprob_diff_metrics`.
 
     batch, engine_lp = completions_to_batch(prompts, completions, pad_id)
     old, _ = actor.logprobs(batch, temperature=T)
@@ -16,26 +14,6 @@ import torch
 
 from megarl.backends.protocol import SequenceBatch
 from megarl.rollout.protocol import Completion
-
-METRIC_MEAN = "rollout/logprob_abs_diff_mean"
-METRIC_MAX = "rollout/logprob_abs_diff_max"
-
-
-def logprob_diff_metrics(
-    rollout_logprob: torch.Tensor, recomputed: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """{rollout/logprob_abs_diff_mean, rollout/logprob_abs_diff_max} of |rollout - recomputed|
-    over the tokens where ``mask`` is set. All three are [B, L]; with no masked-in token both
-    metrics are 0."""
-    if rollout_logprob.shape != recomputed.shape or recomputed.shape != mask.shape:
-        raise ValueError(
-            f"shapes differ: rollout_logprob {tuple(rollout_logprob.shape)}, recomputed "
-            f"{tuple(recomputed.shape)}, mask {tuple(mask.shape)}"
-        )
-    diff = (rollout_logprob.double() - recomputed.double()).abs()[mask.bool()]
-    if diff.numel() == 0:
-        return {METRIC_MEAN: 0.0, METRIC_MAX: 0.0}
-    return {METRIC_MEAN: float(diff.mean()), METRIC_MAX: float(diff.max())}
 
 
 def completions_to_batch(

@@ -13,6 +13,7 @@ import torch
 
 from megarl.config.schema_judge import JudgeRolloutConfig
 from megarl.errors import UserInputError
+from megarl.rollout.build import EngineSpec
 from megarl.rollout.protocol import RolloutEngine
 
 KEY = "reward_model.rollout"
@@ -126,31 +127,42 @@ def check_model_len(cfg: JudgeRolloutConfig, model_path: str) -> None:
 
 def build_judge_engine(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
                        device: torch.device | str = "cpu", seed: int = 0) -> RolloutEngine:
-    """The judge's engine (``cfg.name``: torch or vllm) on the frozen judge model."""
-    from megarl.utils.dtypes import CONFIG_DTYPES, canonical_dtype, torch_dtype
+    """The judge's engine (``cfg.name``: torch or vllm) on the frozen judge model, built by
+    `megarl.rollout.build.engine_from_spec` from `judge_engine_spec`."""
+    from megarl.rollout.build import engine_from_spec
+
+    return engine_from_spec(judge_engine_spec(cfg, model_path, tokenizer_path, device, seed))
+
+
+def judge_engine_spec(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
+                      device: torch.device | str = "cpu", seed: int = 0) -> EngineSpec:
+    """The judge's engine as an `EngineSpec` (checked: the config, the sequence length against
+    the model, vLLM's extra arguments)."""
+    from megarl.utils.dtypes import CONFIG_DTYPES, canonical_dtype
 
     check_judge_config(cfg)
     check_model_len(cfg, model_path)
     device = torch.device(device)
-    dtype = torch_dtype(cfg.dtype, f"{KEY}.dtype")
+    dtype_name = canonical_dtype(cfg.dtype, f"{KEY}.dtype")
     if cfg.name == "torch":
         from megarl.rollout.memory import device_memory
-        from megarl.rollout.torch import TorchRolloutEngine
 
         free, _ = device_memory(device)
-        return TorchRolloutEngine.from_pretrained(
-            model_path, dtype=dtype, device=device, tokenizer=tokenizer_path,
-            max_num_seqs=cfg.max_num_seqs, max_model_len=model_len(cfg),
-            kv_cache_bytes=int(cfg.gpu_memory_utilization * free))
-    dtype_name = CONFIG_DTYPES[canonical_dtype(cfg.dtype, f"{KEY}.dtype")]
-    return _vllm_engine(cfg, model_path, tokenizer_path, device, dtype_name, dtype, seed)
+        return EngineSpec("torch", {
+            "path": model_path, "dtype": dtype_name, "device": str(device),
+            "tokenizer": tokenizer_path, "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": model_len(cfg),
+            "kv_cache_bytes": int(cfg.gpu_memory_utilization * free)}, device=str(device))
+    return EngineSpec("vllm", _vllm_settings(cfg, model_path, tokenizer_path, device,
+                                             CONFIG_DTYPES[dtype_name], seed),
+                      device=str(device))
 
 
-def _vllm_engine(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
-                 device: torch.device, dtype_name: str, dtype: torch.dtype,
-                 seed: int) -> RolloutEngine:
+def _vllm_settings(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
+                   device: torch.device, dtype_name: str, seed: int) -> dict[str, Any]:
+    """`VLLMEngine.from_settings`' data for the judge (sleep mode off: a frozen model)."""
     from megarl.models import read_hf_config
-    from megarl.rollout.vllm import VLLMEngine, engine_args, launch
+    from megarl.rollout.vllm import engine_args, launch
     from megarl.rollout.vllm.engine import import_vllm
 
     vllm = import_vllm()
@@ -163,21 +175,22 @@ def _vllm_engine(cfg: JudgeRolloutConfig, model_path: str, tokenizer_path: str,
         extra["compilation_config"] = compilation
     length = model_len(cfg)
     memory, _ = launch.memory_kwargs(cfg.gpu_memory_utilization, device,
-                                     read_hf_config(model_path), dtype, cfg.max_num_seqs,
-                                     length, cfg.tensor_model_parallel_size)
+                                     read_hf_config(model_path), getattr(torch, dtype_name),
+                                     cfg.max_num_seqs, length, cfg.tensor_model_parallel_size)
     try:
         backend = launch.executor_backend(cfg.tensor_model_parallel_size)
     except ValueError as err:
         raise UserInputError(str(err).replace("actor_rollout_ref.rollout", KEY)) from None
-    return VLLMEngine(
-        model_path, tokenizer=tokenizer_path, sleep_mode=False,
-        dtype=dtype_name, tensor_parallel_size=cfg.tensor_model_parallel_size,
-        distributed_executor_backend=backend, max_num_seqs=cfg.max_num_seqs,
-        max_model_len=length, max_num_batched_tokens=max(cfg.max_num_batched_tokens, length),
-        enable_chunked_prefill=cfg.enable_chunked_prefill,
-        enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
-        load_format=cfg.load_format, disable_log_stats=cfg.disable_log_stats,
-        seed=int(seed), **memory, **extra)
+    kwargs = {
+        "dtype": dtype_name, "tensor_parallel_size": cfg.tensor_model_parallel_size,
+        "distributed_executor_backend": backend, "max_num_seqs": cfg.max_num_seqs,
+        "max_model_len": length, "max_num_batched_tokens": max(cfg.max_num_batched_tokens, length),
+        "enable_chunked_prefill": cfg.enable_chunked_prefill,
+        "enable_prefix_caching": cfg.enable_prefix_caching, "enforce_eager": cfg.enforce_eager,
+        "load_format": cfg.load_format, "disable_log_stats": cfg.disable_log_stats,
+        "seed": int(seed), **memory, **extra}
+    return {"model_path": model_path, "tokenizer": tokenizer_path, "sleep_mode": False,
+            "engine_kwargs": kwargs}
 
 
 def engine_name(engine: Any) -> str:

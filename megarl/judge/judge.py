@@ -2,9 +2,9 @@
 ``reward_model.use_reward_loop=True`` with ``reward_model.rollout.*``).
 
 For each (question, response, ground truth) the judge renders a prompt from a template
-(`megarl.rewards.judge_template`), generates a verdict with its engine (megarl's torch engine or
+(`megarl.judge.template`), generates a verdict with its engine (megarl's torch engine or
 vLLM, on the frozen judge model ``reward_model.model.path``) and parses the verdict into a score
-(`megarl.rewards.judge_parse`). Bounds on the untrusted model output:
+(`megarl.judge.parse`). Bounds on the untrusted model output:
 
 - length: a verdict is at most ``response_length`` tokens; a rendered prompt longer than
   ``prompt_length`` tokens is not judged (score 0, counted in reward/judge_overlong_ratio);
@@ -30,14 +30,14 @@ import torch
 
 from megarl.config.schema_judge import JudgeRolloutConfig
 from megarl.errors import UserInputError
-from megarl.rewards.judge_engine import (
+from megarl.judge.engine import (
     build_judge_engine,
     check_judge_config,
     check_model_len,
     engine_name,
 )
-from megarl.rewards.judge_parse import parse_verdict
-from megarl.rewards.judge_template import JudgeTemplate, load_template
+from megarl.judge.parse import parse_verdict
+from megarl.judge.template import JudgeTemplate, load_template
 from megarl.rollout.protocol import Completion, RolloutEngine, SamplingParams
 
 
