@@ -39,7 +39,7 @@ def measure(mode: str, model: str, rank: int) -> dict:
 
     from megarl.backends.protocol import SequenceBatch
     from megarl.backends.torch import TorchBackend
-    from megarl.backends.torch.lora_ref import AdapterOffReference
+    from megarl.backends.torch.lora_reference import AdapterOffReference
     from megarl.models.lora import LoraSettings
     from megarl.utils.dist import init_distributed
 

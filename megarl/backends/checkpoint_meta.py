@@ -1,5 +1,6 @@
 """``megarl_meta.json``: the small JSON file beside a backend checkpoint's tensors that names its
-format (one per backend) and what the writer knew (role, layout, step, optimizer present).
+format (one per backend) and what the writer knew (role, layout, step, optimizer present);
+and what both backends check in it before loading (`check_role_and_adapters`).
 
 It is written last, fsynced and renamed into place, so a directory with a readable meta file
 holds a complete checkpoint.
@@ -11,6 +12,9 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from megarl.backends.protocol import LM_ROLES
+from megarl.errors import UserInputError
 
 META_NAME = "megarl_meta.json"
 
@@ -41,3 +45,21 @@ def read_meta(directory: str | os.PathLike, fmt: str, kind: str, how_to_write: s
     if meta.get("format") != fmt:
         raise ValueError(f"{file}: unknown checkpoint format {meta.get('format')!r}")
     return meta
+
+
+def check_role_and_adapters(directory: str, meta: dict[str, Any], role: str, mine: Any,
+                            theirs: Any) -> None:
+    """Refuse to load checkpoint ``directory`` (its ``megarl_meta.json`` is ``meta``) into a
+    backend of ``role`` when it holds another role's model (any two LM roles are
+    interchangeable) or when its LoRA settings ``theirs`` differ from this run's ``mine``
+    (both as `megarl.models.lora.settings_meta` writes them; None without LoRA)."""
+    if meta.get("role") != role and not {meta.get("role"), role} <= set(LM_ROLES):
+        raise ValueError(
+            f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
+            f"{role}"
+        )
+    if theirs != mine:
+        raise UserInputError(
+            f"checkpoint {directory} holds LoRA adapters {theirs}; this run's are "
+            f"{mine}: resume with the checkpoint's actor_rollout_ref.model.lora_rank, "
+            "lora_alpha, target_modules and exclude_modules")

@@ -7,7 +7,7 @@ same way: the data-parallel coordinates of the actor, the swap of the actor's no
 micro-batch settings for the reference's own (``actor_rollout_ref.ref.log_prob_*``) around a
 forward with the adapters off, and the refusal of everything a frozen reference has not
 (values, scores, an optimizer, weights or a checkpoint of its own). The backends' subclasses
-(`megarl.backends.torch.lora_ref`, `megarl.backends.megatron.lora`) build it from the config
+(`megarl.backends.torch.lora_reference`, `megarl.backends.megatron.lora`) build it from the config
 and run ``logprobs``.
 """
 

@@ -134,7 +134,7 @@ def _merge_alias(existing: Any, value: Any, src: str, dst: str, source: str) -> 
 
 def _resume(layer: dict, source: str) -> None:
     """verl's ``resume_mode`` (auto | disable | resume_path) + ``resume_from_path`` -> ``resume``
-(and megarl's ``force``: auto, accepting changed settings; megarl.trainer.resume_check).
+(and megarl's ``force``: auto, accepting changed settings; megarl.trainer.resume_config).
     A ``resume_from_path`` given without ``resume_mode`` is read as a path to resume from (verl
     would ignore it under its default mode auto)."""
     trainer = layer.get("trainer")

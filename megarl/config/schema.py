@@ -218,7 +218,7 @@ class TrainerConfig:
     rollout_data_dir: str | None = None  # write each step's generations to {dir}/{step}.jsonl
     validation_data_dir: str | None = None  # each validation's generations to {dir}/{step}.jsonl
     # "auto": latest checkpoint in default_local_dir if any | "force": the same, accepting
-    # settings that change the run's meaning (megarl.trainer.resume_check) | "disable" | a path.
+    # settings that change the run's meaning (megarl.trainer.resume_config) | "disable" | a path.
     # verl's resume_mode / resume_from_path are read into this key.
     resume: str = "auto"
     max_ckpt_to_keep: int | None = None  # None = keep all

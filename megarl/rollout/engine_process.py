@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megarl.rollout.build import EngineSpec, engine_from_spec
-from megarl.rollout.packed import pack_completions, to_wire, unpack_prompts
+from megarl.rollout.completion_arrays import pack_completions, to_wire, unpack_prompts
 from megarl.rollout.weight_ring import WeightRing
 from megarl.utils.lifetime import die_with_parent
 

@@ -37,7 +37,7 @@ own copy of the model (on the GPU for vLLM).
 
 Transport: two one-way pipes, each drained by a thread on its receiving side, so neither side
 ever blocks sending while the other is blocked sending too (requests and results of any
-size); prompts and completions travel as flat arrays (`megarl.rollout.packed`). The engine
+size); prompts and completions travel as flat arrays (`megarl.rollout.completion_arrays`). The engine
 process says "ready" once it has built its engine (on a GPU the proxy waits for it before
 returning, so the trainer does not load its models while the engine sizes its memory), dies
 with the trainer (`megarl.utils.lifetime`), and a wait on it that hears nothing for
@@ -61,8 +61,8 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.rollout.build import EngineSpec
+from megarl.rollout.completion_arrays import pack_completions, pack_prompts, unpack_completions
 from megarl.rollout.engine_process import drain_into, engine_main
-from megarl.rollout.packed import pack_completions, pack_prompts, unpack_completions
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.reshard import as_named
 from megarl.rollout.weight_ring import RingLayout, WeightRing
@@ -295,7 +295,7 @@ class ProcessRolloutEngine:
 
     def export_prefetched(self) -> list[dict[str, Any]]:
         """Wait for every prefetched request and return them as tensors and plain data
-        (checkpoint of the batches in flight, `megarl.rollout.packed`); they stay
+        (checkpoint of the batches in flight, `megarl.rollout.completion_arrays`); they stay
         collectable."""
         out = []
         for key, rid in self.pending():

@@ -9,7 +9,7 @@ def run(cfg: Any) -> dict[str, Any]:
     """Train with a validated Config in this process (one rank of a torchrun job, or alone)."""
     from megarl.trainer.async_rollout import AsyncRLTrainer
     from megarl.trainer.parts import async_settings, pin_threads
-    from megarl.trainer.resume_check import refuse_early
+    from megarl.trainer.resume_config import refuse_early
     from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
 

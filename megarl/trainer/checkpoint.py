@@ -146,7 +146,7 @@ class CheckpointManager:
         torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
         mdist.barrier()
         if rank == 0:
-            config = self.root.parent / "config.yaml"  # the run's (megarl.trainer.resume_check)
+            config = self.root.parent / "config.yaml"  # the run's (megarl.trainer.resume_config)
             if config.is_file():
                 shutil.copyfile(config, tmp / "config.yaml")
             with open(tmp / "trainer_state.json", "w") as f:

@@ -63,7 +63,7 @@ def build_reference(cfg: Any, actor: Backend, model_path: str) -> Backend:
         if cfg.actor_rollout_ref.actor.strategy == "megatron":
             from megarl.backends.megatron.lora import AdapterOffReference
         else:
-            from megarl.backends.torch.lora_ref import AdapterOffReference
+            from megarl.backends.torch.lora_reference import AdapterOffReference
         return AdapterOffReference.from_config(actor, cfg)
     return build_backend("ref", cfg, model_path)
 

@@ -421,13 +421,13 @@ class RLTrainer:
         mode = self.cfg.trainer.resume
         if mode == "disable":
             return None
-        from megarl.trainer import resume_check  # what it continues, and refused changes
+        from megarl.trainer import resume_config  # what it continues, and refused changes
 
-        ckpt = resume_check.checkpoint_for(mode, self.ckpt.latest())
+        ckpt = resume_config.checkpoint_for(mode, self.ckpt.latest())
         if ckpt is None:
             return None
         p = self.parts
-        self.resume_notes[:0] = resume_check.check(self.cfg, ckpt, p.total_steps)
+        self.resume_notes[:0] = resume_config.check(self.cfg, ckpt, p.total_steps)
         p.actor.load(str(ckpt / "actor"))
         if p.critic is not None:
             p.critic.load(str(ckpt / "critic"))

@@ -13,7 +13,7 @@ from policy_batch import loss_fn, make_batch
 
 from megarl.backends.torch import TorchBackend
 from megarl.backends.torch.lora import apply_actor_lora
-from megarl.backends.torch.lora_ref import AdapterOffReference
+from megarl.backends.torch.lora_reference import AdapterOffReference
 from megarl.errors import UserInputError
 from megarl.models import load_model
 from megarl.models.lora import LoraSettings, is_adapter_param

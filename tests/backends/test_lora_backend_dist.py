@@ -25,7 +25,7 @@ def _worker(model: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from megarl.backends.torch import TorchBackend
-    from megarl.backends.torch.lora_ref import AdapterOffReference
+    from megarl.backends.torch.lora_reference import AdapterOffReference
     from megarl.models.lora import LoraSettings, is_adapter_param
     from megarl.utils.dist import destroy, init_distributed
 

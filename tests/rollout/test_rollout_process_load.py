@@ -19,7 +19,7 @@ from rollout_helpers import prompts_of
 
 from megarl.models import load_model
 from megarl.rollout.build import EngineSpec
-from megarl.rollout.packed import pack_completions, to_wire, unpack_completions
+from megarl.rollout.completion_arrays import pack_completions, to_wire, unpack_completions
 from megarl.rollout.process import EngineProcessError, ProcessRolloutEngine
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine

@@ -23,7 +23,6 @@ from megarl.backends import checkpoint_meta
 from megarl.backends.megatron import cpu_compat
 from megarl.backends.megatron import lora as lora_lib
 from megarl.backends.protocol import LM_ROLES
-from megarl.backends.resume_checks import check_role_and_adapters
 
 FORMAT = "megarl-megatron-v1"
 
@@ -149,8 +148,9 @@ def load_backend(backend: Any, directory: str) -> None:
     then load it into ``backend`` (and its step, when it has the optimizer's state and the
     backend trains). Collective."""
     meta = read_meta(directory)
-    check_role_and_adapters(directory, meta, backend.role, lora_lib.settings_json(backend.lora),
-                            meta.get("lora"))
+    checkpoint_meta.check_role_and_adapters(directory, meta, backend.role,
+                                            lora_lib.settings_json(backend.lora),
+                                            meta.get("lora"))
     meta = load(directory, backend.chunks, backend.optimizer,
                 adapters_only=backend.lora is not None)
     if meta.get("has_optimizer") and backend.optimizer is not None:

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from megarl.backends import checkpoint_meta
-from megarl.backends.resume_checks import check_role_and_adapters
 from megarl.backends.torch.precision import check_resume_dtype, dtype_name, param_dtype_key
 from megarl.errors import UserInputError
 from megarl.models.lora import settings_meta
@@ -152,7 +151,8 @@ def load_backend(backend: Any, directory: str) -> None:
     into ``backend``. Collective."""
     meta = read_meta(directory)
     mine = settings_meta(backend.lora)
-    check_role_and_adapters(directory, meta, backend.role, mine, meta.get("lora", mine))
+    checkpoint_meta.check_role_and_adapters(directory, meta, backend.role, mine,
+                                            meta.get("lora", mine))
     check_resume_dtype(meta, backend.role, backend.param_dtype, directory,
                        param_dtype_key(backend.role))
     backend._reshard()

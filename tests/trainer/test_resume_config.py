@@ -1,4 +1,4 @@
-"""A visible resume (megarl.trainer.resume_check): what it continues, the settings that differ
+"""A visible resume (megarl.trainer.resume_config): what it continues, the settings that differ
 from the checkpoint's config.yaml, the changes of meaning it refuses without
 trainer.resume=force, and "nothing left to train". Unit level (a checkpoint folder written by
 hand); the run's own wiring: test_resume_visible in this file (one short demo run).
@@ -19,7 +19,7 @@ from trainer_helpers import metrics, train
 from megarl.config import load_config, to_yaml
 from megarl.errors import UserInputError
 from megarl.trainer.checkpoint import CheckpointManager
-from megarl.trainer.resume_check import check, checkpoint_for, is_meaning
+from megarl.trainer.resume_config import check, checkpoint_for, is_meaning
 
 LR = "actor_rollout_ref.actor.optim.lr"
 
