@@ -79,7 +79,7 @@ def gae(*, token_rewards, response_mask, values, gamma, lam, **_):
     return adv, returns
 
 
-@register_advantage_estimator("grpo", needs=("groups",))
+@register_advantage_estimator("grpo", needs=("groups",), traits=("singleton_groups",))
 def grpo(*, token_rewards, response_mask, group_index, norm_adv_by_std, eps, **_):
     """GRPO: `A_i = (S_i - mean_g) / (std_g + eps)` (unbiased std), or `S_i - mean_g` when
     `norm_adv_by_std=False` (Dr.GRPO). A singleton group uses mean 0 and std 1 (as verl), so it

@@ -223,4 +223,5 @@ def pure_rloo_advantages(
 
 
 # algorithm.adv_estimator=pure_rloo: megarl.trainer.algorithm's PURE entry calls it
-register_advantage_pipeline("pure_rloo", needs=("groups",))(pure_rloo_advantages)
+register_advantage_pipeline("pure_rloo", needs=("groups",), traits=("step_scores",),
+                            config_block="algorithm.pure")(pure_rloo_advantages)

@@ -50,11 +50,22 @@ RATIO_FREE_LOSSES: set[str] = set()  # policy losses registered with ratio=False
 # policy loss name -> its own options and their defaults (register_policy_loss(options=...))
 POLICY_LOSS_OPTIONS: dict[str, dict[str, float]] = {}
 ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {}  # estimator or pipeline name -> its needs
+ESTIMATOR_TRAITS: dict[str, frozenset[str]] = {}  # estimator or pipeline name -> its traits
+# estimator or pipeline name -> the config block only it reads (e.g. "algorithm.pure")
+ESTIMATOR_CONFIG_BLOCKS: dict[str, str] = {}
 
 NEEDS = {
     "groups": "compares the responses of one prompt (group_index; rollout.n >= 2)",
     "values": "[B, L] values of a critic (gae)",
     "baselines": "[B] score of a greedy response to each prompt (remax)",
+}
+
+# what the config checks and the trainer ask of an estimator besides its inputs
+TRAITS = {
+    "singleton_groups": "a group of one response is defined: its advantage is its own score "
+                        "(verl's GRPO rule: mean 0, std 1), so rollout.n = 1 is allowed",
+    "step_scores": "reads a process reward model's step scores when reward_model.enable "
+                   "(PURE's PRM modes)",
 }
 
 
@@ -89,28 +100,44 @@ def _needs(kind: str, name: str, needs: Iterable[str]) -> frozenset[str]:
 
 
 def _estimator(registry: dict[str, Callable[..., Any]], kind: str, name: str,
-               needs: Iterable[str]) -> Callable[[F], F]:
+               needs: Iterable[str], traits: Iterable[str],
+               config_block: str | None) -> Callable[[F], F]:
     others = (ADVANTAGE_PIPELINES,) if registry is ADVANTAGE_ESTIMATORS else (ADVANTAGE_ESTIMATORS,)
     register = _register(registry, kind, name, others)
     declared = _needs(kind, name, needs)
+    traits = frozenset((traits,) if isinstance(traits, str) else traits)
+    unknown = sorted(traits - set(TRAITS))
+    if unknown:
+        raise ValueError(f"{kind} {name!r}: unknown traits {unknown}; valid: {sorted(TRAITS)}")
 
     def decorator(fn: F) -> F:
         register(fn)
         ESTIMATOR_NEEDS[name] = declared
+        ESTIMATOR_TRAITS[name] = traits
+        if config_block is not None:
+            ESTIMATOR_CONFIG_BLOCKS[name] = config_block
         return fn
 
     return decorator
 
 
-def register_advantage_estimator(name: str, *, needs: Iterable[str] = ()) -> Callable[[F], F]:
-    """Decorator: register `fn` in ADVANTAGE_ESTIMATORS under `name`, needing `needs` (NEEDS)."""
-    return _estimator(ADVANTAGE_ESTIMATORS, "advantage estimator", name, needs)
+def register_advantage_estimator(name: str, *, needs: Iterable[str] = (),
+                                 traits: Iterable[str] = (),
+                                 config_block: str | None = None) -> Callable[[F], F]:
+    """Decorator: register `fn` in ADVANTAGE_ESTIMATORS under `name`, needing `needs` (NEEDS),
+    with `traits` (TRAITS); `config_block`: a config block only this estimator reads."""
+    return _estimator(ADVANTAGE_ESTIMATORS, "advantage estimator", name, needs, traits,
+                      config_block)
 
 
-def register_advantage_pipeline(name: str, *, needs: Iterable[str] = ()) -> Callable[[F], F]:
+def register_advantage_pipeline(name: str, *, needs: Iterable[str] = (),
+                                traits: Iterable[str] = (),
+                                config_block: str | None = None) -> Callable[[F], F]:
     """Decorator: register `fn` in ADVANTAGE_PIPELINES under `name`: an estimator with inputs
-    of its own, called by the trainer algorithm of the same name (not by compute_advantages)."""
-    return _estimator(ADVANTAGE_PIPELINES, "advantage pipeline", name, needs)
+    of its own, called by the trainer algorithm of the same name (not by compute_advantages);
+    `needs`, `traits` and `config_block` as `register_advantage_estimator`'s."""
+    return _estimator(ADVANTAGE_PIPELINES, "advantage pipeline", name, needs, traits,
+                      config_block)
 
 
 def register_policy_loss(name: str, *, ratio: bool = True,
@@ -152,6 +179,18 @@ def estimator_needs(name: str) -> frozenset[str]:
     if name not in ADVANTAGE_ESTIMATORS and name not in ADVANTAGE_PIPELINES:
         raise ValueError(f"unknown advantage estimator {name!r}; valid names: {estimator_names()}")
     return ESTIMATOR_NEEDS.get(name, frozenset())
+
+
+def estimator_traits(name: str) -> frozenset[str]:
+    """The traits (TRAITS) the estimator or pipeline `name` was registered with; ValueError
+    listing the valid names if there is none."""
+    estimator_needs(name)
+    return ESTIMATOR_TRAITS.get(name, frozenset())
+
+
+def estimators_reading(block: str) -> list[str]:
+    """The estimators and pipelines registered as the readers of config block ``block``."""
+    return [n for n, b in ESTIMATOR_CONFIG_BLOCKS.items() if b == block]
 
 
 def lookup(registry: dict[str, Callable[..., Any]], kind: str, name: str) -> Callable[..., Any]:

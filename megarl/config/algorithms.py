@@ -101,3 +101,22 @@ def estimator_needs(name: str) -> frozenset[str]:
         return algos.estimator_needs(name)
     except ValueError:
         return frozenset()
+
+
+def estimator_traits(name: str) -> frozenset[str]:
+    """The traits of the estimator ``name`` (``megarl.algos.TRAITS``: singleton_groups,
+    step_scores); empty for a name no registry holds."""
+    from megarl import algos
+
+    try:
+        return algos.estimator_traits(name)
+    except ValueError:
+        return frozenset()
+
+
+def estimators_reading(block: str) -> list[str]:
+    """The estimators registered as the readers of config block ``block`` (e.g.
+    ``algorithm.pure``)."""
+    from megarl import algos
+
+    return algos.estimators_reading(block)

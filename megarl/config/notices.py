@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from megarl.config import algorithms as A
 from megarl.config.provenance import Sources, sources_of
 from megarl.config.schema import Config, PureConfig
 from megarl.config.schema_judge import judge_enabled
@@ -144,12 +145,14 @@ def _all_notices(cfg: Config) -> list[str]:
             "actor_rollout_ref.model.use_remove_padding", False,
             "the backends always pack a micro-batch's sequences into one row without padding "
             "(segment ids keep them apart); the results equal a padded forward's"))
-    if arr.rollout.n == 1 and cfg.algorithm.adv_estimator == "grpo" and not cfg.pacs.enable:
+    est = cfg.algorithm.adv_estimator
+    if (arr.rollout.n == 1 and "singleton_groups" in A.estimator_traits(est)
+            and not cfg.pacs.enable):
         out.append(_caveat(
             "actor_rollout_ref.rollout.n", 1,
-            "with algorithm.adv_estimator=grpo each group holds one response, so its advantage "
+            f"with algorithm.adv_estimator={est} each group holds one response, so its advantage "
             "is its own score (verl's rule for a group of one: mean 0, std 1), a policy "
-            "gradient without a baseline; set rollout.n >= 2 for GRPO's group baseline"))
+            "gradient without a baseline; set rollout.n >= 2 for its group baseline"))
     if not t.balance_batch:
         out.append(_line(
             "trainer.balance_batch", False,
@@ -165,7 +168,8 @@ def _all_notices(cfg: Config) -> list[str]:
         out.append(_line("trainer.log_val_generations", t.log_val_generations,
                          "data.val_files is not set, so there is no validation to print"))
     pure = cfg.algorithm.pure
-    if cfg.algorithm.adv_estimator != "pure_rloo":
+    readers = A.estimators_reading("algorithm.pure")
+    if cfg.algorithm.adv_estimator not in readers:
         for name, default in (("mask_separator", PureConfig.mask_separator),
                               ("normalize", PureConfig.normalize)):
             value = getattr(pure, name)
@@ -173,8 +177,8 @@ def _all_notices(cfg: Config) -> list[str]:
                 alias = " (PURE's algorithm.adv_norm)" if name == "normalize" else ""
                 out.append(_line(
                     f"algorithm.pure.{name}{alias}", value,
-                    f"it shapes PURE's advantage pipeline, algorithm.adv_estimator=pure_rloo, "
-                    f"and this run uses {cfg.algorithm.adv_estimator}"))
+                    f"it shapes PURE's advantage pipeline, algorithm.adv_estimator="
+                    f"{' or '.join(readers)}, and this run uses {cfg.algorithm.adv_estimator}"))
     out += _async_correction_notices(cfg)
     ob = cfg.reward_model.overlong_buffer
     if ob.log and not ob.enable:

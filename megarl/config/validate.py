@@ -353,7 +353,8 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
     if rollout.n < 2:
         # grpo's singleton group has mean 0 and std 1 (verl's rule): the advantage is the score
         # itself, said at start-up (notices.py)
-        if "groups" in needs and not pacs.enable and est != "grpo":
+        if ("groups" in needs and not pacs.enable
+                and "singleton_groups" not in A.estimator_traits(est)):
             c.fail(("actor_rollout_ref.rollout.n", "algorithm.adv_estimator"),
                    f"{rollout.n} < 2 but algorithm.adv_estimator={est} compares the responses of one "
                    f"prompt; set actor_rollout_ref.rollout.n >= 2")

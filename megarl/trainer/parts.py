@@ -465,10 +465,12 @@ def serves_judge(cfg: Any, paths: dict[str, Any]) -> bool:
 def refuse_judge_combinations(cfg: Any) -> None:
     """UserInputError for a run that configures the generative judge together with something
     it cannot feed: PURE's process-reward modes (reward_model.enable with pure_rloo)."""
+    from megarl import algos
+
     rm, est = cfg.reward_model, cfg.algorithm.adv_estimator
-    if rm.enable and est == "pure_rloo":
+    if rm.enable and "step_scores" in algos.estimator_traits(est):
         raise UserInputError(
-            "reward_model.enable=true with algorithm.adv_estimator=pure_rloo asks for PURE's "
+            f"reward_model.enable=true with algorithm.adv_estimator={est} asks for PURE's "
             "process reward model, but reward_model.use_reward_loop=true with "
             f"reward_model.rollout.name={rm.rollout.name} serves {rm.model.path} as a generative "
             "judge, and reward_model.enable then means the judge (one score per response, no "

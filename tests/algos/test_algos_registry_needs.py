@@ -25,6 +25,8 @@ def cleanup():
         ADVANTAGE_ESTIMATORS.pop(n, None)
         ADVANTAGE_PIPELINES.pop(n, None)
         ESTIMATOR_NEEDS.pop(n, None)
+        algos.ESTIMATOR_TRAITS.pop(n, None)
+        algos.registry.ESTIMATOR_CONFIG_BLOCKS.pop(n, None)
 
 
 def test_built_in_needs():
@@ -112,3 +114,37 @@ def test_unknown_estimator_lists_the_choices():
     assert msg.startswith("unknown advantage estimator 'grpoo'; valid names: [")
     for name in ("gae", "grpo", "remax", "pure_rloo"):
         assert repr(name) in msg
+
+
+def test_traits_and_config_blocks_say_what_the_checks_used_names_for():
+    """The checks that compared estimator names now read the registry: GRPO alone defines a
+    group of one (rollout.n = 1 allowed, with a caveat), PURE's pipeline alone reads PRM step
+    scores and the algorithm.pure block."""
+    with_singletons = {n for n in estimator_names() if "singleton_groups" in
+                       algos.estimator_traits(n)}
+    assert with_singletons == {"grpo"}
+    assert {n for n in estimator_names() if "step_scores" in algos.estimator_traits(n)} == {
+        "pure_rloo"}
+    assert algos.estimators_reading("algorithm.pure") == ["pure_rloo"]
+    assert set(algos.TRAITS) == {"singleton_groups", "step_scores"}
+
+
+def test_a_registered_estimator_brings_its_traits_to_the_config_checks(cleanup):
+    """A user estimator registered with ``singleton_groups`` runs at rollout.n = 1 (the config
+    check asks the registry, not the name "grpo"); without it the same config is refused. An
+    unknown trait is refused naming the valid ones."""
+    from megarl.config.loader import resolve_config
+    from megarl.errors import UserInputError
+
+    def adv(*, token_rewards, response_mask, **_):
+        return token_rewards, token_rewards
+
+    for name, traits in (("one_ok", ("singleton_groups",)), ("groups_only", ())):
+        cleanup.append(name)
+        register_advantage_estimator(name, needs=("groups",), traits=traits)(adv)
+    resolve_config("grpo", ["algorithm.adv_estimator=one_ok", "actor_rollout_ref.rollout.n=1"])
+    with pytest.raises(UserInputError, match="compares the responses of one prompt"):
+        resolve_config("grpo", ["algorithm.adv_estimator=groups_only",
+                                "actor_rollout_ref.rollout.n=1"])
+    with pytest.raises(ValueError, match="unknown traits \\['fast'\\]"):
+        register_advantage_estimator("bad", traits=("fast",))
