@@ -20,7 +20,9 @@ Strategy = Literal["torch", "megatron"]
 STRATEGY_ALIASES = {"fsdp": "torch", "fsdp2": "torch"}
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # KL estimators (verl names; k1=kl, k2=mse, k3=low_var_kl).
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+# a '+' suffix: the estimator's value with k2's gradient (verl 0.9's straight-through kinds)
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 
 
 def aliased(default, aliases: dict[str, str]):

@@ -96,3 +96,17 @@ def test_interpolated_defaults_are_defaults():
 def test_unknown_keys_are_still_errors():
     with pytest.raises(ConfigError, match="unknown key"):
         _load(f"{A}.rollout.not_a_verl_key=1")
+
+
+@pytest.mark.parametrize("kind", ["k3+", "low_var_kl+", "k1+", "kl+", "abs+", "k2+", "mse+"])
+def test_straight_through_kl_kinds_are_accepted(kind):
+    """verl 0.9's '+' KL kinds (value of the estimator, gradient of k2; the math is
+    tests/algos/test_algos_kl_value.py's) pass the config check for the KL loss and the KL in
+    the reward and reach the loss as written. Before: 'invalid choice' for every one."""
+    r = resolve_config("grpo", [f"actor_rollout_ref.actor.kl_loss_type={kind}",
+                                f"algorithm.kl_penalty={kind}"])
+    assert r.config.actor_rollout_ref.actor.kl_loss_type == kind
+    assert r.config.algorithm.kl_penalty == kind
+    from megarl.trainer.algorithm import actor_loss_settings
+
+    assert actor_loss_settings(r.config).kl_loss_type == kind
