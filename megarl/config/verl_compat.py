@@ -38,6 +38,7 @@ from megarl.config.global_micro import GLOBAL_MICRO
 from megarl.config.keys import canonical_path, schema_problem
 from megarl.config.verl_judge import JUDGE_RULES, read_judge_loop
 from megarl.config.verl_lora import LORA_RULES, read_lora_block
+from megarl.config.verl_model_engine import read_model_engine
 
 VERL_RELEASE = "0.9.1"
 KEYS_FILE = Path(__file__).with_name("verl_keys.yaml")
@@ -465,10 +466,12 @@ def _rule_mappings() -> tuple[tuple[str, str], ...]:
 def apply_verl_mappings(layer: dict, source: str) -> dict:
     """A copy of ``layer`` with every key of a ``mapped`` rule moved to its megarl key. The
     verl key and its megarl key both set to different values in one layer is an error.
-    verl's megatron LoRA block is read first (`megarl.config.verl_lora`); verl 0.9.1's
+    verl 0.9's ``model_engine`` group first (`megarl.config.verl_model_engine`), then verl's
+    megatron LoRA block (`megarl.config.verl_lora`); verl 0.9.1's
     ``reward.reward_model.rollout.name`` also sets ``reward_model.use_reward_loop`` (that
     release always serves its reward model through the reward loop)."""
     layer = copy.deepcopy(layer)
+    read_model_engine(layer, source)
     read_lora_block(layer, source)
     read_judge_loop(layer)
     for dotted, value in list(flatten(layer).items()):
