@@ -4,7 +4,8 @@ a refactoring must leave bit for bit the same.
 Runs each recipe in configs/ for 2 steps (4 prompts x 4 responses, tests/trainer's fast
 settings) on both backends, with our engine, with vLLM (fp32) and with asynchronous rollout
 (staleness 1): the full product, not test_trainer_recipes.py's pairwise cover. Writes one JSON
-(case -> the steps' metric rows without timing, memory or throughput keys).
+(case -> the steps' metric rows); ``--compare`` leaves out the keys that measure the machine
+(timings, memory, throughput).
 
     python bench/recipe_fingerprint.py --out before.json           # on the old commit
     python bench/recipe_fingerprint.py --out after.json            # on the new one
@@ -31,6 +32,7 @@ FAST = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=
         "data.max_response_length=48", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.logger=[jsonl]", "trainer.export_hf=false", "trainer.save_freq=-1",
         "trainer.total_training_steps=2"]
+# the engines and backends a recipe runs with (tests/trainer/test_trainer_recipes.py takes these)
 ENGINES = {
     "torch": [],
     "vllm": ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
@@ -75,11 +77,11 @@ def run_case(name: str, spec: list[str], root: Path) -> tuple[str, list[dict] | 
     if proc.returncode != 0:
         return name, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return name, [{k: v for k, v in r.items() if _kept(k)} for r in rows]
+    return name, rows
 
 
 def _stripped(fingerprint: dict) -> dict:
-    """A fingerprint with the volatile keys removed (one written before a key was listed)."""
+    """A fingerprint (every metric of every row, as written) without the volatile keys."""
     return {n: [{k: v for k, v in r.items() if _kept(k)} for r in rows]
             if isinstance(rows, list) else rows for n, rows in fingerprint.items()}
 

@@ -106,14 +106,14 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def held(t: torch.Tensor, float_dtype: torch.dtype | None) -> torch.Tensor:
-    """``t`` as a ring holds it: a floating tensor wider than ``float_dtype`` rounded to it
-    (a narrower one, e.g. bf16 weights for an fp32 engine, stays: the engine widens it exactly
-    at load); anything else as is."""
+def held_dtype(t: torch.Tensor, float_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a ring holds ``t`` in: ``float_dtype`` for a floating tensor wider than it (a
+    narrower one, e.g. bf16 weights for an fp32 engine, stays: the engine widens it exactly at
+    load); anything else its own."""
     if (float_dtype is not None and t.is_floating_point()
             and t.element_size() > float_dtype.itemsize):
-        return t.detach().to(float_dtype)
-    return t
+        return float_dtype
+    return t.dtype
 
 
 def _raw(t: torch.Tensor) -> Any:
@@ -143,7 +143,7 @@ class WeightRing:
                float_dtype: torch.dtype | None = None) -> WeightRing:
         """A new ring file of ``slots`` slots whose slot 0 holds the (name, tensor) stream,
         written tensor by tensor as it arrives (no copy of the whole model in between), its
-        floating tensors in ``float_dtype`` (`held`; the engine's weight dtype)."""
+        floating tensors in ``float_dtype`` (`held_dtype`; the engine's weight dtype)."""
         if slots < 1:
             raise ValueError(f"weight ring: slots must be >= 1, got {slots}")
         folder = shm_dir()
@@ -153,7 +153,7 @@ class WeightRing:
         try:
             places, end = [], 0
             for name, tensor in weights:
-                tensor = held(tensor, float_dtype)
+                tensor = tensor.detach().to(held_dtype(tensor, float_dtype))
                 raw = _raw(tensor)
                 offset = -(-end // ALIGN) * ALIGN
                 _pwrite_all(fd, raw, offset)
@@ -197,18 +197,19 @@ class WeightRing:
 
     def write(self, j: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a (name, tensor) stream into slot ``j``; it must carry exactly the tensors of
-        the first stream, with their shapes and dtypes (floating ones rounded as `create` did)."""
+        the first stream, with their shapes and dtypes (floating ones rounded as `create` did, by
+        the copy itself: no rounded copy of the tensor in between)."""
         target, seen = self._slots[j], set()
         float_dtype = None if self.layout.float_dtype is None else _dtype(self.layout.float_dtype)
         for name, tensor in weights:
-            tensor = held(tensor, float_dtype)
             view = target.get(name)
             if view is None:
                 raise ValueError(f"update_weights: {name!r} was not in the first published "
                                  "stream; every publish must carry the same tensors")
-            if view.shape != tensor.shape or view.dtype != tensor.dtype:
+            dtype = held_dtype(tensor, float_dtype)
+            if view.shape != tensor.shape or view.dtype != dtype:
                 raise ValueError(f"update_weights: {name!r} is {tuple(tensor.shape)} "
-                                 f"{tensor.dtype}, first published as {tuple(view.shape)} "
+                                 f"{dtype}, first published as {tuple(view.shape)} "
                                  f"{view.dtype}")
             view.copy_(tensor.detach())
             seen.add(name)

@@ -71,14 +71,26 @@ def test_programs_take_turns_and_their_clock_starts_with_their_turn():
     assert again[0].text == "1\n"
 
 
+SHORT = BUSY.replace("< 0.7", "< 0.3")
+
+
+def _spans(tool: PythonTool, n: int, code: str = SHORT) -> list[tuple[float, float]]:
+    async def run():
+        return await asyncio.gather(*(tool.execute(str(i), {"code": code}) for i in range(n)))
+
+    return sorted(tuple(map(float, out.text.split())) for out, _, _ in asyncio.run(run()))
+
+
 def test_the_default_is_one_turn_per_program_cpu(restored_affinity):
+    """Without max_running, programs placed on one CPU run one at a time, and on two CPUs
+    two run at once (their 1.5 s spans overlap: both start together, give or take a start-up)."""
     place_programs(restored_affinity[:1])
-    tool = PythonTool({})
-
-    async def bound():
-        return tool._turn(program_cpus())._value
-
-    assert asyncio.run(bound()) == 1
+    spans = _spans(PythonTool({"timeout_s": 20}), 3)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    if len(restored_affinity) >= 2:
+        place_programs(restored_affinity[:2])
+        spans = _spans(PythonTool({"timeout_s": 20}), 2, BUSY.replace("< 0.7", "< 1.5"))
+        assert spans[0][1] > spans[1][0], spans  # the second started before the first ended
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "4"])

@@ -20,6 +20,9 @@ import pytest
 from fp32_bounds import fp32_gap_bound
 from trainer_helpers import REPO, train, train_rows
 
+# the engines and backends of every recipe run: the same as the refactoring fingerprint's
+from bench.recipe_fingerprint import BACKENDS, ENGINES
+
 # grpo_tools (multi-turn) runs once, on megatron with our engine: multi-turn with vLLM, with
 # asynchronous rollout and on the torch backend have their own trainer tests
 # (tests/trainer/test_multi_turn_*.py)
@@ -31,15 +34,6 @@ RESPONSES = 16  # trainer_helpers.FAST: 4 prompts x 4 responses
 RESPONSE_LENGTH = {"grpo_tools": 128}
 
 
-ENGINES = {
-    "torch": [],
-    "vllm": ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
-             "actor_rollout_ref.model.dtype=fp32"],
-    "async1": ["async_training.staleness_threshold=1"],
-}
-
-
-BACKENDS = ("torch", "megatron")
 
 
 def _cases() -> list:
