@@ -15,6 +15,7 @@ from typing import Any
 
 from megarl.backends.protocol import LM_ROLES
 from megarl.errors import UserInputError
+from megarl.models.lora import adapter_identity
 
 META_NAME = "megarl_meta.json"
 
@@ -58,7 +59,7 @@ def check_role_and_adapters(directory: str, meta: dict[str, Any], role: str, min
             f"checkpoint {directory} holds a {meta.get('role')} model; this backend is a "
             f"{role}"
         )
-    if theirs != mine:
+    if adapter_identity(theirs) != adapter_identity(mine):
         raise UserInputError(
             f"checkpoint {directory} holds LoRA adapters {theirs}; this run's are "
             f"{mine}: resume with the checkpoint's actor_rollout_ref.model.lora_rank, "

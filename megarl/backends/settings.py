@@ -31,13 +31,13 @@ device; megatron: param_dtype, recompute, distributed optimizer, expert layout) 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megarl.backends.optim_settings import OptimSettings
 from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES
 from megarl.errors import UserInputError
-from megarl.models.lora import LORA_INITS, LoraSettings, adapter_settings
+from megarl.models.lora import DROPOUT_POSITIONS, LORA_INITS, LoraSettings, adapter_settings
 from megarl.models.overrides import override_key
 from megarl.utils.dtypes import canonical_dtype
 
@@ -259,10 +259,11 @@ def _listed(value: Any) -> Any:
 
 def lora_settings(cfg: Any) -> LoraSettings | None:
     """The actor's LoRA adapters from ``actor_rollout_ref.model.{lora_rank, lora_alpha,
-    target_modules, exclude_modules, lora_A_init_method, lora_B_init_method,
-    lora_adapter_path}``; None when ``lora_rank`` is 0 and no ``lora_adapter_path`` is set.
-    With ``lora_adapter_path`` the adapter folder gives rank, alpha and modules
-    (`megarl.models.lora.adapter_settings`)."""
+    target_modules, exclude_modules, lora_A_init_method, lora_B_init_method, lora_dropout,
+    lora_dropout_position, lora_adapter_path}``; None when ``lora_rank`` is 0 and no
+    ``lora_adapter_path`` is set. With ``lora_adapter_path`` the adapter folder gives rank,
+    alpha and modules (`megarl.models.lora.adapter_settings`); the dropout is the run's (a
+    folder's ``lora_dropout`` is how it was trained, not part of its function)."""
     m = cfg.actor_rollout_ref.model
     rank = getattr(m, "lora_rank", 0)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -282,7 +283,17 @@ def lora_settings(cfg: Any) -> LoraSettings | None:
             raise UserInputError(f"{_M}.{key}={value!r}: expected one of "
                                  f"{', '.join(LORA_INITS)}")
         inits[field_name] = value
+    dropout = getattr(m, "lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
+            0.0 <= dropout < 1.0):
+        raise UserInputError(f"{_M}.lora_dropout={dropout!r}: expected a probability in [0, 1) "
+                             "(0 = no adapter dropout; e.g. 0.05)")
+    position = getattr(m, "lora_dropout_position", "pre")
+    if position not in DROPOUT_POSITIONS:
+        raise UserInputError(f"{_M}.lora_dropout_position={position!r}: expected one of "
+                             f"{', '.join(DROPOUT_POSITIONS)} (the adapter's input or output)")
+    regulariser = {"dropout": float(dropout), "dropout_position": position}
     if path:
-        return adapter_settings(path, rank, float(alpha))
+        return replace(adapter_settings(path, rank, float(alpha)), **regulariser)
     return LoraSettings(rank=rank, alpha=float(alpha), target_modules=_listed(m.target_modules),
-                        exclude_modules=_listed(m.exclude_modules), **inits)
+                        exclude_modules=_listed(m.exclude_modules), **inits, **regulariser)

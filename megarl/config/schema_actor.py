@@ -66,6 +66,13 @@ class ModelConfig:
     # the first policy differ from the reference.
     lora_A_init_method: Literal["xavier", "kaiming", "normal", "zero"] = "kaiming"
     lora_B_init_method: Literal["xavier", "kaiming", "normal", "zero"] = "zero"
+    # adapter dropout in the actor's update only (PEFT's lora_dropout; verl's megatron block:
+    # model.lora.dropout / dropout_position): each element of the adapter's input ("pre", PEFT's
+    # and Megatron-Bridge's default) or of its output B A x ("post") is zeroed with this
+    # probability, the rest scaled by 1 / (1 - p). Rollouts, old and reference logprobs and
+    # exports run without it. 0 = off.
+    lora_dropout: float = 0.0
+    lora_dropout_position: Literal["pre", "post"] = "pre"
     # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) the actor's
     # adapters start from; its r, lora_alpha and target_modules are the adapters' (as verl;
     # lora_rank 0 = the folder's, another value must equal it)

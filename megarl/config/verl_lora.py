@@ -10,6 +10,8 @@ megarl reads it on both backends:
   ``linear_fc1`` -> gate/up_proj, ``linear_fc2`` -> down_proj, ``linear_q`` -> q_proj, ...);
   other entries pass unchanged;
 - ``lora.lora_A_init_method`` / ``lora_B_init_method`` -> the keys of the same name;
+- ``lora.dropout`` / ``lora.dropout_position`` -> ``model.lora_dropout`` /
+  ``model.lora_dropout_position``;
 - a block with ``rank`` set also brings the block's own defaults where the layer sets neither
   spelling: alpha 32 (the FSDP key's is 16), A drawn ``xavier``, the four megatron modules
   (every projection of a dense layer);
@@ -48,7 +50,8 @@ BLOCK_DEFAULTS: dict[str, Any] = {
 }
 _READ_AS = {"rank": "lora_rank", "alpha": "lora_alpha", "target_modules": "target_modules",
             "exclude_modules": "exclude_modules", "lora_A_init_method": "lora_A_init_method",
-            "lora_B_init_method": "lora_B_init_method"}
+            "lora_B_init_method": "lora_B_init_method", "dropout": "lora_dropout",
+            "dropout_position": "lora_dropout_position"}
 TYPES_READ = ("lora", "canonical_lora")
 
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
@@ -76,9 +79,8 @@ LORA_RULES: tuple[tuple[str, str, str], ...] = (
     (f"{BLOCK}.type", "rejected", "lora and canonical_lora are read as megarl's adapters (one "
      "A and B per HF projection, canonical_lora's layout; verl's lora shares one A over the "
      "fused linear_qkv and linear_fc1); DoRA and vlm_lora are not implemented"),
-    (f"{BLOCK}.dropout", "rejected", "adapter dropout is not implemented (0 only, verl's "
-     "default)"),
-    (f"{BLOCK}.dropout_position", "inert", _ONLY_WHEN.format(what=f"{BLOCK}.dropout")),
+    (f"{BLOCK}.dropout", "mapped", f"{_M}.lora_dropout"),
+    (f"{BLOCK}.dropout_position", "mapped", f"{_M}.lora_dropout_position"),
     (f"{BLOCK}.adapter_path", "rejected", "Megatron-Bridge adapter checkpoints are not read; "
      f"start from a PEFT adapter folder with {_M}.lora_adapter_path"),
     (f"{BLOCK}.merge", "inert", "how verl's megatron workers hand the adapters to vLLM (merged "

@@ -84,7 +84,11 @@ class LoraSettings:
     rank:    r, the inner dimension of B A (> 0).
     alpha:   scale numerator: the update is (alpha / rank) B A.
     target_modules / exclude_modules: see the module docstring.
-    dropout: probability of dropping adapter inputs in training (0 = none, verl's default).
+    dropout: probability of zeroing an element in training (0 = none, verl's default); the
+             kept ones are scaled by 1 / (1 - dropout). Rollouts, old and reference logprobs
+             and exports run without it (the model in eval mode).
+    dropout_position: "pre" drops the adapter's input x (PEFT's and Megatron-Bridge's
+             default), "post" its output B A x (Megatron-Bridge's other choice).
     init_a / init_b: how a fresh A / B is drawn (`LORA_INITS`; default PEFT's: kaiming, zero).
     adapter_path: a PEFT adapter folder the adapters start from instead (`read_peft_adapter`).
     """
@@ -94,6 +98,7 @@ class LoraSettings:
     target_modules: TargetModules = ALL_LINEAR
     exclude_modules: TargetModules | None = None
     dropout: float = 0.0
+    dropout_position: str = "pre"
     init_a: str = "kaiming"
     init_b: str = "zero"
     adapter_path: str | None = None
@@ -103,16 +108,28 @@ class LoraSettings:
         return self.alpha / self.rank
 
 
-# how the adapters started: not part of what a checkpoint's adapters are
+DROPOUT_POSITIONS = ("pre", "post")
+# how the adapters started and how they are regularised in training: not part of what a
+# checkpoint's adapters are (a run resumes or continues them at another dropout)
 START_FIELDS = ("init_a", "init_b", "adapter_path")
+TRAINING_FIELDS = ("dropout", "dropout_position")
 
 
 def settings_meta(settings: LoraSettings | None) -> dict[str, Any] | None:
     """``settings`` as a checkpoint records and compares them (JSON types: lists, not tuples),
-    without `START_FIELDS`; None without LoRA."""
+    without `START_FIELDS` and `TRAINING_FIELDS`; None without LoRA."""
     if settings is None:
         return None
-    kept = {k: v for k, v in asdict(settings).items() if k not in START_FIELDS}
+    return adapter_identity(asdict(settings))
+
+
+def adapter_identity(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What of a checkpoint's recorded LoRA settings ``meta`` defines its adapters (older
+    checkpoints also recorded the dropout): the settings two runs must share to exchange
+    adapters."""
+    if meta is None:
+        return None
+    kept = {k: v for k, v in meta.items() if k not in START_FIELDS + TRAINING_FIELDS}
     return json.loads(json.dumps(kept))
 
 
@@ -124,7 +141,7 @@ class LoRALinear(nn.Linear):
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
                  *, generator: torch.Generator | None = None, init_a: str = "kaiming",
-                 init_b: str = "zero") -> None:
+                 init_b: str = "zero", dropout_position: str = "pre") -> None:
         nn.Module.__init__(self)
         if rank <= 0:
             raise ValueError(f"LoRA rank must be > 0, got {rank}")
@@ -135,7 +152,12 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **fk)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **fk)
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        # PEFT's module name; applied to the input ("pre") or to B A x ("post")
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        if dropout_position not in DROPOUT_POSITIONS:
+            raise ValueError(f"LoRA dropout_position must be one of {DROPOUT_POSITIONS}, got "
+                             f"{dropout_position!r}")
+        self.dropout_post = dropout_position == "post"
         self.adapter_enabled = True
         self.reset_lora_parameters(generator, init_a, init_b)
 
@@ -152,6 +174,8 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         if not self.adapter_enabled:
             return y
+        if self.dropout_post:
+            return y + self.lora_dropout(self.lora_B(self.lora_A(x))) * self.scaling
         return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     @torch.no_grad()
@@ -226,12 +250,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float,
                target_modules: TargetModules = ALL_LINEAR,
                exclude_modules: TargetModules | None = None, dropout: float = 0.0, *,
                freeze_base: bool = True, generator: torch.Generator | None = None,
-               init_a: str = "kaiming", init_b: str = "zero") -> list[str]:
+               init_a: str = "kaiming", init_b: str = "zero",
+               dropout_position: str = "pre") -> list[str]:
     """Replace the selected linear layers of ``model`` by `LoRALinear` in place (parameter
     names of the base are unchanged; new ones are ``<module>.lora_A.weight`` /
     ``<module>.lora_B.weight``). ``freeze_base``: every other parameter stops requiring
     gradients. ``generator`` draws A then B of each module in module order (default: torch's
-    global RNG), by ``init_a`` / ``init_b`` (`init_factor_`). Returns the adapted names."""
+    global RNG), by ``init_a`` / ``init_b`` (`init_factor_`). ``dropout`` (in train mode
+    only) at ``dropout_position``. Returns the adapted names."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise UserInputError(f"actor_rollout_ref.model.lora_rank={rank!r}: expected an integer "
                              "> 0 (0 turns LoRA off)")
@@ -245,7 +271,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float,
         parent = model.get_submodule(parent_name) if parent_name else model
         base = getattr(parent, child)
         setattr(parent, child, LoRALinear(base, rank, alpha, dropout, generator=generator,
-                                          init_a=init_a, init_b=init_b))
+                                          init_a=init_a, init_b=init_b,
+                                          dropout_position=dropout_position))
     if freeze_base:
         for pname, p in model.named_parameters():
             p.requires_grad_(".lora_A." in pname or ".lora_B." in pname)

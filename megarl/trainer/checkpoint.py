@@ -28,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,16 @@ def write_hf_model(actor: Any, source_dir: str | os.PathLike, out: str | os.Path
     return Path(out)
 
 
+def _megatron_parallel() -> Any:
+    """megarl's megatron parallel module where this process built a megatron backend (never
+    imported here: a torch-only run does not load megatron-core)."""
+    return sys.modules.get("megarl.backends.megatron.parallel")
+
+
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states (python, numpy, torch CPU and CUDA) as weights_only-safe data."""
+    """This process's RNG states (python, numpy, torch CPU and CUDA, megatron's named states
+    where a megatron backend seeded them: LoRA dropout draws from one) as weights_only-safe
+    data."""
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -77,6 +86,10 @@ def rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    megatron = _megatron_parallel()
+    tracker = megatron.rng_tracker_states() if megatron is not None else None
+    if tracker is not None:
+        state["megatron_tracker"] = tracker
     return state
 
 
@@ -87,6 +100,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    megatron = _megatron_parallel()
+    if "megatron_tracker" in state and megatron is not None and (
+            megatron.rng_tracker_states() is not None):
+        megatron.set_rng_tracker_states(state["megatron_tracker"])
 
 
 def _fsync_tree(path: Path) -> None:

@@ -23,3 +23,14 @@ def make_batch(seed: int = 0, B: int = 4, P: int = 5, L: int = 4) -> SequenceBat
 def loss_fn(out, mb) -> tuple[torch.Tensor, dict]:
     m = mb.tensors["mask"]
     return -(out.logprob * mb.tensors["adv"] * m).sum() / max(float(m.sum()), 1.0), {}
+
+
+def seed_megatron_dropout(seed: int) -> None:
+    """torch's default generator and megatron's data-parallel RNG state (what megatron's LoRA
+    dropout draws from) both at the state of ``torch.manual_seed(seed)``."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(seed)
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.set_states({**tracker.get_states(),
+                        mrandom.get_data_parallel_rng_tracker_name(): torch.get_rng_state()})

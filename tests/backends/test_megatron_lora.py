@@ -169,6 +169,85 @@ def test_float64_megatron_lora_matches_peft(tmp_path, family):
     parallel.reset_model_parallel()
 
 
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_float64_megatron_lora_dropout_drops_what_one_process_drops(tmp_path, position):
+    """lora_dropout 0.3 in train mode, from the same generator state: megatron's logits and
+    adapter gradients equal the reference's: PEFT's ``lora_dropout`` for ``pre`` (the same masks:
+    each adapter's mask drawn whole, batch-first, in HF's module order), megarl's torch
+    `LoRALinear` for ``post`` (Megatron-Bridge's; PEFT has none). Tolerances as
+    `test_float64_megatron_lora_matches_peft` (the two float64 base models' own gap). In eval
+    mode nothing is dropped. Planted: masks drawn in megatron's [s, b, h] order, or the
+    post mask applied to the input: logits off by > 1e-2."""
+    import peft
+    from policy_batch import seed_megatron_dropout
+
+    from megarl.backends.megatron import parallel
+    from megarl.backends.megatron.lora import install, set_adapters
+    from megarl.backends.megatron.model import Layout
+    from megarl.models import load_model
+    from megarl.models.args import ModelArgs
+    from megarl.models.hf_io import read_hf_config
+    from megarl.models.lora import LoraSettings, apply_lora
+
+    lib.ensure_dist()
+    parallel.reset_model_parallel()
+    parallel.ensure_model_parallel(1, 1, seed=1)
+    path = lib.make_model(tmp_path / "llama", "llama", "lm", num_key_value_heads=2,
+                          num_attention_heads=4, tie_word_embeddings=False)
+    args = ModelArgs.from_hf_config(read_hf_config(path))
+    settings = LoraSettings(rank=RANK, alpha=ALPHA, dropout=0.3, dropout_position=position)
+    chunk = _float64_chunk(path, args, Layout())
+    specs = install([chunk], args, Layout(), settings, seed=1)
+    adapter = _random_adapter(specs)
+    set_adapters([chunk], adapter, 0, 1)
+    names = [s.module for s in specs]
+
+    if position == "pre":
+        ref = peft.get_peft_model(lib.hf_model(path, dtype=torch.float64), peft.LoraConfig(
+            r=RANK, lora_alpha=ALPHA, lora_dropout=0.3, target_modules=names))
+        prefix, suffix = "base_model.model.", ".default.weight"
+    else:
+        ref = load_model(path, dtype=torch.float64)
+        apply_lora(ref, RANK, ALPHA, names, None, 0.3, dropout_position="post")
+        prefix, suffix = "", ".weight"
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, t in adapter.items():
+            module, ab = n.rsplit(".lora_", 1)
+            params[f"{prefix}{module}.lora_{ab[0]}{suffix}"].copy_(t)
+    ref.train()
+    chunk.train()
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, args.vocab_size, (2, 9), generator=g)
+    pos = torch.arange(9).expand(2, 9)
+    weights = torch.randn(2, 9, args.vocab_size, generator=g, dtype=torch.float64)
+    seed_megatron_dropout(21)
+    logits = _logits(chunk, ids, pos, weights)
+    torch.manual_seed(21)
+    want = (ref(input_ids=ids, position_ids=pos).logits if position == "pre"
+            else ref(ids, position_ids=pos))
+    (want * weights).sum().backward()
+    assert (logits - want).abs().max() <= 5e-6 * want.abs().max()
+    for s in specs:
+        for ab in "AB":
+            got = getattr(chunk.lora.pairs[s.key], f"lora_{ab}").grad
+            r = params[f"{prefix}{s.module}.lora_{ab}{suffix}"].grad
+            assert float(r.abs().max()) > 0
+            assert (got - r).abs().max() <= 2e-5 * r.abs().max(), (s.module, ab)
+    chunk.eval()
+    ref.eval()
+    from megarl.backends.megatron import cpu_compat
+
+    with torch.no_grad(), cpu_compat.cuda_to_cpu():
+        whole = (chunk(ids, pos, None) @ chunk.lm_head_weight().t()).transpose(0, 1)
+        whole_ref = (ref(input_ids=ids, position_ids=pos).logits if position == "pre"
+                     else ref(ids, position_ids=pos))
+    assert (whole - whole_ref).abs().max() <= 5e-6 * whole_ref.abs().max()
+    assert (whole - logits).abs().max() > 1e-2  # train mode did drop
+    parallel.reset_model_parallel()
+
+
 def test_megatron_lora_refusals():
     from megarl.backends.megatron.lora import adapter_specs, check_lora_supported
     from megarl.errors import UserInputError
@@ -229,25 +308,30 @@ def test_bf16_lora_checkpoint_rebuilds_and_resumes(tmp_path):
     parallel.reset_model_parallel()
 
 
-def test_adapters_train_under_activation_recompute(tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_adapters_train_under_activation_recompute(tmp_path, dropout):
     """With megatron's full activation recompute (verl's enable_gradient_checkpointing) the
-    adapters get the same update as without it. Planted: the frozen embedding's output left
+    adapters get the same update as without it, with adapter dropout too (the recomputed
+    forward draws the masks the first one drew). Planted: the frozen embedding's output left
     without requires_grad (the reentrant checkpoint then passes no gradient): the adapters do
-    not move."""
-    from policy_batch import loss_fn, make_batch
+    not move; the masks drawn from a generator recompute does not restore: the updates differ
+    by ~lr."""
+    from policy_batch import loss_fn, make_batch, seed_megatron_dropout
 
     from megarl.backends.megatron import MegatronBackend, parallel
     from megarl.models.lora import LoraSettings
 
     lib.ensure_dist()
     path = lib.make_model(tmp_path / "qwen2", "qwen2", "lm")
-    lora = LoraSettings(rank=RANK, alpha=ALPHA, target_modules="all-linear", init_b="normal")
+    lora = LoraSettings(rank=RANK, alpha=ALPHA, target_modules="all-linear", init_b="normal",
+                        dropout=dropout)
     kw = {"use_fused_kernels": False, "optim": {"lr": 1e-2}, "dtype": "fp32"}
     updates = {}
     for recompute in (None, "full"):
         parallel.reset_model_parallel()
         actor = MegatronBackend("actor", str(path), lora=lora, recompute=recompute, **kw)
         before = {n: t.clone() for n, t in actor.export_adapter()}
+        seed_megatron_dropout(5)
         actor.train_step([make_batch(3)], loss_fn)
         updates[recompute] = {n: t - before[n] for n, t in actor.export_adapter()}
     parallel.reset_model_parallel()

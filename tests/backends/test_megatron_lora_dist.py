@@ -1,6 +1,7 @@
 """The megatron LoRA actor on 2 ranks (TP=2, TP=2 with sequence parallelism, PP=2, DP=2) against
 the same actor in one process (fp32, the same adapters, a tied-embedding GQA Qwen2 with q/k/v
-biases): logits, adapter gradients and one optimizer step agree; the merged weights it sends
+biases): logits, adapter gradients and one optimizer step agree, also with adapter dropout on
+the input or the output (but PP=2); the merged weights it sends
 are PEFT's merge of the adapters it exports onto the folder's base; the reference (adapters
 off) is the base model; a checkpoint (adapters + optimizer only) resumes exactly.
 
@@ -15,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from policy_batch import loss_fn, make_batch
+from policy_batch import loss_fn, make_batch, seed_megatron_dropout
 
 ROOT = Path(__file__).resolve().parents[2]
 # dp2: both ranks take the same batch, so the DP average is one process's gradient; the
 # distributed optimizer shards the adapters' state over the two ranks
 LAYOUTS = {"tp2": {"tp": 2}, "tp2sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "dp2": {}}
 RANK, ALPHA, T = 4, 8.0, 0.7
+DROPOUT_POSITIONS = ("pre", "post")
 OPTIM = {"lr": 1e-2, "weight_decay": 0.0, "eps": 1e-8}
 
 
@@ -48,8 +50,8 @@ def run_layout(model: str, kw: dict, ck: str | None) -> dict:
     from megarl.backends.megatron.lora import AdapterOffReference
     from megarl.models.lora import LoraSettings
 
-    def actor():
-        return MegatronBackend("actor", model, lora=LoraSettings(rank=RANK, alpha=ALPHA),
+    def actor(**lora):
+        return MegatronBackend("actor", model, lora=LoraSettings(rank=RANK, alpha=ALPHA, **lora),
                                optim=OPTIM, use_fused_kernels=False, seed=3, **kw)
 
     a = actor()
@@ -66,6 +68,14 @@ def run_layout(model: str, kw: dict, ck: str | None) -> dict:
             next(a.export_adapter(grads=True))
     res["adapter"] = {n: t.clone() for n, t in a.export_adapter()}
     res["weights"] = dict(a.export_weights())
+    for position in DROPOUT_POSITIONS:  # the same update with adapter dropout 0.5
+        dropped = actor(dropout=0.5, dropout_position=position)
+        dropped.load_adapter(start_adapter(model))
+        seed_megatron_dropout(17)  # every rank: the same generator state
+        # 10 columns: SP pads a batch to a multiple of TP, and a mask is drawn for the padded
+        # [b, S, features]; at one length every layout draws the same masks
+        dropped.train_step([make_batch(1, P=6), make_batch(2, P=6)], loss_fn, temperature=T)
+        res[f"dropped_{position}"] = {n: t.clone() for n, t in dropped.export_adapter()}
     res["n_opt_params"] = sum(len(g["params"]) for g in a.optimizer.param_groups)
     res["n_local_adapters"] = sum(p.numel() > 0 for c in a.chunks for p in c.lora.parameters())
     if ck is not None:
@@ -148,6 +158,16 @@ def test_megatron_lora_layouts_equal_one_process(results, layout):
     assert all(float(t.abs().max()) > 0 for t in one["grads"].values())
     _close(r["adapter"], one["adapter"], 3e-5)
     assert r["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-5)
+    # adapter dropout: each TP rank draws the whole mask and keeps its part, so TP and SP drop
+    # what one process drops (DP=2: both ranks the same batch and generator state); pipeline
+    # stages draw from their own generators. Planted: the row-parallel mask not sliced to the
+    # rank's input columns, or the SP shard's mask drawn for its own rows only: O(1) apart.
+    for position in DROPOUT_POSITIONS:
+        key = f"dropped_{position}"
+        moved = max(float((one[key][n] - t).abs().max()) for n, t in one["adapter"].items())
+        assert moved > 1e-3, (position, moved)  # the masks changed the update
+        if layout != "pp2":
+            _close(r[key], one[key], 3e-5)
     # the optimizer holds this rank's adapters only (under DP=2 the distributed optimizer
     # holds a share of them)
     if layout == "dp2":

@@ -110,6 +110,8 @@ ADDED: dict[str, object] = {
     "actor_rollout_ref.model.lora_A_init_method": 'kaiming',
     "actor_rollout_ref.model.lora_B_init_method": 'zero',
     "actor_rollout_ref.model.lora_adapter_path": None,
+    "actor_rollout_ref.model.lora_dropout": 0.0,
+    "actor_rollout_ref.model.lora_dropout_position": "pre",
     "actor_rollout_ref.actor.parallel.param_dtype": None,
     "critic.parallel.param_dtype": None,
     "reward_model.parallel.param_dtype": None,

@@ -90,7 +90,10 @@ def test_flat_keys_next_to_the_block_fill_what_it_leaves(model):
      (f"{M}.lora.alpha", f"{M}.lora_alpha")),
     ((f"{M}.lora.rank=8", f"{M}.lora.target_modules=[linear_qkv]",
       f"{M}.target_modules=[q_proj]"), (f"{M}.lora.target_modules", f"{M}.target_modules")),
-    ((f"{M}.lora.rank=8", f"{M}.lora.dropout=0.1"), (f"{M}.lora.dropout",)),
+    ((f"{M}.lora.rank=8", f"{M}.lora.dropout=0.1", f"{M}.lora_dropout=0.2"),
+     (f"{M}.lora.dropout", f"{M}.lora_dropout")),
+    ((f"{M}.lora.rank=8", f"{M}.lora.dropout_position=middle"),
+     (f"{M}.lora_dropout_position",)),
     ((f"{M}.lora.rank=8", f"{M}.lora.type=dora"), (f"{M}.lora.type", "DoRA")),
     ((f"{M}.lora.rank=8", f"{M}.lora.adapter_path=/ckpt/adapter"),
      (f"{M}.lora.adapter_path", f"{M}.lora_adapter_path")),
@@ -130,6 +133,26 @@ def test_backends_read_the_block_settings(model):
     assert (s.rank, s.alpha, s.target_modules, s.init_a, s.init_b, s.adapter_path) == (
         8, 32.0, ALL_HF, "xavier", "normal", None)
     assert lora_settings(resolve_config(str(model.path)).config) is None
+
+
+def test_dropout_keys_reach_the_backends(model):
+    """Megatron-Bridge's block dropout (verl's megatron spelling) and PEFT's flat key land on
+    the adapters' dropout and its position; a probability outside [0, 1) is one error naming
+    the key. Planted: the block's dropout dropped (0.0) or its position ignored fails."""
+    from megarl.backends.settings import lora_settings
+    from megarl.errors import UserInputError
+
+    def settings(*overrides):
+        return lora_settings(resolve_config(str(model.path), list(overrides)).config)
+
+    s = settings(f"{M}.lora.rank=8", f"{M}.lora.dropout=0.05", f"{M}.lora.dropout_position=post")
+    assert (s.dropout, s.dropout_position) == (0.05, "post")
+    s = settings(f"{M}.lora_rank=8", f"{M}.lora_dropout=0.1")
+    assert (s.dropout, s.dropout_position) == (0.1, "pre")
+    assert settings(f"{M}.lora_rank=8").dropout == 0.0
+    for bad in ("1.0", "-0.1"):
+        with pytest.raises(UserInputError, match=f"{M}.lora_dropout="):
+            settings(f"{M}.lora_rank=8", f"{M}.lora_dropout={bad}")
 
 
 def test_block_without_rank_leaves_the_flat_keys(model):

@@ -37,14 +37,15 @@ SELECTIONS = [
 ]
 
 
-def peft_pair(folder, rank=4, alpha=8.0, target="all-linear", exclude=None, seed=0):
+def peft_pair(folder, rank=4, alpha=8.0, target="all-linear", exclude=None, seed=0,
+              dropout=0.0):
     """(peft model, our model, adapted names): same base, same non-zero adapter tensors."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=F64)
-    ref = peft.get_peft_model(hf, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+    ref = peft.get_peft_model(hf, peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                                                   target_modules=target,
                                                   exclude_modules=exclude))
     ours = load_model(folder, dtype=F64)
-    names = apply_lora(ours, rank, alpha, target, exclude)
+    names = apply_lora(ours, rank, alpha, target, exclude, dropout)
     gen = torch.Generator().manual_seed(seed)
     ref_params = dict(ref.named_parameters())
     with torch.no_grad():
@@ -90,6 +91,63 @@ def test_logits_and_adapter_grads_match_peft(hf_folder, family):
             assert (g - ref_grads[f"base_model.model.{name}.lora_{ab}.default.weight"]).abs().max() <= TOL
     # the base is frozen: no gradient anywhere outside the adapters
     assert all(p.grad is None for n, p in ours_params.items() if ".lora_" not in n)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dropout_drops_what_peft_drops_in_training_only(hf_folder, family):
+    """lora_dropout 0.3 on every adapter's input: in train mode, from the same generator state,
+    the logits and every adapter gradient equal PEFT's (the same masks, drawn in the same module
+    order); in eval mode the adapters run whole (the logits of the dropout-free pair)."""
+    folder = hf_folder(family)
+    ref, ours, names = peft_pair(folder, dropout=0.3)
+    _, plain, _ = peft_pair(folder)
+    ids = batch()
+    ref.train()
+    ours.train()
+    torch.manual_seed(11)
+    got = ours(ids)
+    torch.manual_seed(11)
+    want = ref(input_ids=ids).logits
+    assert (got - want).abs().max() <= TOL
+    with torch.no_grad():
+        whole = plain(ids)
+        assert (got - whole).abs().max() > 1e-2  # the masks did drop something
+        torch.manual_seed(12)  # another draw drops other elements
+        assert (ours(ids) - got).abs().max() > 1e-2
+        ours.eval()
+        assert torch.equal(ours(ids), whole)
+    weights = torch.linspace(-1, 1, got.shape[-1], dtype=F64)
+    (torch.log_softmax(got, -1) * weights).sum().backward()
+    (torch.log_softmax(want, -1) * weights).sum().backward()
+    ref_params, ours_params = dict(ref.named_parameters()), dict(ours.named_parameters())
+    for name in names:
+        for ab in "AB":
+            g = ours_params[f"{name}.lora_{ab}.weight"].grad
+            r = ref_params[f"base_model.model.{name}.lora_{ab}.default.weight"].grad
+            assert g.abs().max() > 1e-4 and (g - r).abs().max() <= TOL, (name, ab)
+
+
+def test_post_dropout_drops_the_adapter_output():
+    """dropout_position post (Megatron-Bridge's): y = W x + b + s * dropout(B A x), in float64
+    against the adapter's output masked by the draw F.dropout makes from the same state; the
+    base output is never dropped."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.nn.Linear(6, 5, dtype=F64)
+    layer = LoRALinear(base, 3, 6.0, 0.5, generator=gen, init_b="normal",
+                       dropout_position="post")
+    x = torch.randn(4, 7, 6, generator=gen, dtype=F64)
+    torch.manual_seed(3)
+    got = layer(x)
+    delta = (x @ layer.lora_A.weight.t() @ layer.lora_B.weight.t()).detach()
+    torch.manual_seed(3)
+    kept = torch.nn.functional.dropout(torch.ones_like(delta), 0.5)
+    want = base(x) + delta * kept * 2.0
+    assert (got - want).abs().max() <= 1e-12
+    assert 0 < int((kept == 0).sum()) < kept.numel()
+    layer.eval()
+    assert (layer(x) - (base(x) + 2.0 * delta)).abs().max() <= 1e-12
+    with pytest.raises(ValueError, match="dropout_position"):
+        LoRALinear(base, 3, 6.0, 0.5, dropout_position="middle")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -4,7 +4,7 @@ transformers, and its merged model is the run's ``hf_actor`` (so the base weight
 trained on are the folder's: every tensor no adapter touches is bit for bit the folder's);
 the adapters moved; the checkpoint holds the adapters only; the reference is the base model
 (KL 0 before the first update, > 0 after it); a resume from the adapters-only checkpoint
-continues bit for bit."""
+continues bit for bit, adapter dropout included."""
 
 from __future__ import annotations
 
@@ -24,10 +24,13 @@ LORA = [f"{M}.lora_rank=8", f"{M}.lora_alpha=16", f"{M}.target_modules=all-linea
         "actor_rollout_ref.actor.optim.lr=3e-2", "actor_rollout_ref.rollout.check_logprobs=true",
         "actor_rollout_ref.actor.entropy_coeff=0.01", "trainer.save_freq=1",
         "trainer.export_hf=true"]
-# megatron: the adapters named by megatron-core's four linears (= the seven HF ones)
-STRATEGY = {"torch": [], "megatron": [
+# megatron: the adapters named by megatron-core's four linears (= the seven HF ones). Adapter
+# dropout in training (PEFT's key on torch, verl's megatron block on megatron): the resume
+# must restore the generators it draws from
+STRATEGY = {"torch": [f"{M}.lora_dropout=0.1"], "megatron": [
     "actor_rollout_ref.actor.strategy=megatron",
-    f"{M}.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]}
+    f"{M}.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+    f"+{M}.lora.dropout=0.1", f"+{M}.lora.dropout_position=post"]}
 
 
 def assert_engine_runs_the_adapted_policy(run: Path) -> None:

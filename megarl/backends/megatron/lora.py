@@ -4,7 +4,7 @@ Every adapted HF linear (``model.layers.{i}.self_attn.{q,k,v,o}_proj``,
 ``model.layers.{i}.mlp.{gate,up,down}_proj``) gets its own pair A [r, in], B [out, r] (PEFT's
 layout, `megarl.models.lora`), added to the output of the megatron linear that holds it:
 
-    y = W x + b + (alpha / r) B A x        (no dropout; the base W, b frozen)
+    y = W x + b + (alpha / r) B A dropout(x)        (the base W, b frozen)
 
 - a column-parallel linear (``linear_qkv``: q, k, v; ``linear_fc1``: gate, up) keeps A
   replicated over TP and splits B along its output rows like the layer; the fused outputs are
@@ -33,6 +33,16 @@ verl's megatron LoRA block does (``linear_qkv``, ``linear_proj``, ``linear_fc1``
 ``linear_fc1_up``; shell wildcards like ``*.layers.0.*.linear_qkv`` match megatron's full
 names). The layers are megatron's local spec (TransformerEngine fuses the pre-norm into the
 linear, whose input the hook would then not see); mixture-of-experts models are refused.
+
+Adapter dropout (``lora_dropout``, in train mode only) on the input (``pre``) or on B A x
+(``post``): every TP rank draws the mask of the whole [batch, sequence, features] tensor, in
+transformers' batch-first order, from torch's default generator (the same state on every TP
+rank, as megatron seeds it; restored by activation recompute) and keeps its own part. So every
+TP and sequence-parallel layout drops what one process drops from a batch of the same padded
+length (sequence parallelism pads it to a multiple of TP), and on the CPU what PEFT's
+``lora_dropout`` drops with the same generator state; each rank pays for the whole draw.
+Pipeline stages draw from their own generators; under context parallelism each rank draws
+over its own tokens.
 """
 
 from __future__ import annotations
@@ -115,10 +125,6 @@ def check_lora_supported(args: ModelArgs, settings: LoraSettings) -> None:
             "actor_rollout_ref.model.lora_rank > 0 on a mixture-of-experts policy with "
             "actor_rollout_ref.actor.strategy=megatron: LoRA on expert layers is not implemented; "
             "set lora_rank=0 (full training) or use a dense policy")
-    if settings.dropout:
-        raise UserInputError(
-            f"LoRA dropout {settings.dropout} on the megatron backend: only 0 (verl's default) is "
-            "implemented")
 
 
 def _shapes(args: ModelArgs, hf_leaf: str) -> tuple[int, int]:
@@ -219,13 +225,36 @@ class LoraPair(nn.Module):
 
 
 class ChunkAdapters(nn.Module):
-    """The adapters of one pipeline chunk (``chunk.lora``)."""
+    """The adapters of one pipeline chunk (``chunk.lora``), their scaling and their dropout
+    (applied in train mode)."""
 
-    def __init__(self, pairs: dict[str, LoraPair], scaling: float) -> None:
+    def __init__(self, pairs: dict[str, LoraPair], scaling: float, *, dropout: float = 0.0,
+                 dropout_position: str = "pre", tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.pairs = nn.ModuleDict(pairs)
         self.scaling = scaling
         self.enabled = True
+        self.dropout, self.dropout_post = dropout, dropout_position == "post"
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def keep(self, t: torch.Tensor, features: int, *, seq_shard: bool,
+             feature_shard: bool) -> torch.Tensor:
+        """The dropout multiplier (0 or 1 / (1 - p)) of ``t`` [s, b, f]: this rank's part of
+        the mask of the whole [b, S, features] tensor (S = s x TP when ``seq_shard``: ``t`` is
+        this rank's sequence shard; f = features / TP when ``feature_shard``), drawn whole, in
+        batch-first order, from megatron's data-parallel RNG state, as F.dropout draws on the
+        CPU."""
+        s, b = t.shape[0], t.shape[1]
+        p = self.dropout
+        with parallel.data_parallel_rng():
+            whole = torch.empty(b, s * self.tp_size if seq_shard else s, features,
+                                dtype=t.dtype, device=t.device).bernoulli_(1 - p)
+        whole = whole.div_(1 - p).transpose(0, 1)
+        if seq_shard:
+            whole = whole[self.tp_rank * s:(self.tp_rank + 1) * s]
+        if feature_shard:
+            whole = whole[..., _tp_slice(features, self.tp_rank, self.tp_size)]
+        return whole
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
@@ -257,14 +286,26 @@ class _LinearHook:
         self.sp = sp
 
     def _delta(self, pair: LoraPair, x: torch.Tensor) -> torch.Tensor:
+        adapters, spec = self.adapters, pair.spec
+        column = spec.parallel == "column"
+        dropout = adapters.dropout if adapters.training else 0.0
+        if dropout and not adapters.dropout_post:
+            # column: x [s (s / TP under SP), b, in]; row: [s, b, in / TP]
+            x = x * adapters.keep(x, spec.in_features, seq_shard=column and self.sp,
+                                  feature_shard=not column)
         z = F.linear(x, pair.lora_A)
-        if pair.spec.parallel == "column":
+        if column:
             z = (mappings.gather_from_sequence_parallel_region(z) if self.sp
                  else mappings.copy_to_tensor_model_parallel_region(z))
         else:
             z = (mappings.reduce_scatter_to_sequence_parallel_region(z) if self.sp
                  else mappings.reduce_from_tensor_model_parallel_region(z))
-        return F.linear(z, pair.lora_B) * self.adapters.scaling
+        delta = F.linear(z, pair.lora_B)
+        if dropout and adapters.dropout_post:
+            # column: delta [s, b, out / TP]; row: [s (s / TP under SP), b, out]
+            delta = delta * adapters.keep(delta, spec.out_features,
+                                          seq_shard=not column and self.sp, feature_shard=column)
+        return delta * adapters.scaling
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self.adapters.enabled:
@@ -330,7 +371,9 @@ def install(chunks: list[MegarlGPTModel], args: ModelArgs, layout: Layout,
                 else:
                     widths = [0]
                 hooks.append((module, keys, widths, groups))
-        adapters = ChunkAdapters(pairs, settings.scaling)
+        adapters = ChunkAdapters(pairs, settings.scaling, dropout=settings.dropout,
+                                 dropout_position=settings.dropout_position,
+                                 tp_rank=tp_rank, tp_size=tp_size)
         for module, keys, widths, groups in hooks:
             module.register_forward_hook(_LinearHook(adapters, keys, widths, groups, layout.sp),
                                          with_kwargs=True)

@@ -105,6 +105,31 @@ def reset_model_parallel() -> None:
 
 
 @contextlib.contextmanager
+def data_parallel_rng() -> Iterator[None]:
+    """Inside: torch's default generator (CUDA's on a GPU) holds megatron's data-parallel RNG
+    state, the same on every TP rank whatever region the caller is in (under sequence
+    parallelism megatron runs the transformer block in the model-parallel state, which differs
+    per TP rank); megatron's activation recompute restores it with the other tracked states."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with tensor_parallel.get_cuda_rng_tracker().fork(mrandom.get_data_parallel_rng_tracker_name()):
+        yield
+
+
+def rng_tracker_states() -> dict[str, torch.Tensor] | None:
+    """Megatron's named RNG states of this process (data-parallel, model-parallel, expert), for
+    an exact resume; None where no megatron backend seeded them."""
+    if _SEEDED is None:
+        return None
+    return {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+
+
+def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    """Put back what `rng_tracker_states` returned (after the backend seeded the tracker)."""
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(states))
+
+
+@contextlib.contextmanager
 def virtual_pp(vpp: int | None) -> Iterator[None]:
     """Set megatron's global virtual-pipeline size (and rank 0) for the duration."""
     old_size = ps.get_virtual_pipeline_model_parallel_world_size()

@@ -38,7 +38,8 @@ def apply_actor_lora(model: Transformer, lora: LoraSettings, layout: Layout, see
             "match); set lora_rank=0 or use a dense model")
     gen = torch.Generator().manual_seed(seed)
     names = apply_lora(model, lora.rank, lora.alpha, lora.target_modules, lora.exclude_modules,
-                       lora.dropout, generator=gen, init_a=lora.init_a, init_b=lora.init_b)
+                       lora.dropout, generator=gen, init_a=lora.init_a, init_b=lora.init_b,
+                       dropout_position=lora.dropout_position)
     if lora.adapter_path:
         load_adapter_into(model, lora.adapter_path)
         logger.info("LoRA adapters start from %s", lora.adapter_path)
