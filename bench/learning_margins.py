@@ -5,6 +5,8 @@ thread counts, its held-out gain against the tests' 5-point bar.
     python bench/learning_margins.py                         # every case, seeds 42 1 2, 1 thread
     python bench/learning_margins.py --threads 2 --seeds 42  # another float order
     python bench/learning_margins.py --only grpo pacs --jobs 2
+    python bench/learning_margins.py --only grpo-lora --steps 15 \
+        --extra actor_rollout_ref.actor.optim.lr=2e-3            # a variant of a case
 
 Another CPU sums in another order; another seed and another thread count (torch splits its
 reductions by thread) stand in for it. A case whose smallest gain stays well above the bar
@@ -79,8 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="case ids (default: all)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--steps", type=int, default=None, help="steps instead of the test's")
+    ap.add_argument("--extra", nargs="+", default=[],
+                    help="overrides appended to every case's (key=value)")
     a = ap.parse_args(argv)
-    todo = [c for c in cases() if a.only is None or c[0] in a.only]
+    todo = [(name, recipe, [*extra, *a.extra], a.steps or steps)
+            for name, recipe, extra, steps in cases() if a.only is None or name in a.only]
     runs = [(c, s, t) for c in todo for t in a.threads for s in a.seeds]
     print(f"{len(runs)} runs, {a.jobs} at once", flush=True)
     rows = []
