@@ -1,45 +1,18 @@
-"""Project config -> the settings of one backend role, the same for both training backends.
-
-Sections read per role (``model`` is ``actor_rollout_ref.model``):
-
-    actor  model.{path, dtype, enable_gradient_checkpointing}, actor_rollout_ref.actor.{parallel,
-           megatron, optim, grad_clip, router_replay.mode (R3: router_replay)}; no-grad
-           micro-batching from actor_rollout_ref.rollout.log_prob_*
-    ref    the actor's model, parallel and megatron blocks, no optimizer; micro-batching from
-           actor_rollout_ref.ref.log_prob_* (None = the rollout's)
-    critic critic.{model, parallel, megatron, optim, grad_clip} (model.path / dtype None = the
-           actor's); no-grad micro-batching from critic.ppo_* / use_dynamic_bsz
-    prm    reward_model.{model, parallel}; micro-batching from reward_model.*; the actor's megatron
-           block (megatron's expert layout is one per process)
-    every  seed = trainer.seed; kernels = model.use_fused_kernels / fused_kernel_options (the LM
-           head's)
-    lora   the actor's adapters: model.{lora_rank, lora_alpha, target_modules, ...} or the
-           folder of model.lora_adapter_path (`lora_settings`)
-
-Micro-batching of the no-grad passes (verl's rule, as ``load_config`` fills it): a dynamic flag
-None means dynamic unless the role's micro size is given; dynamic packs by ``max_tokens`` and
-ignores the micro size. Critic and PRM flags None follow the actor's. A ``*_max_token_len_per_gpu``
-budget counts one GPU's tokens: where Ulysses or context parallelism splits each sequence over
-S ranks, a micro-batch holds S times the budget (as verl's workers multiply it;
-`micro_batch_tokens`, also used by the trainer's updates).
-
-The backends map these onto their own constructors (`megarl.backends.torch.config`,
-`megarl.backends.megatron.config`); what only one backend has (torch: FSDP shard group, Ulysses,
-device; megatron: param_dtype, recompute, distributed optimizer, expert layout) stays there.
+"""The settings of one training role, the same for both backends (`RoleSettings`), and the
+token-budget rule of micro-batches (`micro_batch_tokens`). They are made from the project
+config where the run is built (`megarl.trainer.settings.role_settings`, which says what each
+field reads); the backends map them onto their own constructors (`megarl.backends.torch.config`,
+`megarl.backends.megatron.config`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from megarl.backends.optim_settings import OptimSettings
-from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES
-from megarl.errors import UserInputError
-from megarl.models.lora import DROPOUT_POSITIONS, LORA_INITS, LoraSettings, adapter_settings
-from megarl.models.overrides import override_key
-from megarl.utils.dtypes import canonical_dtype
+from megarl.backends.protocol import TRAINABLE_ROLES
+from megarl.models.lora import LoraSettings
 
 
 @dataclass(frozen=True)
@@ -77,7 +50,8 @@ class Kernels:
 
 @dataclass(frozen=True)
 class RoleSettings:
-    """What both backends take for one role, read from the project config by `role_settings`.
+    """What both backends take for one role, read from the project config by
+    `megarl.trainer.settings.role_settings`.
 
     megatron: the role's ``megatron`` config block (critic: its own; actor, ref, prm: the
     actor's), read only by the megatron backend."""
@@ -98,92 +72,12 @@ class RoleSettings:
     override_config: dict[str, Any] | None = None
     override_key: str = "actor_rollout_ref.model.override_config"
     lora: LoraSettings | None = None  # the actor's adapters (`lora_settings`)
+    device: str = "auto"  # trainer.device: auto | cpu | cuda (`megarl.utils.dist.resolve_device`)
+    param_dtype: str | None = None  # torch backend: the role's parallel.param_dtype
 
     @property
     def trainable(self) -> bool:
         return self.role in TRAINABLE_ROLES
-
-
-_PATH_KEYS = {"critic": "critic.model.path", "prm": "reward_model.model.path"}
-_SECTIONS = {"critic": "critic", "prm": "reward_model"}
-
-
-def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSettings:
-    """The settings of ``role`` (actor | ref | critic | prm) from ``cfg`` (a `megarl.config.Config`;
-    `load_config`'s output or a bare one: unfilled None keys follow the rules above).
-    ``model_path`` overrides the role's ``model.path``."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    arr = cfg.actor_rollout_ref
-    model, actor = arr.model, arr.actor
-    if role in LM_ROLES:
-        own_model, section, path = model, actor, model.path
-    elif role == "critic":
-        own_model, section = cfg.critic.model, cfg.critic
-        path = _first(own_model.path, model.path)
-    else:
-        own_model, section = cfg.reward_model.model, cfg.reward_model
-        path = own_model.path
-    path = _first(model_path, path)
-    if not path:
-        key = _PATH_KEYS.get(role, "actor_rollout_ref.model.path")
-        raise UserInputError(f"{key}: an HF model folder is required for the {role} backend")
-    optim = None
-    if role in TRAINABLE_ROLES:
-        optim = _optim(section.optim, section.grad_clip,
-                       f"{_SECTIONS.get(role, 'actor_rollout_ref.actor')}.optim."
-                       "override_optimizer_config")
-    opts = model.fused_kernel_options
-    return RoleSettings(
-        role=role,
-        model_path=str(path),
-        dtype=canonical_dtype(_first(own_model.dtype, model.dtype), _dtype_key(role)),
-        parallel=_parallel(section.parallel),
-        micro=_split_budget(micro_batching(role, cfg), section.parallel),
-        kernels=Kernels(fused=model.use_fused_kernels, impl=opts.impl_backend,
-                        chunk_size=opts.chunk_size),
-        seed=int(cfg.trainer.seed),
-        optim=optim,
-        activation_checkpointing=role != "prm" and bool(own_model.enable_gradient_checkpointing),
-        router_replay=actor.router_replay.mode if role == "actor" else "disabled",
-        megatron=cfg.critic.megatron if role == "critic" else actor.megatron,
-        override_config=_plain(getattr(own_model, "override_config", None)) or None,
-        override_key=override_key(role),
-        lora=lora_settings(cfg) if role == "actor" else None,
-    )
-
-
-def _split_budget(micro: MicroBatching, par: Any) -> MicroBatching:
-    return MicroBatching(dynamic=micro.dynamic, max_tokens=micro_batch_tokens(micro.max_tokens, par),
-                         rows=micro.rows)
-
-
-def micro_batching(role: str, cfg: Any) -> MicroBatching:
-    """The no-grad micro-batching of ``role`` (see the module docstring)."""
-    arr = cfg.actor_rollout_ref
-    ro, ref, actor_dynamic = arr.rollout, arr.ref, arr.actor.use_dynamic_bsz
-    if role == "actor":
-        return _micro(ro.log_prob_use_dynamic_bsz, ro.log_prob_max_token_len_per_gpu,
-                      ro.log_prob_micro_batch_size_per_gpu)
-    if role == "ref":
-        dynamic = ref.log_prob_use_dynamic_bsz
-        if dynamic is None:  # the ref's own micro size means fixed rows; else the rollout's flag
-            own = ref.log_prob_micro_batch_size_per_gpu is not None
-            dynamic = False if own else ro.log_prob_use_dynamic_bsz
-        return _micro(dynamic,
-                      _first(ref.log_prob_max_token_len_per_gpu, ro.log_prob_max_token_len_per_gpu),
-                      _first(ref.log_prob_micro_batch_size_per_gpu,
-                             ro.log_prob_micro_batch_size_per_gpu))
-    if role == "critic":
-        c = cfg.critic
-        return _micro(_first(c.use_dynamic_bsz, actor_dynamic), c.ppo_max_token_len_per_gpu,
-                      c.ppo_micro_batch_size_per_gpu)
-    if role == "prm":
-        rm = cfg.reward_model
-        # no row count: pack by the token budget (verl's reward loop needs none either)
-        dynamic = _first(rm.use_dynamic_bsz, actor_dynamic) or rm.micro_batch_size_per_gpu is None
-        return _micro(dynamic, rm.forward_max_token_len_per_gpu, rm.micro_batch_size_per_gpu)
-    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
 def sequence_split(par: Any) -> int:
@@ -197,103 +91,3 @@ def micro_batch_tokens(tokens_per_gpu: int | None, par: Any) -> int | None:
     return None if tokens_per_gpu is None else int(tokens_per_gpu) * sequence_split(par)
 
 
-def _micro(dynamic: bool | None, max_tokens: int | None, rows: int | None) -> MicroBatching:
-    return MicroBatching(dynamic=rows is None if dynamic is None else bool(dynamic),
-                         max_tokens=max_tokens, rows=rows)
-
-
-def _optim(optim: Any, grad_clip: float | None, override_key: str) -> OptimSettings:
-    overrides = getattr(optim, "override_optimizer_config", None)
-    return OptimSettings(
-        override_optimizer_config=dict(overrides) if overrides else None,
-        override_key=override_key,
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        grad_clip=grad_clip,
-        lr_scheduler_type=optim.lr_scheduler_type,
-        lr_warmup_steps=optim.lr_warmup_steps,
-        lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
-        min_lr_ratio=optim.min_lr_ratio,
-        total_training_steps=optim.total_training_steps,
-    )
-
-
-def _parallel(par: Any) -> Parallel:
-    return Parallel(
-        tp=int(par.tensor_model_parallel_size),
-        pp=int(par.pipeline_model_parallel_size),
-        vpp=par.virtual_pipeline_model_parallel_size,
-        sp=bool(par.sequence_parallel),
-        dp_shard=int(par.data_parallel_shard),
-        ulysses=int(par.ulysses_sequence_parallel_size),
-        cp=int(par.context_parallel_size),
-    )
-
-
-def _dtype_key(role: str) -> str:
-    return {"critic": "critic.model.dtype", "prm": "reward_model.model.dtype"}.get(
-        role, "actor_rollout_ref.model.dtype")
-
-
-def _plain(value: Any) -> Any:
-    """A config mapping (a dict, or OmegaConf's) as plain dicts and lists."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _first(*values: Any) -> Any:
-    return next((v for v in values if v is not None), None)
-
-
-_M = "actor_rollout_ref.model"
-
-
-def _listed(value: Any) -> Any:
-    return value if value is None or isinstance(value, str) else list(value)
-
-
-def lora_settings(cfg: Any) -> LoraSettings | None:
-    """The actor's LoRA adapters from ``actor_rollout_ref.model.{lora_rank, lora_alpha,
-    target_modules, exclude_modules, lora_A_init_method, lora_B_init_method, lora_dropout,
-    lora_dropout_position, lora_adapter_path}``; None when ``lora_rank`` is 0 and no
-    ``lora_adapter_path`` is set. With ``lora_adapter_path`` the adapter folder gives rank,
-    alpha and modules (`megarl.models.lora.adapter_settings`); the dropout is the run's (a
-    folder's ``lora_dropout`` is how it was trained, not part of its function)."""
-    m = cfg.actor_rollout_ref.model
-    rank = getattr(m, "lora_rank", 0)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise UserInputError(f"{_M}.lora_rank={rank!r}: expected a whole number >= 0 (0 = no "
-                             "LoRA; e.g. 8, 16, 32, 64)")
-    path = getattr(m, "lora_adapter_path", None)
-    if rank == 0 and not path:
-        return None
-    alpha = m.lora_alpha
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise UserInputError(f"{_M}.lora_alpha={alpha!r}: expected a number > 0 (the adapters' "
-                             "update is scaled by lora_alpha / lora_rank)")
-    inits = {}
-    for key, field_name in (("lora_A_init_method", "init_a"), ("lora_B_init_method", "init_b")):
-        value = getattr(m, key, "kaiming" if field_name == "init_a" else "zero")
-        if value not in LORA_INITS:
-            raise UserInputError(f"{_M}.{key}={value!r}: expected one of "
-                                 f"{', '.join(LORA_INITS)}")
-        inits[field_name] = value
-    dropout = getattr(m, "lora_dropout", 0.0)
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
-            0.0 <= dropout < 1.0):
-        raise UserInputError(f"{_M}.lora_dropout={dropout!r}: expected a probability in [0, 1) "
-                             "(0 = no adapter dropout; e.g. 0.05)")
-    position = getattr(m, "lora_dropout_position", "pre")
-    if position not in DROPOUT_POSITIONS:
-        raise UserInputError(f"{_M}.lora_dropout_position={position!r}: expected one of "
-                             f"{', '.join(DROPOUT_POSITIONS)} (the adapter's input or output)")
-    regulariser = {"dropout": float(dropout), "dropout_position": position}
-    if path:
-        return replace(adapter_settings(path, rank, float(alpha)), **regulariser)
-    return LoraSettings(rank=rank, alpha=float(alpha), target_modules=_listed(m.target_modules),
-                        exclude_modules=_listed(m.exclude_modules), **inits, **regulariser)

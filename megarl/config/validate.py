@@ -456,7 +456,7 @@ def _check_batches(cfg: Config, c: _Checker) -> None:
                    f"log_prob_use_dynamic_bsz=true")
     # reward_model.micro_batch_size_per_gpu is optional (verl 0.9.1 scores through its reward
     # loop by default and skips the check): without it the reward model packs its forwards up
-    # to reward_model.forward_max_token_len_per_gpu (megarl.backends.settings.micro_batching)
+    # to reward_model.forward_max_token_len_per_gpu (megarl.trainer.settings.micro_batching)
 
 
 def _role_strategy(cfg: Config, prefix: str) -> str:

@@ -27,6 +27,7 @@ from megarl.rollout.protocol import RolloutEngine
 from megarl.trainer.generation import AgentRollout, Scorer
 from megarl.trainer.outcome_rm import OutcomeRewardModel
 from megarl.trainer.run_lock import RunDirLock
+from megarl.trainer.settings import lora_settings, role_settings
 from megarl.utils import dist as mdist
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,11 @@ def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
     if strategy == "torch":
         from megarl.backends.torch import TorchBackend
 
-        return TorchBackend.from_config(role, cfg, model_path)
+        return TorchBackend.from_settings(role_settings(role, cfg, model_path))
     if strategy == "megatron":
         from megarl.backends.megatron import MegatronBackend
 
-        return MegatronBackend.from_config(role, cfg, model_path)
+        return MegatronBackend.from_settings(role_settings(role, cfg, model_path))
     raise ValueError(f"actor_rollout_ref.actor.strategy: unknown {strategy!r}; expected torch "
                      "or megatron")
 
@@ -50,7 +51,6 @@ def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
 def lora_rank(cfg: Any) -> int:
     """The actor's LoRA rank: ``actor_rollout_ref.model.lora_rank``, or the adapter folder's
     with ``lora_adapter_path`` (0: the actor trains all its parameters)."""
-    from megarl.backends.settings import lora_settings
 
     settings = lora_settings(cfg)
     return settings.rank if settings is not None else 0
@@ -64,7 +64,8 @@ def build_reference(cfg: Any, actor: Backend, model_path: str) -> Backend:
             from megarl.backends.megatron.lora import AdapterOffReference
         else:
             from megarl.backends.torch.lora_reference import AdapterOffReference
-        return AdapterOffReference.from_config(actor, cfg)
+        return AdapterOffReference.from_settings(actor, role_settings("ref", cfg,
+                                                                      actor.model_path))
     return build_backend("ref", cfg, model_path)
 
 
@@ -133,7 +134,6 @@ def with_adapter_sync(cfg: Any, spec: EngineSpec) -> EngineSpec:
     syncs adapters (`megarl.rollout.build.engine_from_spec`)."""
     if not adapter_sync(cfg):
         return spec
-    from megarl.backends.settings import lora_settings
     from megarl.rollout.vllm.lora import lora_engine_kwargs
 
     lora = lora_settings(cfg)

@@ -17,6 +17,7 @@ from megarl.backends.torch.lora_reference import AdapterOffReference
 from megarl.errors import UserInputError
 from megarl.models import load_model
 from megarl.models.lora import LoraSettings, is_adapter_param
+from megarl.trainer.settings import role_settings
 from megarl.utils import dist as mdist
 
 LORA = LoraSettings(rank=4, alpha=8.0, target_modules="all-linear", exclude_modules=["k_proj"])
@@ -181,15 +182,15 @@ def test_config_keys_reach_the_backend():
     m = "actor_rollout_ref.model"
     cfg = load_config("grpo", [f"{m}.lora_rank=8", f"{m}.lora_alpha=16",
                                f"{m}.target_modules=all-linear"])
-    assert backend_kwargs("actor", cfg, "/x")[1]["lora"] == LoraSettings(8, 16.0)
-    assert "lora" not in backend_kwargs("ref", cfg, "/x")[1]
+    assert backend_kwargs(role_settings("actor", cfg, "/x"))[1]["lora"] == LoraSettings(8, 16.0)
+    assert "lora" not in backend_kwargs(role_settings("ref", cfg, "/x"))[1]
     cfg = load_config("grpo", [f"{m}.lora_rank=4",
                                f"{m}.target_modules=[q_proj,v_proj]",
                                f"{m}.exclude_modules=[model.layers.0.self_attn.q_proj]"])
-    assert backend_kwargs("actor", cfg, "/x")[1]["lora"] == LoraSettings(
+    assert backend_kwargs(role_settings("actor", cfg, "/x"))[1]["lora"] == LoraSettings(
         4, 16.0, ["q_proj", "v_proj"], ["model.layers.0.self_attn.q_proj"])
-    assert backend_kwargs("actor", load_config("grpo"), "/x")[1]["lora"] is None
+    assert backend_kwargs(role_settings("actor", load_config("grpo"), "/x"))[1]["lora"] is None
     for key, value in (("lora_rank", -1), ("lora_alpha", 0)):
         bad = load_config("grpo", [f"{m}.lora_rank=8", f"{m}.{key}={value}"])
         with pytest.raises(UserInputError, match=f"{m}.{key}"):
-            backend_kwargs("actor", bad, "/x")
+            backend_kwargs(role_settings("actor", bad, "/x"))

@@ -19,6 +19,7 @@ from megarl.backends.torch.config import backend_kwargs
 from megarl.config import load_config
 from megarl.trainer.batch import RolloutBatch, RolloutSample
 from megarl.trainer.losses import Norm
+from megarl.trainer.settings import role_settings
 from megarl.trainer.update import run_update
 from megarl.utils import dist as mdist
 
@@ -131,7 +132,7 @@ def test_logprobs_run_in_chunks_of_the_log_prob_micro_size(model_path):
     forward under a large budget). Values are the same either way (bit-identical rows)."""
     cfg = load_config("grpo", ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                                "trainer.device=cpu", "actor_rollout_ref.model.dtype=fp32"])
-    _, kw = backend_kwargs("actor", cfg, model_path)
+    _, kw = backend_kwargs(role_settings("actor", cfg, model_path))
     assert (kw["forward_micro_batch_size"], kw["forward_max_tokens"]) == (2, None)
     batch = rollout_batch().sequence_batch()
     fixed = TorchBackend("actor", model_path, **kw)
@@ -144,7 +145,7 @@ def test_logprobs_run_in_chunks_of_the_log_prob_micro_size(model_path):
     dyn_cfg = load_config("grpo", ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
                                    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
                                    "trainer.device=cpu", "actor_rollout_ref.model.dtype=fp32"])
-    _, kw = backend_kwargs("actor", dyn_cfg, model_path)
+    _, kw = backend_kwargs(role_settings("actor", dyn_cfg, model_path))
     assert kw["forward_micro_batch_size"] is None and kw["forward_max_tokens"] > 0
     dyn = TorchBackend("actor", model_path, **kw)
     rows.clear()
@@ -164,7 +165,7 @@ def test_megatron_forward_micro_size_follows_dynamic_flag():
                                 "critic.use_dynamic_bsz=false"])
 
     def micro(role, cfg):
-        return megatron_kwargs(role, cfg, "m")[1]["forward_micro_batch_size"]
+        return megatron_kwargs(role_settings(role, cfg, "m"))[1]["forward_micro_batch_size"]
 
     assert micro("actor", fixed) == 3
     assert micro("ref", fixed) == 3

@@ -31,6 +31,7 @@ from megarl.backends.torch import TorchBackend
 from megarl.backends.torch.config import backend_kwargs
 from megarl.config.schema import Config
 from megarl.errors import UserInputError
+from megarl.trainer.settings import role_settings
 from megarl.utils import dist as mdist
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,11 +238,11 @@ def test_each_role_reads_its_parallel_blocks_param_dtype():
     cfg = Config()
     cfg.trainer.device = "cpu"
     cfg.actor_rollout_ref.model.path = "/policy"
-    assert backend_kwargs("actor", cfg, None)[1]["param_dtype"] is None
+    assert backend_kwargs(role_settings("actor", cfg, None))[1]["param_dtype"] is None
     cfg.actor_rollout_ref.actor.parallel.param_dtype = "bf16"
     cfg.critic.parallel.param_dtype = "fp32"
     cfg.reward_model.parallel.param_dtype = "fp32"
-    got = {r: backend_kwargs(r, cfg, "/m")[1]["param_dtype"]
+    got = {r: backend_kwargs(role_settings(r, cfg, "/m"))[1]["param_dtype"]
            for r in ("actor", "ref", "critic", "prm")}
     assert got == {"actor": "bf16", "ref": "bf16", "critic": "fp32", "prm": "fp32"}
 

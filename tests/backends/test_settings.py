@@ -15,6 +15,7 @@ from megarl.backends.torch.config import backend_kwargs as torch_kwargs
 from megarl.config import load_config
 from megarl.config.schema import Config
 from megarl.errors import UserInputError
+from megarl.trainer.settings import role_settings
 
 megatron_config = pytest.importorskip("megarl.backends.megatron.config")
 
@@ -45,8 +46,8 @@ EXPECTED = {
 def test_every_role_reads_its_own_keys(role):
     cfg = load_config("ppo", OVERRIDES)
     path, dtype, tp, pp, lr, rows = EXPECTED[role]
-    t_path, t = torch_kwargs(role, cfg, None)
-    m_path, m = megatron_config.backend_kwargs(role, cfg, None)
+    t_path, t = torch_kwargs(role_settings(role, cfg))
+    m_path, m = megatron_config.backend_kwargs(role_settings(role, cfg))
     assert t_path == m_path == path
     assert t["dtype"] == m["dtype"] == dtype
     assert (t["tp"], t["pp"]) == (m["tp"], m["pp"]) == (tp, pp)
@@ -70,12 +71,12 @@ def test_bare_config_follows_the_loaders_rules():
     cfg.actor_rollout_ref.model.dtype = "fp32"
     cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = 4
     for kwargs in (torch_kwargs, megatron_config.backend_kwargs):
-        assert kwargs("ref", cfg, None)[1]["forward_micro_batch_size"] == 4
-        assert kwargs("actor", cfg, None)[1]["forward_micro_batch_size"] is None
-        path, critic = kwargs("critic", cfg, None)
+        assert kwargs(role_settings("ref", cfg))[1]["forward_micro_batch_size"] == 4
+        assert kwargs(role_settings("actor", cfg))[1]["forward_micro_batch_size"] is None
+        path, critic = kwargs(role_settings("critic", cfg))
         assert path == "/policy" and critic["dtype"] == "fp32"
-        with pytest.raises(UserInputError, match="reward_model.model.path"):
-            kwargs("prm", cfg, None)
+    with pytest.raises(UserInputError, match="reward_model.model.path"):
+        role_settings("prm", cfg)
 
 
 def test_megatron_keys_stay_megatrons():
@@ -88,13 +89,13 @@ def test_megatron_keys_stay_megatrons():
                               "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                               "critic.parallel.pipeline_model_parallel_size=2",
                               "critic.parallel.virtual_pipeline_model_parallel_size=2"])
-    _, m = megatron_config.backend_kwargs("actor", cfg, None)
-    _, t = torch_kwargs("actor", cfg, None)
+    _, m = megatron_config.backend_kwargs(role_settings("actor", cfg))
+    _, t = torch_kwargs(role_settings("actor", cfg))
     assert (m["dtype"], t["dtype"]) == ("fp32", "bf16")
     assert m["recompute"] == "full" and t["activation_checkpointing"] is True
-    assert megatron_config.backend_kwargs("critic", cfg, None)[1]["vpp"] == 2
+    assert megatron_config.backend_kwargs(role_settings("critic", cfg))[1]["vpp"] == 2
     with pytest.raises(UserInputError, match="critic.parallel.virtual_pipeline"):
-        torch_kwargs("critic", cfg, None)
+        torch_kwargs(role_settings("critic", cfg))
 
 
 @pytest.mark.parametrize("extra,rows,budget", [
@@ -108,7 +109,7 @@ def test_reward_model_without_a_micro_size_packs_by_its_token_budget(extra, rows
     cfg = load_config("ppo", over + ["actor_rollout_ref.actor.use_dynamic_bsz=false",
                                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                                      *extra])
-    t = torch_kwargs("prm", cfg, None)[1]
+    t = torch_kwargs(role_settings("prm", cfg))[1]
     assert (t["forward_micro_batch_size"], t["forward_max_tokens"]) == (rows, budget)
-    m = megatron_config.backend_kwargs("prm", cfg, None)[1]
+    m = megatron_config.backend_kwargs(role_settings("prm", cfg))[1]
     assert m["forward_micro_batch_size"] == rows

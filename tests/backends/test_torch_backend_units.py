@@ -24,6 +24,7 @@ from megarl.backends.torch.packing import (
     pack,
 )
 from megarl.config import Config
+from megarl.trainer.settings import role_settings
 
 # ------------------------------------------------------------------------------ packing
 
@@ -265,18 +266,18 @@ def test_config_mapping_per_role():
     a.model.enable_gradient_checkpointing = True
     cfg.critic.optim.lr = 5e-6
     cfg.critic.parallel.pipeline_model_parallel_size = 2
-    path, kw = backend_kwargs("actor", cfg, "/m")
+    path, kw = backend_kwargs(role_settings("actor", cfg, "/m"))
     assert path == "/m" and kw["tp"] == 2 and kw["sp"] and kw["optim"].lr == 2e-6
     assert kw["optim"].grad_clip is None and kw["dtype"] == "bf16"
     assert kw["activation_checkpointing"]
-    _, ref = backend_kwargs("ref", cfg, "/m")
+    _, ref = backend_kwargs(role_settings("ref", cfg, "/m"))
     assert ref["tp"] == 2 and "optim" not in ref
-    _, critic = backend_kwargs("critic", cfg, "/m")
+    _, critic = backend_kwargs(role_settings("critic", cfg, "/m"))
     assert critic["pp"] == 2 and critic["tp"] == 1 and critic["optim"].lr == 5e-6
     assert critic["dtype"] == "bf16"  # critic.model.dtype None = the actor's
     cfg.reward_model.model.path = "/prm"
-    path, prm = backend_kwargs("prm", cfg, None)
+    path, prm = backend_kwargs(role_settings("prm", cfg))
     assert path == "/prm" and "lr" not in prm
     a.actor.parallel.virtual_pipeline_model_parallel_size = 2
     with pytest.raises(ValueError, match="virtual_pipeline"):
-        backend_kwargs("actor", cfg, "/m")
+        backend_kwargs(role_settings("actor", cfg, "/m"))

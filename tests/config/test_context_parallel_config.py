@@ -13,6 +13,7 @@ import pytest
 from megarl.backends.megatron.config import backend_kwargs
 from megarl.config import ConfigError
 from megarl.config.loader import resolve_config
+from megarl.trainer.settings import role_settings
 
 A = "actor_rollout_ref"
 MEGA = f"{A}.actor.strategy=megatron"
@@ -29,7 +30,8 @@ def test_verl_spelling_maps_to_the_parallel_key(spelling):
     r = _load("launch.nproc_per_node=2", MEGA, f"{spelling}=2")
     assert r.config.actor_rollout_ref.actor.parallel.context_parallel_size == 2
     assert r.notices == []
-    kw = {role: backend_kwargs(role, r.config, "m")[1]["cp"] for role in ("actor", "ref")}
+    kw = {role: backend_kwargs(role_settings(role, r.config, "m"))[1]["cp"]
+          for role in ("actor", "ref")}
     assert kw == {"actor": 2, "ref": 2}
 
 
@@ -37,7 +39,7 @@ def test_critic_key_maps_and_must_match_the_actor():
     r = _load("launch.nproc_per_node=2", MEGA, "critic.strategy=megatron",
               "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2",
               "critic.megatron.context_parallel_size=2")
-    assert backend_kwargs("critic", r.config, "m")[1]["cp"] == 2
+    assert backend_kwargs(role_settings("critic", r.config, "m"))[1]["cp"] == 2
     with pytest.raises(ConfigError) as e:
         _load("launch.nproc_per_node=2", MEGA, "critic.strategy=megatron",
               "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2")
@@ -79,7 +81,8 @@ def test_data_parallel_is_world_over_cp():
 def test_per_gpu_token_budgets_scale_with_the_sequence_split(split):
     """verl's ``*_max_token_len_per_gpu`` counts one GPU's tokens; where two ranks split each
     sequence, a micro-batch holds twice the budget (verl's workers multiply it alike)."""
-    from megarl.backends.settings import micro_batch_tokens, role_settings
+    from megarl.backends.settings import micro_batch_tokens
+    from megarl.trainer.settings import role_settings
 
     strategy = [MEGA] if "megatron" in split else []
     r = _load("launch.nproc_per_node=2", *strategy, split,

@@ -15,6 +15,7 @@ import pytest
 from megarl.backends.torch.config import backend_kwargs
 from megarl.config import ConfigError
 from megarl.config.loader import resolve_config
+from megarl.trainer.settings import role_settings
 
 A = "actor_rollout_ref"
 KEY = "parallel.ulysses_sequence_parallel_size"
@@ -42,7 +43,8 @@ def test_reference_follows_the_actor():
     r = _load("launch.nproc_per_node=2", f"{A}.actor.ulysses_sequence_parallel_size=2",
               f"{A}.ref.ulysses_sequence_parallel_size=2")
     assert r.notices == []  # verl's default for the ref is the actor's value
-    kw = {role: backend_kwargs(role, r.config, "m")[1]["ulysses"] for role in ("actor", "ref")}
+    kw = {role: backend_kwargs(role_settings(role, r.config, "m"))[1]["ulysses"]
+          for role in ("actor", "ref")}
     assert kw == {"actor": 2, "ref": 2}
     r = _load(f"{A}.ref.ulysses_sequence_parallel_size=2")
     assert len(r.notices) == 1 and "actor's layout" in r.notices[0]

@@ -125,7 +125,7 @@ def test_adapter_path_is_read(model):
 def test_backends_read_the_block_settings(model):
     """What both backends build from the resolved config (`lora_settings`): the block's
     rank, alpha, HF targets and draws. Planted: the init methods not passed on fails."""
-    from megarl.backends.settings import lora_settings
+    from megarl.trainer.settings import lora_settings
 
     cfg = resolve_config(str(model.path), [f"{M}.lora.rank=8",
                                            f"{M}.lora.lora_B_init_method=normal"]).config
@@ -139,8 +139,8 @@ def test_dropout_keys_reach_the_backends(model):
     """Megatron-Bridge's block dropout (verl's megatron spelling) and PEFT's flat key land on
     the adapters' dropout and its position; a probability outside [0, 1) is one error naming
     the key. Planted: the block's dropout dropped (0.0) or its position ignored fails."""
-    from megarl.backends.settings import lora_settings
     from megarl.errors import UserInputError
+    from megarl.trainer.settings import lora_settings
 
     def settings(*overrides):
         return lora_settings(resolve_config(str(model.path), list(overrides)).config)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.models.state_dict_adapter import hf_sort_key
+from megarl.trainer.settings import role_settings
 
 # fp32 megatron against transformers in float64: tolerances derived from each model's shape and
 # weights and the batch (`lib.fp32_tols`, tests/fp32_bounds.py), not a fixed 1e-5 (which sat 3x
@@ -258,13 +259,14 @@ def test_from_config_reads_the_project_config(zoo, backend_cls):
     cfg.actor_rollout_ref.actor.optim.lr = 3e-4
     cfg.actor_rollout_ref.actor.grad_clip = 0.7
     cfg.actor_rollout_ref.actor.megatron.recompute_granularity = "full"
-    be = backend_cls.from_config("actor", cfg)
+    be = backend_cls.from_settings(role_settings("actor", cfg))
     assert be.optim.lr == 3e-4 and be.optim.grad_clip == 0.7 and be.dtype == torch.float32
     assert be.config.recompute_granularity == "full"
-    critic = backend_cls.from_config("critic", cfg)  # critic.model.path -> the actor's
+    # critic.model.path -> the actor's
+    critic = backend_cls.from_settings(role_settings("critic", cfg))
     assert critic.num_labels == 1 and critic.optim.lr == cfg.critic.optim.lr
     with pytest.raises(ValueError, match="reward_model.model.path"):
-        backend_cls.from_config("prm", cfg)
+        backend_cls.from_settings(role_settings("prm", cfg))
 
 
 def test_bad_batch_layout_is_refused(zoo, backend_cls):

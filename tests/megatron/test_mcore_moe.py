@@ -32,6 +32,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megarl.trainer.settings import role_settings
+
 RESHARD_TOL = 1e-6  # weights after the step following an EP=2 -> EP=1 load (measured 3.7e-8)
 
 
@@ -214,11 +216,11 @@ def test_from_config_reads_verls_expert_keys_and_aux_coefficient(moe_zoo, mcore_
                          f"{prefix}.expert_tensor_parallel_size=1",
                          f"+{prefix}.override_transformer_config.moe_aux_loss_coeff=0.01"])
     assert cfg.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff == 0.01
-    be = MegatronBackend.from_config("actor", cfg)
+    be = MegatronBackend.from_settings(role_settings("actor", cfg))
     assert be.moe_aux_loss_coeff == 0.01 and be.config.moe_aux_loss_coeff == 0.01
     assert be.config.moe_router_load_balancing_type == "aux_loss"
     assert (be.layout.ep, be.layout.expert_tp) == (1, 1)
-    ref = MegatronBackend.from_config("ref", cfg)
+    ref = MegatronBackend.from_settings(role_settings("ref", cfg))
     assert ref.moe_aux_loss_coeff == 0.0 and ref.layout.ep == 1
     with pytest.raises(ValueError, match="expert_model_parallel_size=2"):
         MegatronBackend("actor", str(lib.zoo_model(moe_zoo, "qwen2_bias")), ep=2)

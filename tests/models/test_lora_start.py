@@ -16,7 +16,6 @@ import torch
 import transformers
 from torch import nn
 
-from megarl.backends.settings import lora_settings
 from megarl.backends.torch.layout import Layout
 from megarl.backends.torch.lora import apply_actor_lora
 from megarl.config.loader import resolve_config
@@ -24,6 +23,7 @@ from megarl.errors import UserInputError
 from megarl.models import load_model
 from megarl.models.lora import LoRALinear, adapter_settings, adapters_disabled
 from megarl.models.testing import make_tiny_hf_model, save_random_peft_adapter
+from megarl.trainer.settings import lora_settings, role_settings
 
 F64 = torch.float64
 REFERENCE = {  # Megatron-Bridge's get_init_fn, spelled with torch.nn.init
@@ -99,7 +99,7 @@ def test_adapter_path_gives_peft_logits(tmp_path):
 
 
 def test_torch_backend_from_config_starts_from_the_adapter_folder(tmp_path):
-    """The trainer's path (TorchBackend.from_config): the actor's adapters are the folder's
+    """The trainer's path (TorchBackend.from_settings): the actor's adapters are the folder's
     tensors (planted: the folder ignored, B drawn as zeros: fails) and only they train."""
     from safetensors.torch import load_file
 
@@ -113,7 +113,8 @@ def test_torch_backend_from_config_starts_from_the_adapter_folder(tmp_path):
         "data: {train_files: t.parquet, train_batch_size: 8, max_response_length: 64}\n"
         f"actor_rollout_ref: {{model: {{path: {folder}, lora_adapter_path: {adapter}}}, "
         "actor: {ppo_mini_batch_size: 8}, rollout: {n: 2}}\nalgorithm: {adv_estimator: grpo}\n")
-    actor = TorchBackend.from_config("actor", resolve_config(str(cfg_file)).config, str(folder))
+    cfg = resolve_config(str(cfg_file)).config
+    actor = TorchBackend.from_settings(role_settings("actor", cfg, str(folder)))
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     trained = {n: p for n, p in actor.model.named_parameters() if p.requires_grad}
     assert len(trained) == len(saved) > 0

@@ -59,6 +59,7 @@ from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
 from megarl.trainer import generation as R
 from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.settings import role_settings
 from megarl.utils import dist as mdist
 
 torch.set_num_threads(1)
@@ -336,11 +337,11 @@ def test_config_turns_on_recording_and_replay(runs):
 
     path = str(runs["qwen3_moe"][0])
     cfg = load_config_r3(path)
-    assert backend_kwargs("actor", cfg, None)[1]["router_replay"] == "R3"
-    assert "router_replay" not in backend_kwargs("ref", cfg, None)[1]
+    assert backend_kwargs(role_settings("actor", cfg, None))[1]["router_replay"] == "R3"
+    assert "router_replay" not in backend_kwargs(role_settings("ref", cfg, None))[1]
     assert TorchRolloutEngine.from_config(cfg, path).return_routed_experts is True
     off = load_config_r3(path, mode="disabled")
-    assert backend_kwargs("actor", off, None)[1]["router_replay"] == "disabled"
+    assert backend_kwargs(role_settings("actor", off, None))[1]["router_replay"] == "disabled"
     assert TorchRolloutEngine.from_config(off, path).return_routed_experts is False
 
 

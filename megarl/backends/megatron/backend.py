@@ -66,6 +66,7 @@ from megarl.backends.protocol import (
     SequenceBatch,
 )
 from megarl.backends.routing import check_router_replay, replay_mode
+from megarl.backends.settings import RoleSettings
 from megarl.models.args import ModelArgs, num_labels_from_hf_config
 from megarl.models.hf_io import read_hf_config
 from megarl.models.lora import LoraSettings
@@ -260,11 +261,11 @@ class MegatronBackend:
         return backend
 
     @classmethod
-    def from_config(cls, role: str, cfg: Any, model_path: str | None = None) -> MegatronBackend:
-        """Build ``role`` from the project config (`megarl.backends.megatron.config`);
-        ``model_path`` overrides the section's ``model.path``."""
-        path, kwargs = backend_kwargs(role, cfg, model_path)
-        return cls(role, path, **kwargs)
+    def from_settings(cls, settings: RoleSettings) -> MegatronBackend:
+        """Build ``settings.role`` (`megarl.trainer.settings.role_settings`; see
+        `megarl.backends.megatron.config`)."""
+        path, kwargs = backend_kwargs(settings)
+        return cls(settings.role, path, **kwargs)
 
     # ------------------------------------------------------------------ construction helpers
 

@@ -27,14 +27,13 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from megarl.backends.settings import role_settings
+from megarl.backends.settings import RoleSettings
 from megarl.errors import UserInputError
 
 
-def backend_kwargs(role: str, cfg: Any, model_path: str | None = None
-                   ) -> tuple[str, dict[str, Any]]:
-    """(model path, keyword arguments of `MegatronBackend`) for ``role``."""
-    s = role_settings(role, cfg, model_path)
+def backend_kwargs(s: RoleSettings) -> tuple[str, dict[str, Any]]:
+    """(model path, keyword arguments of `MegatronBackend`) for the role of ``s``."""
+    role = s.role
     mega, par = s.megatron, s.parallel
     recompute: dict[str, Any] | str | None = None
     if mega.recompute_granularity:

@@ -67,6 +67,7 @@ from torch import nn
 from megarl.backends import lora_reference
 from megarl.backends.megatron import parallel
 from megarl.backends.megatron.model import Layout, MegarlGPTModel, global_layer_numbers, layer_owner
+from megarl.backends.settings import RoleSettings
 from megarl.errors import UserInputError
 from megarl.models.args import ModelArgs
 from megarl.models.lora import (
@@ -529,10 +530,12 @@ class AdapterOffReference(lora_reference.AdapterOffReference):
         self.forward_micro_batch_size = forward_micro_batch_size
 
     @classmethod
-    def from_config(cls, actor: Any, cfg: Any) -> AdapterOffReference:
+    def from_settings(cls, actor: Any, ref: RoleSettings) -> AdapterOffReference:
+        """The reference of ``actor`` with the no-grad micro-batching of ``ref`` (the
+        reference role's settings)."""
         from megarl.backends.megatron.config import backend_kwargs
 
-        _, kw = backend_kwargs("ref", cfg, actor.model_path)
+        _, kw = backend_kwargs(ref)
         return cls(actor, forward_micro_batch_size=kw["forward_micro_batch_size"])
 
     def logprobs(self, batch: Any, temperature: float = 1.0, with_entropy: bool = False,

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from megarl.backends.metrics import reduce_metrics
 from megarl.backends.protocol import LM_ROLES, ROLES, TRAINABLE_ROLES, LossFn, SequenceBatch
 from megarl.backends.routing import check_router_replay, replay_mode
+from megarl.backends.settings import RoleSettings
 from megarl.backends.torch import checkpoint as ckpt
 from megarl.backends.torch import parallelize as par
 from megarl.backends.torch.heads import TorchHeadOutputs, lm_outputs, token_scores, value_outputs
@@ -191,14 +192,14 @@ class TorchBackend:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_config(cls, role: str, cfg: Any, model_path: str | None = None,
-                    **overrides: Any) -> TorchBackend:
-        """A backend for ``role`` from the project config (see `backends.torch.config`)."""
+    def from_settings(cls, settings: RoleSettings, **overrides: Any) -> TorchBackend:
+        """A backend for ``settings.role`` (`megarl.trainer.settings.role_settings`; see
+        `backends.torch.config`); ``overrides`` replace constructor arguments."""
         from megarl.backends.torch.config import backend_kwargs
 
-        path, kwargs = backend_kwargs(role, cfg, model_path)
+        path, kwargs = backend_kwargs(settings)
         kwargs.update(overrides)
-        return cls(role, path, **kwargs)
+        return cls(settings.role, path, **kwargs)
 
     def _build_model(self, path: str, ac: bool, seed: int) -> Transformer:
         lay = self.layout

@@ -1,15 +1,15 @@
-"""Project config -> `TorchBackend` keyword arguments, per role: the shared settings of
-`megarl.backends.settings` plus what only this backend has (the FSDP shard group and Ulysses
+"""A role's settings (`megarl.backends.settings.RoleSettings`) -> `TorchBackend` keyword
+arguments: the shared ones plus what only this backend reads (the FSDP shard group and Ulysses
 sizes and the parameter dtype (``param_dtype``, `precision`; the reference: the actor's) of the
-role's ``parallel`` block, ``trainer.device``: auto = this rank's CUDA device, else
-CPU), the actor's LoRA adapters (``lora``). ``virtual_pipeline_model_parallel_size`` is
-refused (megatron only)."""
+role's ``parallel`` block, the device: auto = this rank's CUDA device, else CPU), the actor's
+LoRA adapters (``lora``). ``virtual_pipeline_model_parallel_size`` is refused (megatron
+only)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from megarl.backends.settings import RoleSettings, role_settings
+from megarl.backends.settings import RoleSettings
 from megarl.backends.torch.optim import check_torch_optim
 from megarl.errors import UserInputError
 from megarl.utils.dist import resolve_device
@@ -17,14 +17,14 @@ from megarl.utils.dist import resolve_device
 _PARALLEL_KEYS = {"critic": "critic.parallel", "prm": "reward_model.parallel"}
 
 
-def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, dict[str, Any]]:
-    """(model path, keyword arguments of `TorchBackend`) for ``role``."""
-    s = role_settings(role, cfg, model_path)
-    kw = {"seed": s.seed, "device": resolve_device(cfg.trainer.device), "dtype": s.dtype,
+def backend_kwargs(s: RoleSettings) -> tuple[str, dict[str, Any]]:
+    """(model path, keyword arguments of `TorchBackend`) for the role of ``s``."""
+    role = s.role
+    kw = {"seed": s.seed, "device": resolve_device(s.device), "dtype": s.dtype,
           **_layout(s), **_micro(s), "use_fused_kernels": s.kernels.fused,
           "kernel_impl": s.kernels.impl, "chunk_size": s.kernels.chunk_size,
           "activation_checkpointing": s.activation_checkpointing,
-          "param_dtype": getattr(_parallel_section(role, cfg), "param_dtype", None)}
+          "param_dtype": s.param_dtype}
     if s.optim is not None:
         kw["optim"] = check_torch_optim(s.optim)
     if s.megatron is not None and getattr(s.megatron, "use_dist_checkpointing", False) and (
@@ -40,15 +40,6 @@ def backend_kwargs(role: str, cfg: Any, model_path: str | None) -> tuple[str, di
         kw["router_replay"] = s.router_replay
         kw["lora"] = s.lora
     return s.model_path, kw
-
-
-def _parallel_section(role: str, cfg: Any) -> Any:
-    """The ``parallel`` block ``role`` reads (actor and reference: the actor's)."""
-    if role == "critic":
-        return cfg.critic.parallel
-    if role == "prm":
-        return cfg.reward_model.parallel
-    return cfg.actor_rollout_ref.actor.parallel
 
 
 def _layout(s: RoleSettings) -> dict[str, Any]:

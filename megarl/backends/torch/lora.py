@@ -1,4 +1,4 @@
-"""LoRA on the torch backend: the actor's adapters (`megarl.backends.settings.lora_settings`)
+"""LoRA on the torch backend: the actor's adapters (`megarl.trainer.settings.lora_settings`)
 applied to the model (`apply_actor_lora`); the reference role of a LoRA run is
 `megarl.backends.torch.lora_reference`."""
 

@@ -8,12 +8,12 @@ second copy of the model: `AdapterOffReference.logprobs` runs the actor backend'
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from megarl.backends import lora_reference
 from megarl.backends.protocol import SequenceBatch
+from megarl.backends.settings import RoleSettings
 from megarl.backends.torch.backend import TorchBackend
 
 
@@ -33,10 +33,12 @@ class AdapterOffReference(lora_reference.AdapterOffReference):
         self.forward_micro_batch_size = forward_micro_batch_size
 
     @classmethod
-    def from_config(cls, actor: TorchBackend, cfg: Any) -> AdapterOffReference:
+    def from_settings(cls, actor: TorchBackend, ref: RoleSettings) -> AdapterOffReference:
+        """The reference of ``actor`` with the no-grad micro-batching of ``ref`` (the
+        reference role's settings)."""
         from megarl.backends.torch.config import backend_kwargs
 
-        _, kw = backend_kwargs("ref", cfg, actor.model_path)
+        _, kw = backend_kwargs(ref)
         return cls(actor, forward_max_tokens=kw["forward_max_tokens"],
                    forward_micro_batch_size=kw["forward_micro_batch_size"])
 
