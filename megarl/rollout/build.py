@@ -2,12 +2,12 @@
 ``actor_rollout_ref.rollout.name`` to an engine class.
 
 An engine is first described as plain, picklable data (`EngineSpec`: the engine's name and its
-own settings, read from the config by the engine class itself), then built from it, in this
-process (`build_engine`) or in an engine process of its own (`megarl.rollout.process`, whose
-child calls `engine_from_spec` with the same spec).
+own settings, made by the engine class itself from the run's `RolloutSettings`), then built
+from it, in this process (`build_engine`) or in an engine process of its own
+(`megarl.rollout.process`, whose child calls `engine_from_spec` with the same spec).
 
-    spec = engine_spec(cfg, model_path, device)            # torch | vllm
-    engine = build_engine(cfg, model_path, device)         # any engine, in this process
+    spec = engine_spec(rollout, model_path, device)        # torch | vllm
+    engine = build_engine(rollout, model_path, device)     # any engine, in this process
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from megarl.errors import UserInputError
 from megarl.rollout.protocol import RolloutEngine
+from megarl.rollout.settings import RolloutSettings
 from megarl.utils.dtypes import torch_dtype
 
 ENGINES = ("torch", "vllm", "sglang")
@@ -94,10 +95,10 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def check_engine_installed(cfg: Any) -> None:
-    """Refuse, at startup, a rollout engine whose package is not installed (``configs/base.yaml``
-    defaults to vLLM, which an offline GPU box may lack), naming the key and both fixes."""
-    name = cfg.actor_rollout_ref.rollout.name
+def check_engine_installed(name: str) -> None:
+    """Refuse, at startup, a rollout engine (``actor_rollout_ref.rollout.name``) whose package
+    is not installed (``configs/base.yaml`` defaults to vLLM, which an offline GPU box may
+    lack), naming the key and both fixes."""
     if name not in _PACKAGES:
         return
     package, install = _PACKAGES[name]
@@ -117,28 +118,28 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def engine_spec(cfg: Any, model_path: str, device: torch.device | str, *,
+def engine_spec(rollout: RolloutSettings, model_path: str, device: torch.device | str, *,
                 own_process: bool = False, cpus: list[int] | tuple[int, ...] = ()) -> EngineSpec:
-    """The run's engine (``actor_rollout_ref.rollout.name``: torch or vllm) as a spec.
+    """The run's engine (``rollout.name``: torch or vllm) as a spec.
 
     own_process: for an engine process of its own, a world of one beside the trainer: no
     sleep (the trainer's memory is not shared with it), and vLLM's single-process executor
     (its ``tensor_model_parallel_size`` must be 1)."""
-    name = cfg.actor_rollout_ref.rollout.name
+    name = rollout.name
     if name not in SPEC_ENGINES:
         raise UserInputError(
             f"async_training.staleness_threshold > 0 runs with actor_rollout_ref.rollout.name="
             f"{' or '.join(SPEC_ENGINES)} (got {name!r}): an engine process of its own hosts "
             "those; asynchronous SGLang rollout is not implemented yet: set "
             "async_training.staleness_threshold=0")
-    check_engine_installed(cfg)
+    check_engine_installed(name)
     device = _indexed(torch.device(device))
     if name == "torch":
-        settings = engine_class(name).engine_settings(cfg, model_path, device)
+        settings = engine_class(name).engine_settings(rollout, model_path, device)
         if own_process:
             settings["offload_weights_on_sleep"] = False
     else:
-        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        tp = rollout.tensor_model_parallel_size
         if own_process and tp != 1:
             raise UserInputError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with asynchronous "
@@ -146,7 +147,7 @@ def engine_spec(cfg: Any, model_path: str, device: torch.device | str, *,
                 "(a world of one), so the engine cannot span ranks; set it to 1, or set "
                 "async_training.staleness_threshold=0 for the colocated engine")
         overrides = {"distributed_executor_backend": "uni"} if own_process else {}
-        settings = engine_class(name).engine_settings(cfg, model_path, **overrides)
+        settings = engine_class(name).engine_settings(rollout, model_path, **overrides)
         if own_process:
             settings["sleep_mode"] = False
     return EngineSpec(engine=name, settings=settings, device=str(device), cpus=list(cpus))
@@ -169,11 +170,11 @@ def engine_from_spec(spec: EngineSpec, device: str | None = None) -> RolloutEngi
     return AdapterSyncedEngine(engine, lora)
 
 
-def build_engine(cfg: Any, model_path: str, device: torch.device | str) -> RolloutEngine:
+def build_engine(rollout: RolloutSettings, model_path: str,
+                 device: torch.device | str) -> RolloutEngine:
     """The run's engine in this process (SGLang: this rank's group engine or its stand-in,
-    `SGLangEngine.from_config`)."""
-    name = cfg.actor_rollout_ref.rollout.name
-    if name == "sglang":
-        check_engine_installed(cfg)
-        return engine_class(name).from_config(cfg, model_path)
-    return engine_from_spec(engine_spec(cfg, model_path, device))
+    `SGLangEngine.from_rollout_settings`)."""
+    if rollout.name == "sglang":
+        check_engine_installed(rollout.name)
+        return engine_class(rollout.name).from_rollout_settings(rollout, model_path)
+    return engine_from_spec(engine_spec(rollout, model_path, device))

@@ -14,7 +14,7 @@ Every rank of the backend must iterate the whole stream (it is collective); rank
 feed an engine simply discard the buckets. The same stream writes an HF folder:
 `save_hf_from_backend` (rank 0 writes, the others iterate).
 
-    buckets = weight_buckets(actor.export_weights(), bucket_bytes_from_config(cfg))
+    buckets = weight_buckets(actor.export_weights(), rollout.bucket_bytes)  # RolloutSettings
     engine.update_weights(buckets)          # engines accept buckets or a flat stream
 """
 
@@ -29,17 +29,6 @@ import torch
 
 Named = tuple[str, torch.Tensor]
 Bucket = list[Named]
-
-
-def bucket_bytes_from_config(cfg: Any) -> int:
-    """``actor_rollout_ref.rollout.update_weights_bucket_megabytes`` in bytes (MiB units)."""
-    mb = cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes
-    if not isinstance(mb, (int, float)) or mb <= 0:
-        raise ValueError(
-            "actor_rollout_ref.rollout.update_weights_bucket_megabytes must be a positive "
-            f"number of MiB, got {mb!r}"
-        )
-    return int(mb * 2**20)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

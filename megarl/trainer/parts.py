@@ -27,7 +27,7 @@ from megarl.rollout.protocol import RolloutEngine
 from megarl.trainer.generation import AgentRollout, Scorer
 from megarl.trainer.outcome_rm import OutcomeRewardModel
 from megarl.trainer.run_lock import RunDirLock
-from megarl.trainer.settings import lora_settings, role_settings
+from megarl.trainer.settings import lora_settings, role_settings, rollout_settings
 from megarl.utils import dist as mdist
 
 log = logging.getLogger(__name__)
@@ -94,15 +94,16 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
         if adapter_sync(cfg):
             from megarl.rollout.build import engine_from_spec
 
-            return engine_from_spec(with_adapter_sync(cfg, engine_spec(cfg, model_path, device)))
-        return build_engine(cfg, model_path, device)
+            return engine_from_spec(with_adapter_sync(
+                cfg, engine_spec(rollout_settings(cfg), model_path, device)))
+        return build_engine(rollout_settings(cfg), model_path, device)
     from megarl.rollout.engine_process import cores_apart
     from megarl.rollout.process import ProcessRolloutEngine
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     mine = [cpus[local % len(cpus)]] if cpus else []
-    spec = with_adapter_sync(cfg, engine_spec(cfg, model_path, device, own_process=True,
-                                              cpus=mine))
+    spec = with_adapter_sync(cfg, engine_spec(rollout_settings(cfg), model_path, device,
+                                              own_process=True, cpus=mine))
     spec.tool_cpus = cores_apart(cpus)
     timeout = cfg.async_training.engine_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -285,7 +286,7 @@ def _default_schedule_length(cfg: Any, total_steps: int) -> None:
 def build_run(cfg: Any) -> RunParts:
     """Everything a run needs, built in order; rank 0 first takes the run directory's lock
     (one writer per directory: a second run on it is refused here, within its start-up)."""
-    check_engine_installed(cfg)  # before the minutes spent on data, assets and models
+    check_engine_installed(cfg.actor_rollout_ref.rollout.name)  # before data, assets, models
     from megarl.config import ConfigError
     from megarl.config.preflight import path_problems
 

@@ -49,6 +49,7 @@ from megarl.backends.settings import (
 from megarl.errors import UserInputError
 from megarl.models.lora import DROPOUT_POSITIONS, LORA_INITS, LoraSettings, adapter_settings
 from megarl.models.overrides import override_key
+from megarl.rollout.settings import RolloutSettings
 from megarl.utils.dtypes import canonical_dtype
 
 _PATH_KEYS = {"critic": "critic.model.path", "prm": "reward_model.model.path"}
@@ -235,3 +236,36 @@ def lora_settings(cfg: Any) -> LoraSettings | None:
         return replace(adapter_settings(path, rank, float(alpha)), **regulariser)
     return LoraSettings(rank=rank, alpha=float(alpha), target_modules=_listed(m.target_modules),
                         exclude_modules=_listed(m.exclude_modules), **inits, **regulariser)
+
+
+def rollout_settings(cfg: Any) -> RolloutSettings:
+    """The run's rollout engine (`megarl.rollout.settings.RolloutSettings` says what each field
+    reads). A bucket size that is not a positive number of MiB is a UserInputError."""
+    arr, ro = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
+    mb = ro.update_weights_bucket_megabytes
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb <= 0:
+        raise UserInputError("actor_rollout_ref.rollout.update_weights_bucket_megabytes must be "
+                             f"a positive number of MiB, got {mb!r}")
+    given = getattr(ro, "engine_kwargs", None)
+    engine_kwargs = {e: dict((given.get(e) if isinstance(given, Mapping) else
+                              getattr(given, e, None)) or {}) for e in ("vllm", "sglang")}
+    return RolloutSettings(
+        name=ro.name,
+        dtype=arr.model.dtype,
+        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        seed=ro.seed if ro.seed is not None else cfg.trainer.seed,
+        tokenizer_path=arr.model.tokenizer_path,
+        trust_remote_code=arr.model.trust_remote_code,
+        override_config=_plain(arr.model.override_config) or {},
+        tensor_model_parallel_size=ro.tensor_model_parallel_size,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        max_num_seqs=ro.max_num_seqs,
+        max_num_batched_tokens=ro.max_num_batched_tokens,
+        enable_chunked_prefill=ro.enable_chunked_prefill,
+        enforce_eager=ro.enforce_eager,
+        free_cache_engine=ro.free_cache_engine,
+        device=str(cfg.trainer.device),
+        engine_kwargs=engine_kwargs,
+        bucket_bytes=int(mb * 2**20),
+        routed_experts=arr.actor.router_replay.mode == "R3",
+    )

@@ -17,6 +17,7 @@ from megarl.rollout.build import EngineSpec, engine_spec
 from megarl.rollout.process import EngineProcessError, ProcessRolloutEngine
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
+from megarl.trainer.settings import rollout_settings
 
 
 def _perturbed(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict:
@@ -258,10 +259,10 @@ def test_engine_spec_keeps_the_rank_device(monkeypatch, tiny_folder, engine):
     monkeypatch.setattr(torch_engine, "_cache_budget",
                         lambda device, fraction: budget_on.append(str(device)) or 2**30)
     monkeypatch.setattr(VLLMEngine, "engine_settings", staticmethod(
-        lambda cfg, path, **kw: {"model_path": path, "tokenizer": None, "engine_kwargs": kw}))
+        lambda rollout, path, **kw: {"model_path": path, "tokenizer": None, "engine_kwargs": kw}))
     cfg = resolve_config("grpo", ["async_training.staleness_threshold=1",
                                   f"actor_rollout_ref.rollout.name={engine}"]).config
-    spec = engine_spec(cfg, str(tiny_folder("qwen2")), torch.device("cuda", 3),
-                       own_process=True)
+    spec = engine_spec(rollout_settings(cfg), str(tiny_folder("qwen2")),
+                       torch.device("cuda", 3), own_process=True)
     assert spec.engine == engine and spec.device == "cuda:3"
     assert budget_on == (["cuda:3"] if engine == "torch" else [])

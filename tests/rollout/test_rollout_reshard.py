@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megarl.rollout.reshard import (
-    bucket_bytes_from_config,
     flatten_buckets,
     save_hf_from_backend,
     tensor_bytes,
@@ -55,13 +54,14 @@ def test_cast_flatten_and_errors():
 
 def test_bucket_bytes_from_config():
     from megarl.config import Config
+    from megarl.trainer.settings import rollout_settings
 
     cfg = Config()
     cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes = 3
-    assert bucket_bytes_from_config(cfg) == 3 * 2**20
+    assert rollout_settings(cfg).bucket_bytes == 3 * 2**20
     cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes = 0
     with pytest.raises(ValueError, match="update_weights_bucket_megabytes"):
-        bucket_bytes_from_config(cfg)
+        rollout_settings(cfg)
 
 
 def _peak_live(bucket: int, n: int = 40, numel: int = 1000) -> int:

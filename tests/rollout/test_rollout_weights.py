@@ -12,6 +12,7 @@ from megarl.models.state_dict_adapter import model_state_for_export
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.reshard import weight_buckets
 from megarl.rollout.torch import TorchRolloutEngine, WeightUpdateError, load_weight_stream
+from megarl.trainer.settings import rollout_settings
 
 SP = SamplingParams(n=2, max_new_tokens=10, temperature=0.9, seed=21)
 
@@ -123,12 +124,12 @@ def test_from_config(tiny_folder):
     cfg.actor_rollout_ref.rollout.max_num_seqs = 3
     cfg.data.max_prompt_length, cfg.data.max_response_length = 16, 8
     path = str(tiny_folder("qwen2"))
-    engine = TorchRolloutEngine.from_config(cfg, path, device="cpu")
+    engine = TorchRolloutEngine.from_rollout_settings(rollout_settings(cfg), path, device="cpu")
     assert engine.max_num_seqs == 3 and engine.max_model_len == 24
     assert engine.dtype == torch.float32 and engine.eos_token_ids == [2]
     assert engine.tokenizer is not None and engine.tokenizer.eos_token_id == 2
     cfg.actor_rollout_ref.model.dtype = "bf16"
-    engine = TorchRolloutEngine.from_config(cfg, path)
+    engine = TorchRolloutEngine.from_rollout_settings(rollout_settings(cfg), path)
     assert engine.dtype == torch.bfloat16
     out = engine.generate(prompts_of([4], seed=0), SamplingParams(max_new_tokens=30, seed=1,
                                                                  ignore_eos=True))

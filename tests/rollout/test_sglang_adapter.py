@@ -17,6 +17,7 @@ from megarl.config import Config
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.sglang import SGLangEngine, to_sglang_params
 from megarl.rollout.sglang import engine as sglang_engine
+from megarl.trainer.settings import rollout_settings
 
 
 class RecordingSGLang:
@@ -208,21 +209,24 @@ def test_sglang_refuses_to_run_on_released_weights():
 def test_sglang_gpu_placement_from_local_rank():
     """Each rank's engine starts on its own GPU; with TP the group's first GPU."""
     cfg = Config()
-    assert [sglang_engine.engine_kwargs(cfg, r)["base_gpu_id"] for r in (0, 1)] == [0, 1]
+    one = rollout_settings(cfg)
+    assert [sglang_engine.engine_kwargs(one, r)["base_gpu_id"] for r in (0, 1)] == [0, 1]
     cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
-    kwargs = [sglang_engine.engine_kwargs(cfg, r, local_world_size=4) for r in range(4)]
+    rs = rollout_settings(cfg)
+    kwargs = [sglang_engine.engine_kwargs(rs, r, local_world_size=4) for r in range(4)]
     assert [k["base_gpu_id"] for k in kwargs] == [0, 0, 2, 2]
     assert {(k["tp_size"], k["gpu_id_step"]) for k in kwargs} == {(2, 1)}
     assert [sglang_engine.hosts_engine(r, 2) for r in range(4)] == [True, False, True, False]
     with pytest.raises(ValueError, match="divides --nproc_per_node"):
-        sglang_engine.engine_kwargs(cfg, 0, local_world_size=3)
+        sglang_engine.engine_kwargs(rs, 0, local_world_size=3)
 
 
 def test_sglang_from_config_builds_on_its_rank(fake_sglang):
     cfg = Config()
     cfg.actor_rollout_ref.model.tokenizer_path = "/tok"
     for rank in (0, 1):
-        SGLangEngine.from_config(cfg, "/model", env={"LOCAL_RANK": str(rank)})
+        SGLangEngine.from_rollout_settings(rollout_settings(cfg), "/model",
+                                           env={"LOCAL_RANK": str(rank)})
     first, second = FakeEngineCls.built
     assert (first["base_gpu_id"], second["base_gpu_id"]) == (0, 1)
     assert first["model_path"] == "/model" and first["tokenizer_path"] == "/tok"
@@ -235,7 +239,8 @@ def test_sglang_tp_group_member_hosts_no_engine(fake_sglang):
     reads the whole weight stream (its collectives run) without loading it."""
     cfg = Config()
     cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
-    member = SGLangEngine.from_config(cfg, "/model", env={"LOCAL_RANK": "1",
+    member = SGLangEngine.from_rollout_settings(rollout_settings(cfg), "/model",
+                                                env={"LOCAL_RANK": "1",
                                                            "LOCAL_WORLD_SIZE": "2"})
     assert FakeEngineCls.built == []
     read = []
@@ -251,7 +256,8 @@ def test_sglang_tp_group_member_hosts_no_engine(fake_sglang):
     assert len(read) == 3
     assert member.generate([[1, 2]], SamplingParams(n=2, seed=0)) == []
     assert not member.asleep
-    SGLangEngine.from_config(cfg, "/model", env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
+    SGLangEngine.from_rollout_settings(rollout_settings(cfg), "/model",
+                                       env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
     assert [k["base_gpu_id"] for k in FakeEngineCls.built] == [0]
 
 

@@ -37,6 +37,7 @@ from released_wheels import cache_folder, released_wheel
 from megarl.config import Config
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.sglang import engine as adapter
+from megarl.trainer.settings import rollout_settings
 
 PINNED = "0.5.23"  # the newest release; the adapter is checked against it
 LOWER = "0.5.5"  # the lower bound of SUPPORTED_SGLANG
@@ -229,7 +230,8 @@ def adapter_calls() -> tuple[list[tuple[str, tuple, dict]], dict[str, set[str]]]
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "sglang", fake)
         mp.delenv(adapter.ORIGINAL_LOGPROB_ENV, raising=False)
-        eng = adapter.SGLangEngine.from_config(Config(), "/model", env={"LOCAL_RANK": "0"})
+        eng = adapter.SGLangEngine.from_rollout_settings(rollout_settings(Config()), "/model",
+                                                         env={"LOCAL_RANK": "0"})
     sampling = SamplingParams(n=2, temperature=0.7, top_k=5, top_p=0.9, stop=["\n"],
                               stop_token_ids=[2], seed=3, ignore_eos=True)
     eng.generate([[1, 7]], sampling, prompt_keys=[4])

@@ -22,6 +22,7 @@ from rollout_helpers import assert_first_tokens_follow, prompts_of, target_distr
 
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
+from megarl.trainer.settings import rollout_settings
 
 pytestmark = pytest.mark.vllm
 TOL = 1e-4
@@ -305,7 +306,7 @@ def tight_share() -> float:
     return TIGHT_BYTES / psutil.virtual_memory().total
 
 
-def test_from_config_starts_with_a_tight_memory_share(demo_assets, engines):
+def test_from_rollout_settings_starts_with_a_tight_memory_share(demo_assets, engines):
     """A tight gpu_memory_utilization (`tight_share`): vLLM's own CPU sizing would reserve
     less than this process already holds and refuse to start; megarl sizes the KV cache from
     what the run needs, capped by the share of what is free. Planted: the share passed to vLLM
@@ -319,7 +320,7 @@ def test_from_config_starts_with_a_tight_memory_share(demo_assets, engines):
                                "actor_rollout_ref.rollout.enforce_eager=true",
                                "actor_rollout_ref.rollout.max_num_seqs=16"])
     engines(demo_assets["policy"], max_num_seqs=1)  # close whatever engine is open
-    engine = VLLMEngine.from_config(cfg, demo_assets["policy"])
+    engine = VLLMEngine.from_rollout_settings(rollout_settings(cfg), demo_assets["policy"])
     try:
         out = engine.generate([[1, 5, 6]], SamplingParams(greedy=True, max_new_tokens=4))
         assert len(out) == 1

