@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megarl.config.schema_judge import JudgeRolloutConfig
+from megarl.config.schema_reward import RewardModelConfig
 from megarl.errors import UserInputError
 from megarl.judge.engine import (
     build_judge_engine,
@@ -205,15 +206,15 @@ def is_generative(model_path: str, kind: str = "auto") -> bool:
     return not (is_sequence_classifier(hf) or token)
 
 
-def judge_from_config(cfg: Any, device: torch.device | str = "cpu") -> Judge | None:
-    """The run's judge, or None when it has none: on iff ``reward_model.use_reward_loop``,
-    ``reward_model.rollout.name`` is set and the model is generative (`is_generative`). Reads
-    reward_model.{rollout, model.path, model.kind} and trainer.seed; the judge model's
-    tokenizer is its own folder's."""
+def judge_from_section(rm: RewardModelConfig, seed: int,
+                       device: torch.device | str = "cpu") -> Judge | None:
+    """The run's judge from its ``reward_model`` section ``rm`` (its rollout, model.path and
+    model.kind; ``seed``: trainer.seed), or None when it has none: on iff
+    ``reward_model.use_reward_loop``, ``reward_model.rollout.name`` is set and the model is
+    generative (`is_generative`). The judge model's tokenizer is its own folder's."""
     from megarl.config.schema_judge import judge_enabled
     from megarl.data import resolve_path
 
-    rm = cfg.reward_model
     if not judge_enabled(rm):
         return None
     if not rm.model.path:
@@ -224,4 +225,4 @@ def judge_from_config(cfg: Any, device: torch.device | str = "cpu") -> Judge | N
             "reward_model.rollout.name")
     if not is_generative(resolve_path(rm.model.path), getattr(rm.model, "kind", "auto")):
         return None
-    return build_judge(rm.rollout, rm.model.path, device=device, seed=cfg.trainer.seed)
+    return build_judge(rm.rollout, rm.model.path, device=device, seed=seed)

@@ -219,7 +219,7 @@ def hf_grads_by_checkpoint_name(model) -> dict:
 
 def save_random_peft_adapter(model_folder: str | os.PathLike, out: str | os.PathLike,
                              target_modules: list[str], r: int = 4, lora_alpha: float = 12,
-                             seed: int = 3, scale: float = 0.3, **lora_config: Any
+                             seed: int = 3, scale: float = 0.3, **lora_kwargs: Any
                              ) -> tuple[Path, torch.Generator]:
     """A PEFT LoRA adapter of the HF model in ``model_folder``, saved by peft itself to ``out``,
     with every A and B drawn from N(0, scale^2) (float64; a fresh adapter's B is zero and would
@@ -230,7 +230,7 @@ def save_random_peft_adapter(model_folder: str | os.PathLike, out: str | os.Path
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64)
     pm = peft.get_peft_model(hf, peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=0.0,
                                                  target_modules=list(target_modules),
-                                                 **lora_config))
+                                                 **lora_kwargs))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in pm.named_parameters():

@@ -493,13 +493,13 @@ def say_judge(cfg: Any) -> None:
 
 
 def build_run_judge(cfg: Any, paths: dict[str, Any], device: torch.device) -> Any:
-    """This rank's generative judge (`megarl.judge.judge.judge_from_config`) on the
+    """This rank's generative judge (`megarl.judge.judge.judge_from_section`) on the
     resolved judge model ``paths["prm"]``."""
-    from megarl.judge.judge import judge_from_config
+    from megarl.judge.judge import judge_from_section
 
     rm = cfg.reward_model
     local = dataclasses.replace(rm, model=dataclasses.replace(rm.model, path=paths["prm"]))
-    return judge_from_config(dataclasses.replace(cfg, reward_model=local), device)
+    return judge_from_section(local, cfg.trainer.seed, device)
 
 
 def resolved_reward_model_kind(cfg: Any, path: str) -> str:

@@ -9,7 +9,13 @@ import pytest
 from megarl.config import ConfigError
 from megarl.config.loader import resolve_config
 from megarl.config.provenance import UNUSED
-from megarl.judge.judge import judge_from_config
+from megarl.judge.judge import judge_from_section
+
+
+def run_judge(cfg, device="cpu"):
+    """The judge a run of ``cfg`` serves (None: none)."""
+    return judge_from_section(cfg.reward_model, cfg.trainer.seed, device)
+
 
 JUDGE = ["reward_model.use_reward_loop=true", "reward_model.rollout.name=torch",
          "reward_model.model.path=some/judge"]
@@ -52,7 +58,7 @@ def test_judge_keys_unused_when_off():
         unused = _unused_line(cfg.report())
         assert "reward_model.rollout.prompt_length" in unused, (off, unused)
         assert why in unused, (off, unused)
-        assert judge_from_config(cfg.config) is None
+        assert run_judge(cfg.config) is None
 
 
 def test_torch_judge_does_not_read_vllm_keys(tmp_path):
@@ -124,7 +130,7 @@ def test_classifier_is_not_a_judge(tmp_path, head):
     cfg = resolve_config("pure_prm_vr", [*JUDGE, f"reward_model.model.path={model}",
                                          "reward_model.rollout.name=sglang"]).config
     assert not serves_judge(cfg, {"prm": model})
-    assert judge_from_config(cfg) is None
+    assert run_judge(cfg) is None
 
 
 def test_judge_needs_its_model():
@@ -144,12 +150,12 @@ def test_bad_engine_keys_name_the_key(tmp_path, override, key):
     model = _model_folder(tmp_path / "lm", "lm")
     cfg = resolve_config("grpo", [*JUDGE, f"reward_model.model.path={model}", override]).config
     with pytest.raises(UserInputError) as err:
-        judge_from_config(cfg)
+        run_judge(cfg)
     assert str(err.value).startswith(key), str(err.value)
     # the same value without the judge is not read: no error
     off = resolve_config("grpo", [*JUDGE, f"reward_model.model.path={model}", override,
                                   "reward_model.use_reward_loop=false"]).config
-    assert judge_from_config(off) is None
+    assert run_judge(off) is None
 
 
 def test_judge_sequence_longer_than_the_model_refused(tmp_path):
@@ -164,7 +170,7 @@ def test_judge_sequence_longer_than_the_model_refused(tmp_path):
                                   f"reward_model.rollout.prompt_length={limit}",
                                   "reward_model.rollout.response_length=1"]).config
     with pytest.raises(UserInputError) as err:
-        judge_from_config(cfg)
+        run_judge(cfg)
     text = str(err.value)
     assert "reward_model.rollout.prompt_length" in text and f"={limit}" in text, text
 

@@ -17,7 +17,7 @@ import torch
 
 from megarl.config.schema_judge import JudgeRolloutConfig
 from megarl.errors import UserInputError
-from megarl.judge.judge import Judge, JudgeTimeoutError, build_judge
+from megarl.judge.judge import Judge, JudgeTimeoutError, build_judge, judge_from_section
 from megarl.judge.template import load_template
 from megarl.rollout.protocol import Completion
 
@@ -318,22 +318,22 @@ def test_every_verl_reward_rollout_key_is_in_the_schema():
     assert len(errors) == 3 and all(e.startswith("reward_model.rollout") for e in errors)
 
 
-def test_judge_from_config(judge_folder):
+def test_judge_from_section(judge_folder):
     """On iff reward_model.use_reward_loop and reward_model.rollout.name; the model path is
     reward_model.model.path (verl's keys)."""
     from types import SimpleNamespace as NS
 
-    from megarl.judge.judge import judge_from_config
-
     def run(use, name, path):
-        rm = NS(use_reward_loop=use, rollout=cfg_of(name=name), model=NS(path=path))
-        return NS(reward_model=rm, trainer=NS(seed=3))
+        return NS(use_reward_loop=use, rollout=cfg_of(name=name), model=NS(path=path))
 
-    assert judge_from_config(run(False, "torch", judge_folder)) is None
-    assert judge_from_config(run(True, None, judge_folder)) is None
+    def run_judge(rm):
+        return judge_from_section(rm, 3)
+
+    assert run_judge(run(False, "torch", judge_folder)) is None
+    assert run_judge(run(True, None, judge_folder)) is None
     with pytest.raises(UserInputError, match=r"reward_model\.model\.path is not set"):
-        judge_from_config(run(True, "torch", None))
-    judge = judge_from_config(run(True, "torch", judge_folder))
+        run_judge(run(True, "torch", None))
+    judge = run_judge(run(True, "torch", judge_folder))
     try:
         assert judge.seed == 3 and judge.sampling().seed == 3
         scores, _ = judge.score(["q"], ["ok."])

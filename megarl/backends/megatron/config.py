@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megarl.backends.settings import RoleSettings
 from megarl.errors import UserInputError
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 
 def backend_kwargs(s: RoleSettings) -> tuple[str, dict[str, Any]]:
@@ -186,8 +189,8 @@ def transformer_overrides(overrides: Mapping[str, Any] | None, role: str = "acto
     return out
 
 
-def apply_transformer_overrides(config: Any, overrides: Mapping[str, Any] | None,
-                                role: str = "actor") -> Any:
+def apply_transformer_overrides(config: TransformerConfig, overrides: Mapping[str, Any] | None,
+                                role: str = "actor") -> TransformerConfig:
     """megatron-core's TransformerConfig ``config`` (as megarl built it) with ``overrides`` (the
     role's ``megatron.override_transformer_config``, checked by `transformer_overrides`) set
     on it through ``dataclasses.replace``, which runs megatron-core's own validation
