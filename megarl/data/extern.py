@@ -217,12 +217,14 @@ class ExternSampler:
                                      "indices: its order is not reproducible from its seed")
 
 
-def data_section(data_cfg: Any) -> Any:
-    """The ``data`` config as the user's classes get it: a read-only OmegaConf mapping (verl
-    hands them a DictConfig: ``config.get("key", default)``, ``config.key``, ``config["key"]``)."""
+def data_section(data_config: Any) -> Any:
+    """The ``data`` config section (`megarl.config.schema`'s, one layer up) as the user's
+    classes get it: a read-only OmegaConf mapping (verl hands them a DictConfig:
+    ``config.get("key", default)``, ``config.key``, ``config["key"]``)."""
     from omegaconf import OmegaConf
 
-    plain = dataclasses.asdict(data_cfg) if dataclasses.is_dataclass(data_cfg) else data_cfg
+    plain = (dataclasses.asdict(data_config) if dataclasses.is_dataclass(data_config)
+             else data_config)
     section = OmegaConf.create(plain)
     OmegaConf.set_readonly(section, True)
     return section
@@ -237,24 +239,26 @@ def _pair(path: str | None, name: str | None, path_key: str, name_key: str) -> b
     return bool(path)
 
 
-def prompt_dataset(data_cfg: Any, files: Any, **dataset_kwargs: Any) -> RLDataset:
-    """``data.custom_cls`` set: the user class's rows; else the rows of ``files``.
-    ``dataset_kwargs``: `RLDataset`'s (tokenizer included)."""
-    c = data_cfg.custom_cls
+def prompt_dataset(data_config: Any, files: Any, **dataset_kwargs: Any) -> RLDataset:
+    """``data.custom_cls`` set (``data_config``: the ``data`` section): the user class's rows;
+    else the rows of ``files``. ``dataset_kwargs``: `RLDataset`'s (tokenizer included)."""
+    c = data_config.custom_cls
     if not _pair(c.path, c.name, "data.custom_cls.path", DATASET_KEY):
         return RLDataset(files, **dataset_kwargs)
     tokenizer = dataset_kwargs.pop("tokenizer")
     files = [files] if isinstance(files, str) else list(files or [])
-    return load_custom_dataset(c.path, c.name, files, tokenizer, data_section(data_cfg),
+    return load_custom_dataset(c.path, c.name, files, tokenizer, data_section(data_config),
                                **dataset_kwargs)
 
 
-def prompt_sampler(data_cfg: Any, dataset: Sized, batch_size: int) -> PromptSampler | ExternSampler:
-    """``data.sampler`` set: the user's sampler behind `ExternSampler`; else megarl's seeded
-    shuffle (`PromptSampler`, ``data.shuffle`` / ``data.seed``)."""
-    s = data_cfg.sampler
+def prompt_sampler(data_config: Any, dataset: Sized,
+                   batch_size: int) -> PromptSampler | ExternSampler:
+    """``data.sampler`` set (``data_config``: the ``data`` section): the user's sampler behind
+    `ExternSampler`; else megarl's seeded shuffle (`PromptSampler`, ``data.shuffle`` /
+    ``data.seed``)."""
+    s = data_config.sampler
     if not _pair(s.class_path, s.class_name, "data.sampler.class_path", SAMPLER_KEY):
-        return PromptSampler(len(dataset), batch_size, shuffle=data_cfg.shuffle,
-                             seed=data_cfg.seed)
-    user = load_user_sampler(s.class_path, s.class_name, dataset, data_section(data_cfg))
+        return PromptSampler(len(dataset), batch_size, shuffle=data_config.shuffle,
+                             seed=data_config.seed)
+    user = load_user_sampler(s.class_path, s.class_name, dataset, data_section(data_config))
     return ExternSampler(user, len(dataset), batch_size)
