@@ -36,3 +36,22 @@ def test_another_engine_or_a_contradicting_strategy_is_refused_by_name():
     # the same engine spelled both ways agrees
     cfg = resolve_config("grpo", ["model_engine=dp", "actor_rollout_ref.actor.strategy=fsdp"])
     assert cfg.config.actor_rollout_ref.actor.strategy == "torch"
+
+
+@pytest.mark.parametrize("engine, strategy", [("megatron", "megatron"), ("fsdp", "torch")])
+def test_actor_model_engine_sets_the_actors_strategy(engine, strategy):
+    """verl 0.9's scripts write actor_rollout_ref.actor.model_engine beside the actor's strategy:
+    it picks the actor's (and the reference's) engine, not the critic's. Before: an unknown
+    key."""
+    A = "actor_rollout_ref.actor"
+    cfg = resolve_config("ppo", [f"{A}.model_engine={engine}", "critic.strategy=torch"]).config
+    assert cfg.actor_rollout_ref.actor.strategy == strategy
+    assert cfg.critic.strategy == "torch"
+    # the verl line: both spellings, agreeing
+    cfg = resolve_config("grpo", [f"{A}.strategy=megatron", f"{A}.model_engine=megatron"]).config
+    assert cfg.actor_rollout_ref.actor.strategy == "megatron"
+    with pytest.raises(ConfigError, match=rf"{A}\.model_engine='megatron' and {A}\.strategy="
+                       r"'fsdp'.*set one of them"):
+        resolve_config("grpo", [f"{A}.strategy=fsdp", f"{A}.model_engine=megatron"])
+    with pytest.raises(ConfigError, match=rf"{A}\.model_engine='mindspeed'.*not built here"):
+        resolve_config("grpo", [f"{A}.model_engine=mindspeed"])
