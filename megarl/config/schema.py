@@ -206,7 +206,7 @@ class TrainerConfig:
     # steps per epoch. A recipe's value wins over total_epochs: set it to null to count epochs
     total_training_steps: int | None = None
     # a plain string (logger=console) is read as a one-element list, as verl does
-    logger: list[Literal["console", "tensorboard", "jsonl", "wandb", "mlflow"]] = field(
+    logger: list[Literal["console", "tensorboard", "jsonl", "wandb", "mlflow", "swanlab"]] = field(
         default_factory=lambda: ["console", "jsonl"]
     )
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"

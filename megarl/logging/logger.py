@@ -19,7 +19,7 @@ from megarl.logging.jsonl import JsonlWriter
 from megarl.logging.plots import CurvesSink
 from megarl.logging.sink import RunInfo, Sink
 from megarl.logging.tensorboard import TensorBoardSink
-from megarl.logging.trackers import MlflowTracker, WandbTracker
+from megarl.logging.trackers import MlflowTracker, SwanlabTracker, WandbTracker
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,14 @@ SINK_TYPES: dict[str, SinkType] = {
                                                run.run_dir)),
     "mlflow": SinkType(lambda run: MlflowTracker(run.project, run.experiment, run.config,
                                                  run.run_dir)),
+    "swanlab": SinkType(lambda run: SwanlabTracker(run.project, run.experiment, run.config,
+                                                   run.run_dir)),
     "curves": SinkType(lambda run: CurvesSink(run.run_dir / "metrics.jsonl",
                                               run.run_dir / "curves.png", run.title),
                        always=True),
 }
 # the names trainer.logger accepts (curves are always drawn)
-SINKS = ("console", "tensorboard", "jsonl", "wandb", "mlflow")
+SINKS = ("console", "tensorboard", "jsonl", "wandb", "mlflow", "swanlab")
 
 
 def build_sinks(names: list[str], run: RunInfo, rank: int = 0,

@@ -1,6 +1,6 @@
-"""Experiment trackers beside the run's own files: Weights & Biases and MLflow, as verl's
-``trainer.logger`` names them (``['console','wandb']``): sinks (`megarl.logging.sink.Sink`),
-rank 0 only, verl's metric names.
+"""Experiment trackers beside the run's own files: Weights & Biases, MLflow and SwanLab, as
+verl's ``trainer.logger`` names them (``['console','wandb']``): sinks
+(`megarl.logging.sink.Sink`), rank 0 only, verl's metric names.
 
 - ``wandb``: ``wandb.init(project=trainer.project_name, name=trainer.experiment_name,
   config=<the resolved config>)``; each step ``wandb.log(metrics, step=step)``. Offline runs:
@@ -12,6 +12,12 @@ rank 0 only, verl's metric names.
   metrics per step. MLflow accepts only ``[/\\w.\\- :]`` in metric names: ``@`` becomes
   ``_at_`` (``val-core/x/reward/mean@4`` -> ``mean_at_4``), runs of ``/`` collapse, any other
   character becomes ``_`` (verl's spelling of the same rule).
+- ``swanlab``: ``swanlab.init(project=trainer.project_name, experiment_name=
+  trainer.experiment_name, config=<the resolved config>, logdir=$SWANLAB_LOG_DIR or
+  run_dir/swanlog)``; each step the numeric metrics, ``run.log(metrics, step=step)``. The mode is
+  SwanLab's own ``SWANLAB_MODE`` (cloud by default, after ``swanlab login`` or with
+  ``SWANLAB_API_KEY``; ``offline`` writes the run under the log folder for ``swanlab sync``;
+  ``local``, ``disabled``).
 """
 
 from __future__ import annotations
@@ -92,3 +98,18 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+class SwanlabTracker:
+    def __init__(self, project: str, experiment: str, config: dict, run_dir: Path) -> None:
+        swanlab = _import("swanlab")
+        self.run = swanlab.init(project=project, experiment_name=experiment, config=config,
+                                logdir=os.environ.get("SWANLAB_LOG_DIR",
+                                                      str(run_dir / "swanlog")))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log({k: v for k, v in metrics.items()
+                      if isinstance(v, int | float) and not isinstance(v, bool)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()

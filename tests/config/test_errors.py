@@ -127,9 +127,9 @@ def test_invalid_choice_mentions_aliases(minimal):
 
 
 def test_invalid_logger_choice(minimal):
-    msg = one_error(minimal, ["trainer.logger=[console,swanlab]"])
-    assert msg.startswith("trainer.logger[1]: invalid choice 'swanlab'")
-    assert "'tensorboard'" in msg and "'jsonl'" in msg
+    msg = one_error(minimal, ["trainer.logger=[console,clearml]"])
+    assert msg.startswith("trainer.logger[1]: invalid choice 'clearml'")
+    assert "'tensorboard'" in msg and "'jsonl'" in msg and "'swanlab'" in msg
 
 
 def test_credit_assignment_bad_string(minimal):

@@ -106,8 +106,8 @@ def test_a_registered_sink_gets_every_row_and_is_closed(tmp_path, monkeypatch):
 
 
 def test_unknown_sink_names_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"trainer.logger: unknown sink\(s\) \['swanlab'\]"):
-        MetricLogger(tmp_path, ["swanlab"], total_steps=1)
+    with pytest.raises(ValueError, match=r"trainer.logger: unknown sink\(s\) \['clearml'\]"):
+        MetricLogger(tmp_path, ["clearml"], total_steps=1)
 
 
 def test_console_kl_is_the_kl_to_the_reference_the_run_trains_with(tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""wandb and mlflow as trainer.logger sinks, offline, read back with each package's own reader:
-the offline wandb run file (wandb's protobuf records) and MLflow's client on its file store.
+"""wandb, mlflow and swanlab as trainer.logger sinks, offline, read back with each package's own
+reader: the offline wandb run file (wandb's protobuf records), MLflow's client on its file store
+and SwanLab's record store (its LevelDB-format reader and protobuf records).
 
 Planted while writing: logging at step + 1 fails both history checks; dropping the "@" rule
 fails test_mlflow_metrics_params_and_names (MLflow refuses "mean@4"); logging the metrics of
@@ -62,6 +63,47 @@ def test_mlflow_metrics_params_and_names(tmp_path, monkeypatch):
         assert got == want, name
     assert mlflow_metric_name("val-core/arith/reward/mean@4") == "val-core/arith/reward/mean_at_4"
     assert mlflow_metric_name("a//b (x)!") == "a/b _x__"
+
+
+def read_swanlab_run(log_dir) -> dict:
+    """The offline SwanLab run under ``log_dir``: project, name, config (its config.yaml) and
+    {step: {key: value}} of its scalar records, read with swanlab's own reader."""
+    import yaml
+    from swanlab.proto.swanlab.record.v1 import record_pb2
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    (run_dir,) = log_dir.glob("run-*")
+    (records,) = run_dir.glob("run-*.swanlab")
+    reader = DataStoreReader()
+    reader.open(str(records))
+    out: dict = {"history": {}}
+    try:
+        while (data := reader.scan()) is not None:
+            rec = record_pb2.Record()
+            rec.ParseFromString(data)
+            kind = rec.WhichOneof("record_type")
+            if kind == "start":
+                out["project"], out["name"] = rec.start.project, rec.start.name
+            elif kind == "scalar":
+                out["history"].setdefault(rec.scalar.step, {})[rec.scalar.key] = (
+                    rec.scalar.value.number)
+    finally:
+        reader.close()
+    config = yaml.safe_load((run_dir / "files" / "config.yaml").read_text())
+    out["config"] = {k: v["value"] for k, v in config.items()}
+    return out
+
+
+def test_swanlab_offline_run_holds_config_and_every_step(tmp_path, monkeypatch):
+    """verl's trainer.logger=[console,swanlab] (before: an unknown sink). SWANLAB_MODE=offline
+    (SwanLab's own variable) writes the run under <run>/swanlog, read back record by record."""
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.delenv("SWANLAB_LOG_DIR", raising=False)
+    _log(tmp_path / "run", ["jsonl", "swanlab"])
+    run = read_swanlab_run(tmp_path / "run" / "swanlog")
+    assert (run["project"], run["name"]) == ("proj", "exp")
+    assert run["config"]["actor_rollout_ref"] == CONFIG["actor_rollout_ref"]
+    assert run["history"] == {s: {k: float(v) for k, v in r.items()} for s, r in ROWS.items()}
 
 
 def test_a_missing_tracker_package_names_the_extra(tmp_path, monkeypatch):
