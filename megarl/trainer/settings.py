@@ -1,5 +1,6 @@
-"""Project config -> each training role's settings (`megarl.backends.settings.RoleSettings`), made
-once where the run is built; below this layer nothing reads the config.
+"""Project config -> the typed settings the run's parts take, made once where the run is built:
+each training role's (`role_settings` -> `megarl.backends.settings.RoleSettings`) and the rollout
+engine's (`rollout_settings` -> `megarl.rollout.settings.RolloutSettings`).
 
 Sections read per role (``model`` is ``actor_rollout_ref.model``):
 
@@ -13,7 +14,8 @@ Sections read per role (``model`` is ``actor_rollout_ref.model``):
     prm    reward_model.{model, parallel}; micro-batching from reward_model.*; the actor's megatron
            block (megatron's expert layout is one per process)
     every  seed = trainer.seed; kernels = model.use_fused_kernels / fused_kernel_options (the LM
-           head's)
+           head's); device = trainer.device; param_dtype = the role's parallel.param_dtype
+           (read by the torch backend)
     lora   the actor's adapters: model.{lora_rank, lora_alpha, target_modules, ...} or the
            folder of model.lora_adapter_path (`lora_settings`)
 
@@ -23,8 +25,6 @@ ignores the micro size. Critic and PRM flags None follow the actor's. A ``*_max_
 budget counts one GPU's tokens: where Ulysses or context parallelism splits each sequence over
 S ranks, a micro-batch holds S times the budget (as verl's workers multiply it;
 `micro_batch_tokens`, also used by the trainer's updates).
-
-    every  device = trainer.device; param_dtype = the role's parallel.param_dtype (torch backend)
 
 The backends map these onto their own constructors (`megarl.backends.torch.config`,
 `megarl.backends.megatron.config`); what only one backend has (torch: FSDP shard group, Ulysses;
