@@ -19,8 +19,9 @@ from megarl.rewards import RewardFnSpec, RewardRequest, make_reward_pool
 
 REPO = Path(__file__).resolve().parents[2]
 # Seconds an item may take. Only the "sleep" item should reach it: the suite runs this test
-# beside two busy xdist workers, the Ray cluster's own processes and the local pool on 2 cores,
-# where a 3 s limit timed out a plain gsm8k item (measured with two busy loops beside it).
+# beside the other xdist worker, the Ray cluster's own processes and the local pool on 2 cores.
+# Measured: with one busy loop beside the test every item but "sleep" passes at 10 s; with two
+# busy loops the Ray side timed out a plain gsm8k item at 3 s and at 10 s alike (starved).
 TIMEOUT_S = 10.0
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
