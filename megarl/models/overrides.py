@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from megarl.errors import UserInputError
+from megarl.utils.plain import plain
 
 # verl's megatron workers read only this sub-mapping of override_config
 NESTED_KEY = "model_config"
@@ -60,14 +61,14 @@ def effective_overrides(override_config: Mapping[str, Any] | None,
     if not isinstance(block, Mapping):
         raise OverrideError(f"{key}.{NESTED_KEY}={block!r}: expected a mapping of HF config "
                             "fields")
-    return _plain(block)
+    return plain(block)
 
 
 def merge_overrides(hf_config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``hf_config`` (a ``config.json`` dict) with ``overrides`` merged in (verl's
     ``update_model_config``: mappings merge key by key, other values replace)."""
     out = copy.deepcopy(dict(hf_config))
-    _merge_into(out, _plain(overrides))
+    _merge_into(out, plain(overrides))
     theta = overrides.get("rope_theta")
     params = out.get("rope_parameters")
     given = overrides.get("rope_parameters")
@@ -135,14 +136,6 @@ def changed_fields(hf_config: Mapping[str, Any], merged: Mapping[str, Any]) -> d
 
 # ---------------------------------------------------------------------------------------------
 
-
-def _plain(value: Any) -> Any:
-    """OmegaConf containers / mappings -> plain dicts and lists."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _merge_into(target: dict[str, Any], overrides: Mapping[str, Any]) -> None:

@@ -22,11 +22,13 @@ greedy baseline per prompt, whole groups on one rank) and supplies the hooks. Th
 - ``Pacs`` (``pacs.enable``): the rewards only, ``scores`` = the verifiable reward; PACS's BCE
   (``algos.pacs_loss``) as the loss, each group on one rank and in one micro-batch.
 
-``build_algorithm(cfg)`` picks the entry: one whose switch is on (PACS), else the one registered
-under ``algorithm.adv_estimator`` (PURE), else the PPO family. A user's own entry:
-``@register_algorithm("name")`` on an ``Algorithm`` subclass in the file named by
-``algorithm.custom_algorithms.path``, its estimator name registered with
-``megarl.algos.register_advantage_pipeline`` (so that the config accepts it).
+One name selects the algorithm: ``AlgorithmSettings.name``, which is "pacs" under PACS's switch
+``pacs.enable`` and ``algorithm.adv_estimator`` otherwise (`megarl.trainer.settings.
+algorithm_settings` reads the config once). ``build_algorithm(settings)`` runs the entry
+registered under that name (PURE, OTB, PACS), else the PPO family. Entries take the typed
+`AlgorithmSettings`, never the config. A user's own entry: ``@register_algorithm("name")`` on an
+``Algorithm`` subclass in the file named by ``algorithm.custom_algorithms.path``, its estimator
+name registered with ``megarl.algos.register_advantage_pipeline`` (so that the config accepts it).
 """
 
 from __future__ import annotations
@@ -98,32 +100,52 @@ def greedy_baselines(batch: RolloutBatch, step: StepContext) -> torch.Tensor:
     return torch.tensor([by_group[g] for g in batch.group_index.tolist()])
 
 
-def advantage_settings(cfg: Any) -> AdvantageSettings:
-    """The reward placement and estimator settings of a config."""
-    alg, rm = cfg.algorithm, cfg.reward_model
-    return AdvantageSettings(
-        estimator=alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
-        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-        use_kl_in_reward=alg.use_kl_in_reward, kl_penalty=alg.kl_penalty,
-        prm_enabled=rm.enable, vr_enabled=rm.reward_manager != "blank",
-        credit_assignment=rm.credit_assignment,
-        verifiable_reward_coef=rm.verifiable_reward_coef)
+@dataclass(frozen=True)
+class PureSettings:
+    """``algorithm.pure``: options of PURE's main-branch pipeline."""
+
+    mask_separator: bool = True  # zero the advantage at step-end tokens
+    normalize: bool = True  # replay-buffer whitening of the advantages
 
 
-def actor_loss_settings(cfg: Any) -> ActorLossSettings:
-    """The PPO family's actor loss settings of a config."""
-    arr = cfg.actor_rollout_ref
-    a = arr.actor
-    rc = cfg.algorithm.rollout_correction
-    # verl's bypass mode with loss_type=reinforce trains REINFORCE whatever loss_mode says
-    reinforce = rc.bypass_mode and rc.loss_type == "reinforce"
-    return ActorLossSettings(
-        loss_mode="reinforce" if reinforce else a.policy_loss.loss_mode, agg_mode=a.loss_agg_mode,
-        tau_pos=a.tau_pos, tau_neg=a.tau_neg,
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
-        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-        fused=arr.model.use_fused_kernels)
+@dataclass(frozen=True)
+class PacsLoss:
+    """PACS's objective (``losses.PolicyTerm``): ``algos.pacs_loss`` of a micro-batch holding
+    whole groups, with ``scores`` [b] as labels, rescaled from its mean over the micro-batch's
+    responses to its share of the mini-batch (x b / global_batch_size x dp). No entropy bonus
+    and no KL loss are added (PACS trains a classifier)."""
+
+    beta: float = 1.0
+    reward_method: str = "1"
+    adv_estimator: str = "rloo"
+    weight_mode: str | None = "question"
+    norm_adv_by_std: bool = True
+    regularized: bool = False
+
+    def __call__(self, logprob: torch.Tensor, old_logprob: torch.Tensor, mask: torch.Tensor,
+                 mb: SequenceBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
+        t = mb.tensors
+        loss, _ = algos.pacs_loss(
+            logprob=logprob, old_logprob=old_logprob, response_mask=mask, scores=t["scores"],
+            group_index=t["group_index"], beta=self.beta, reward_method=self.reward_method,
+            adv_estimator=self.adv_estimator, weight_mode=self.weight_mode,
+            norm_adv_by_std=self.norm_adv_by_std)
+        seq_share = mb.batch_size / max(norm.global_batch_size, 1) * norm.dp_size
+        loss = loss * seq_share
+        return loss, {"actor/pacs_loss": float(loss.detach())}
+
+
+@dataclass(frozen=True)
+class AlgorithmSettings:
+    """What the algorithms read of a config, made once by
+    `megarl.trainer.settings.algorithm_settings`."""
+
+    name: str  # the registry entry that runs: "pacs" under pacs.enable, else adv_estimator
+    adv: AdvantageSettings  # reward placement and the estimator (algorithm.*, reward_model.*)
+    loss: ActorLossSettings  # the PPO family's actor loss (actor_rollout_ref.actor.*)
+    pure: PureSettings = PureSettings()  # algorithm.pure
+    pacs: PacsLoss = PacsLoss()  # pacs.*
+    custom_path: str | None = None  # algorithm.custom_algorithms.path, imported by the build
 
 
 class Algorithm:
@@ -134,9 +156,10 @@ class Algorithm:
     needs: Needs = Needs()
     update_keys: tuple[str, ...] = ("advantages",)  # batch tensors the actor's loss reads
 
-    def __init__(self, cfg: Any) -> None:
-        self.adv = advantage_settings(cfg)
-        self.loss = actor_loss_settings(cfg)
+    def __init__(self, settings: AlgorithmSettings) -> None:
+        self.settings = settings
+        self.adv = settings.adv
+        self.loss = settings.loss
 
     def prepare(self, batch: RolloutBatch, step: StepContext) -> None:
         """After scoring, before the engine sleeps (it may still generate)."""
@@ -155,8 +178,8 @@ class PPOFamily(Algorithm):
     """Any registered advantage estimator with any registered policy loss; an estimator that
     needs "baselines" (remax) gets a greedy response per prompt, scored, in ``prepare``."""
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
+    def __init__(self, settings: AlgorithmSettings) -> None:
+        super().__init__(settings)
         self.needs = Needs.of_estimator(self.adv.estimator)
 
     def prepare(self, batch: RolloutBatch, step: StepContext) -> None:
@@ -167,69 +190,47 @@ class PPOFamily(Algorithm):
 AlgoT = TypeVar("AlgoT", bound=type[Algorithm])
 
 
-@dataclass(frozen=True)
-class Entry:
-    build: Callable[[Any], Algorithm]
-    enabled_by: Callable[[Any], bool] | None  # a config switch choosing it (else: by name)
+ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
-ALGORITHMS: dict[str, Entry] = {}
-
-
-def register_algorithm(name: str, *,
-                       enabled_by: Callable[[Any], bool] | None = None) -> Callable[[AlgoT], AlgoT]:
-    """Decorator: register an ``Algorithm`` subclass (built from the config) under ``name``.
-    Without ``enabled_by`` it runs when ``algorithm.adv_estimator`` is ``name`` (an estimator
-    or pipeline of ``megarl.algos``); with it, whenever ``enabled_by(cfg)`` is true."""
+def register_algorithm(name: str) -> Callable[[AlgoT], AlgoT]:
+    """Decorator: register an ``Algorithm`` subclass (built from `AlgorithmSettings`) under
+    ``name``: it runs when the settings' ``name`` is ``name`` (``algorithm.adv_estimator``: an
+    estimator or pipeline of ``megarl.algos``)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"algorithm name must be a non-empty string, got {name!r}")
 
     def decorator(cls: AlgoT) -> AlgoT:
         existing = ALGORITHMS.get(name)
-        if existing is not None and existing.build is not cls:
+        if existing is not None and existing is not cls:
             raise ValueError(f"algorithm {name!r} is already registered "
-                             f"({existing.build.__module__}.{existing.build.__qualname__}); "
+                             f"({existing.__module__}.{existing.__qualname__}); "
                              "pick another name")
-        ALGORITHMS[name] = Entry(cls, enabled_by)
+        ALGORITHMS[name] = cls
         return cls
 
     return decorator
 
 
-def build_algorithm(cfg: Any) -> Algorithm:
-    """The algorithm a config runs (module doc); imports ``algorithm.custom_algorithms.path``
-    first. UserInputError naming the keys when two switches are on or the estimator has no
-    algorithm."""
+def build_algorithm(settings: AlgorithmSettings) -> Algorithm:
+    """The algorithm ``settings`` select (module doc); imports ``settings.custom_path`` first.
+    UserInputError naming the key when the name has no algorithm."""
     try:
-        import_custom_algorithms(cfg.algorithm.custom_algorithms.path)
+        import_custom_algorithms(settings.custom_path)
     except ValueError as err:
         raise UserInputError(f"{PATH_KEY}: {err}") from err
-    on = [name for name, e in ALGORITHMS.items() if e.enabled_by is not None and e.enabled_by(cfg)]
-    if len(on) > 1:
-        raise UserInputError(f"algorithms {on} are all switched on; enable one of them")
-    if on:
-        return ALGORITHMS[on[0]].build(cfg)
-    est = cfg.algorithm.adv_estimator
-    entry = ALGORITHMS.get(est)
-    if entry is not None and entry.enabled_by is None:
-        return entry.build(cfg)
-    if est not in algos.ADVANTAGE_ESTIMATORS:
+    entry = ALGORITHMS.get(settings.name)
+    if entry is not None:
+        return entry(settings)
+    if settings.name not in algos.ADVANTAGE_ESTIMATORS:
         raise UserInputError(
-            f"algorithm.adv_estimator: {est!r} has no algorithm that computes it; register an "
-            "advantage estimator (megarl.algos.register_advantage_estimator), or an algorithm of "
-            f"that name (megarl.trainer.algorithm.register_algorithm) in {PATH_KEY}")
-    return PPOFamily(cfg)
+            f"algorithm.adv_estimator: {settings.name!r} has no algorithm that computes it; "
+            "register an advantage estimator (megarl.algos.register_advantage_estimator), or an "
+            f"algorithm of that name (megarl.trainer.algorithm.register_algorithm) in {PATH_KEY}")
+    return PPOFamily(settings)
 
 
 # ---------------------------------------------------------------------------------- PURE
-
-
-@dataclass(frozen=True)
-class PureSettings:
-    """``algorithm.pure``: options of PURE's main-branch pipeline."""
-
-    mask_separator: bool = True  # zero the advantage at step-end tokens
-    normalize: bool = True  # replay-buffer whitening of the advantages
 
 
 def pure_mode(s: AdvantageSettings) -> str:
@@ -266,10 +267,9 @@ class PureRloo(PPOFamily):
     """PURE (Cheng et al.): its RLOO pipeline over PRM step scores and verifiable rewards,
     then the PPO family's policy loss."""
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
-        p = cfg.algorithm.pure
-        self.pure = PureSettings(mask_separator=p.mask_separator, normalize=p.normalize)
+    def __init__(self, settings: AlgorithmSettings) -> None:
+        super().__init__(settings)
+        self.pure = settings.pure
 
     def advantages(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
         return pure_advantages(batch, self.adv, self.pure, kl_coef)
@@ -303,8 +303,8 @@ class OptimalTokenBaseline(PPOFamily):
     """``algorithm.adv_estimator=optimal_token_baseline``: a baseline per group and position
     weighted by the policy's path variance (`otb_advantages`); the PPO family's loss."""
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
+    def __init__(self, settings: AlgorithmSettings) -> None:
+        super().__init__(settings)
         self.needs = dataclasses.replace(self.needs, sum_pi_squared=True)
 
     def advantages(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
@@ -312,42 +312,6 @@ class OptimalTokenBaseline(PPOFamily):
 
 
 # ---------------------------------------------------------------------------------- PACS
-
-
-@dataclass(frozen=True)
-class PacsLoss:
-    """PACS's objective (``losses.PolicyTerm``): ``algos.pacs_loss`` of a micro-batch holding
-    whole groups, with ``scores`` [b] as labels, rescaled from its mean over the micro-batch's
-    responses to its share of the mini-batch (x b / global_batch_size x dp). No entropy bonus
-    and no KL loss are added (PACS trains a classifier)."""
-
-    beta: float = 1.0
-    reward_method: str = "1"
-    adv_estimator: str = "rloo"
-    weight_mode: str | None = "question"
-    norm_adv_by_std: bool = True
-    regularized: bool = False
-
-    def __call__(self, logprob: torch.Tensor, old_logprob: torch.Tensor, mask: torch.Tensor,
-                 mb: SequenceBatch, norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
-        t = mb.tensors
-        loss, _ = algos.pacs_loss(
-            logprob=logprob, old_logprob=old_logprob, response_mask=mask, scores=t["scores"],
-            group_index=t["group_index"], beta=self.beta, reward_method=self.reward_method,
-            adv_estimator=self.adv_estimator, weight_mode=self.weight_mode,
-            norm_adv_by_std=self.norm_adv_by_std)
-        seq_share = mb.batch_size / max(norm.global_batch_size, 1) * norm.dp_size
-        loss = loss * seq_share
-        return loss, {"actor/pacs_loss": float(loss.detach())}
-
-
-def pacs_loss_term(cfg: Any) -> PacsLoss:
-    """``pacs.*`` of a config as PACS's objective."""
-    p = cfg.pacs
-    return PacsLoss(beta=p.beta, reward_method=str(p.reward_method),
-                    adv_estimator=p.adv_estimator,
-                    weight_mode=p.weight_mode if p.use_weight else None,
-                    norm_adv_by_std=p.norm_adv_by_std_in_grpo)
 
 
 def pacs_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float) -> dict[str, float]:
@@ -358,7 +322,7 @@ def pacs_advantages(batch: RolloutBatch, s: AdvantageSettings, kl_coef: float) -
     return metrics
 
 
-@register_algorithm("pacs", enabled_by=lambda cfg: cfg.pacs.enable)
+@register_algorithm("pacs")
 class Pacs(Algorithm):
     """PACS (Li et al.): the actor trained as a classifier of its responses' correctness; the
     advantage is computed inside the loss from the policy itself, so the advantage stage only
@@ -368,13 +332,13 @@ class Pacs(Algorithm):
     needs = Needs(groups=True, whole_groups=True)
     update_keys = ("scores",)
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
-        self.loss = dataclasses.replace(self.loss, policy=pacs_loss_term(cfg))
+    def __init__(self, settings: AlgorithmSettings) -> None:
+        super().__init__(settings)
+        self.loss = dataclasses.replace(self.loss, policy=settings.pacs)
 
     def advantages(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
         return pacs_advantages(batch, self.adv, kl_coef)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Needs", "OptimalTokenBaseline", "PPOFamily", "StepContext",
+__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmSettings", "Needs", "PacsLoss", "PureSettings", "OptimalTokenBaseline", "PPOFamily", "StepContext",
            "build_algorithm", "register_algorithm"]

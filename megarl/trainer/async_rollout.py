@@ -84,7 +84,11 @@ class AsyncRLTrainer(RLTrainer):
 
     def check_settings(self) -> None:
         """A loss without a ratio needs the truncated importance weights (module doc)."""
-        check_lagged_correction(self.cfg, self.algorithm.loss.has_ratio)
+        cfg = self.cfg
+        check_lagged_correction(cfg.async_training.staleness_threshold,
+                                cfg.actor_rollout_ref.actor.policy_loss.loss_mode,
+                                self.algorithm.loss.has_ratio,
+                                cfg.algorithm.rollout_correction.rollout_is)
 
     def policy_version(self, step: int) -> int:
         """The version of the weights after ``step``: the actor updates made by then (the

@@ -23,7 +23,7 @@ when something else reads it: truncated weights, rejection, KL in the reward, th
 check, goes to ``prox_logprob``), and the update is never treated as on-policy (verl's new
 engine; its legacy worker's on-policy shortcut would replace the rollout logprobs by the
 current ones and make the ratio 1). ``loss_type=reinforce`` trains ``loss_mode=reinforce``
-(`megarl.trainer.algorithm.actor_loss_settings`); with ``rollout_is`` its weights are then
+(`megarl.trainer.settings.actor_loss_settings`); with ``rollout_is`` its weights are then
 applied, as verl's bypass REINFORCE. verl computes bypass mode's weights and rejection per
 micro-batch from the evolving policy; megarl from the recomputation before the update, which
 is the same policy for a single update per step.
@@ -64,16 +64,16 @@ def require_rollout_logprobs(batch: RolloutBatch, level: Any, key: str = KEY) ->
             f"{key}={'false' if isinstance(level, bool) else 'null'}")
 
 
-def check_lagged_correction(cfg: Any, loss_has_ratio: bool) -> None:
-    """Refuse asynchronous rollout (``staleness_threshold > 0``) with a policy loss that takes no
-    ratio (``loss_has_ratio`` false) and no importance weights (``rollout_is=null``): nothing
-    would correct for the older policy versions that sampled (module doc)."""
-    staleness = cfg.async_training.staleness_threshold
-    if staleness > 0 and not loss_has_ratio and cfg.algorithm.rollout_correction.rollout_is is None:
-        mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+def check_lagged_correction(staleness: float, loss_mode: str, loss_has_ratio: bool,
+                            rollout_is: str | None) -> None:
+    """Refuse asynchronous rollout (``staleness > 0``, ``async_training.staleness_threshold``)
+    with a policy loss that takes no ratio (``loss_mode``, ``loss_has_ratio`` false) and no
+    importance weights (``rollout_is`` None): nothing would correct for the older policy
+    versions that sampled (module doc)."""
+    if staleness > 0 and not loss_has_ratio and rollout_is is None:
         raise UserInputError(
-            f"{LOSS_KEY}={mode!r} takes no importance ratio, so with {STALENESS_KEY}={staleness} "
-            f"and {KEY}=null the samples of older policy versions would train uncorrected; set "
+            f"{LOSS_KEY}={loss_mode!r} takes no importance ratio, so with "
+            f"{STALENESS_KEY}={staleness} and {KEY}=null the samples of older policy versions would train uncorrected; set "
             f"{KEY}=token (truncated weights pi/mu on each token), or a loss with a ratio "
             f"({LOSS_KEY}=vanilla), or {STALENESS_KEY}=0")
 

@@ -1,6 +1,7 @@
 """Project config -> the typed settings the run's parts take, made once where the run is built:
-each training role's (`role_settings` -> `megarl.backends.settings.RoleSettings`) and the rollout
-engine's (`rollout_settings` -> `megarl.rollout.settings.RolloutSettings`).
+each training role's (`role_settings` -> `megarl.backends.settings.RoleSettings`), the rollout
+engine's (`rollout_settings` -> `megarl.rollout.settings.RolloutSettings`) and the algorithm's
+(`algorithm_settings` -> `megarl.trainer.algorithm.AlgorithmSettings`).
 
 Sections read per role (``model`` is ``actor_rollout_ref.model``):
 
@@ -50,7 +51,11 @@ from megarl.errors import UserInputError
 from megarl.models.lora import DROPOUT_POSITIONS, LORA_INITS, LoraSettings, adapter_settings
 from megarl.models.overrides import override_key
 from megarl.rollout.settings import RolloutSettings
+from megarl.trainer.advantage import AdvantageSettings
+from megarl.trainer.algorithm import AlgorithmSettings, PacsLoss, PureSettings
+from megarl.trainer.losses import ActorLossSettings
 from megarl.utils.dtypes import canonical_dtype
+from megarl.utils.plain import plain
 
 _PATH_KEYS = {"critic": "critic.model.path", "prm": "reward_model.model.path"}
 _SECTIONS = {"critic": "critic", "prm": "reward_model"}
@@ -95,7 +100,7 @@ def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSet
         activation_checkpointing=role != "prm" and bool(own_model.enable_gradient_checkpointing),
         router_replay=actor.router_replay.mode if role == "actor" else "disabled",
         megatron=cfg.critic.megatron if role == "critic" else actor.megatron,
-        override_config=_plain(getattr(own_model, "override_config", None)) or None,
+        override_config=plain(getattr(own_model, "override_config", None)) or None,
         override_key=override_key(role),
         lora=lora_settings(cfg) if role == "actor" else None,
         device=str(cfg.trainer.device),
@@ -176,14 +181,6 @@ def _dtype_key(role: str) -> str:
         role, "actor_rollout_ref.model.dtype")
 
 
-def _plain(value: Any) -> Any:
-    """A config mapping (a dict, or OmegaConf's) as plain dicts and lists."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
 
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
@@ -256,7 +253,7 @@ def rollout_settings(cfg: Any) -> RolloutSettings:
         seed=ro.seed if ro.seed is not None else cfg.trainer.seed,
         tokenizer_path=arr.model.tokenizer_path,
         trust_remote_code=arr.model.trust_remote_code,
-        override_config=_plain(arr.model.override_config) or {},
+        override_config=plain(arr.model.override_config) or {},
         tensor_model_parallel_size=ro.tensor_model_parallel_size,
         gpu_memory_utilization=ro.gpu_memory_utilization,
         max_num_seqs=ro.max_num_seqs,
@@ -269,3 +266,52 @@ def rollout_settings(cfg: Any) -> RolloutSettings:
         bucket_bytes=int(mb * 2**20),
         routed_experts=arr.actor.router_replay.mode == "R3",
     )
+
+
+def algorithm_name(cfg: Any) -> str:
+    """The one name that selects a run's algorithm: "pacs" under PACS's own switch
+    ``pacs.enable``, else ``algorithm.adv_estimator``."""
+    return "pacs" if cfg.pacs.enable else str(cfg.algorithm.adv_estimator)
+
+
+def advantage_settings(cfg: Any) -> AdvantageSettings:
+    """The reward placement and estimator settings of a config."""
+    alg, rm = cfg.algorithm, cfg.reward_model
+    return AdvantageSettings(
+        estimator=alg.adv_estimator, gamma=alg.gamma, lam=alg.lam,
+        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        use_kl_in_reward=alg.use_kl_in_reward, kl_penalty=alg.kl_penalty,
+        prm_enabled=rm.enable, vr_enabled=rm.reward_manager != "blank",
+        credit_assignment=rm.credit_assignment,
+        verifiable_reward_coef=rm.verifiable_reward_coef)
+
+
+def actor_loss_settings(cfg: Any) -> ActorLossSettings:
+    """The PPO family's actor loss settings of a config."""
+    arr = cfg.actor_rollout_ref
+    a = arr.actor
+    rc = cfg.algorithm.rollout_correction
+    # verl's bypass mode with loss_type=reinforce trains REINFORCE whatever loss_mode says
+    reinforce = rc.bypass_mode and rc.loss_type == "reinforce"
+    return ActorLossSettings(
+        loss_mode="reinforce" if reinforce else a.policy_loss.loss_mode, agg_mode=a.loss_agg_mode,
+        tau_pos=a.tau_pos, tau_neg=a.tau_neg,
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+        fused=arr.model.use_fused_kernels)
+
+
+def algorithm_settings(cfg: Any) -> AlgorithmSettings:
+    """Everything the algorithms read of ``cfg``: the selecting name (`algorithm_name`), the
+    advantage and actor loss settings, ``algorithm.pure``, PACS's objective (``pacs.*``) and the
+    user's file of algorithms."""
+    p, pacs = cfg.algorithm.pure, cfg.pacs
+    return AlgorithmSettings(
+        name=algorithm_name(cfg), adv=advantage_settings(cfg), loss=actor_loss_settings(cfg),
+        pure=PureSettings(mask_separator=p.mask_separator, normalize=p.normalize),
+        pacs=PacsLoss(beta=pacs.beta, reward_method=str(pacs.reward_method),
+                      adv_estimator=pacs.adv_estimator,
+                      weight_mode=pacs.weight_mode if pacs.use_weight else None,
+                      norm_adv_by_std=pacs.norm_adv_by_std_in_grpo),
+        custom_path=cfg.algorithm.custom_algorithms.path)

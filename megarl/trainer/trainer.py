@@ -51,6 +51,7 @@ from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
 from megarl.trainer.outcome_rm import prompt_messages, score_samples
 from megarl.trainer.parts import RunParts, build_run
 from megarl.trainer.prm import prm_step_settings, score_steps
+from megarl.trainer.settings import algorithm_settings
 from megarl.trainer.update import mean_metrics, run_update
 from megarl.trainer.validation import validate
 from megarl.utils import dist as mdist
@@ -61,7 +62,7 @@ class RLTrainer:
         self.cfg = cfg
         # the user's estimators and losses (algorithm.custom_algorithms.path) are imported
         # first: a name that has no algorithm fails before any model is loaded
-        self.algorithm = build_algorithm(cfg)
+        self.algorithm = build_algorithm(algorithm_settings(cfg))
         self.check_settings()
         self.parts: RunParts = build_run(cfg)
         p = self.parts

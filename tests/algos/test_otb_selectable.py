@@ -21,6 +21,7 @@ from megarl import algos
 from megarl.config import load_config
 from megarl.trainer import algorithm as A
 from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.settings import algorithm_settings
 
 D = torch.float64
 
@@ -58,17 +59,17 @@ def test_config_accepts_it_and_the_entry_asks_for_sum_pi_squared():
     assert "optimal_token_baseline" in algos.estimator_names()
     assert algos.estimator_needs("optimal_token_baseline") == {"groups"}
     cfg = load_config("grpo", ["algorithm.adv_estimator=optimal_token_baseline"])
-    algo = A.build_algorithm(cfg)
+    algo = A.build_algorithm(algorithm_settings(cfg))
     assert isinstance(algo, A.OptimalTokenBaseline)
     assert algo.needs.sum_pi_squared and algo.needs.groups and not algo.needs.critic
-    assert not A.build_algorithm(load_config("grpo", [])).needs.sum_pi_squared
+    assert not A.build_algorithm(algorithm_settings(load_config("grpo", []))).needs.sum_pi_squared
 
 
 @pytest.mark.parametrize("case", ["plain", "is_weights", "prox", "kl"])
 def test_hook_equals_the_float64_loop(case):
     kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl"] if case == "kl" else []
     cfg = load_config("grpo", ["algorithm.adv_estimator=optimal_token_baseline", *kl])
-    algo = A.build_algorithm(cfg)
+    algo = A.build_algorithm(algorithm_settings(cfg))
     batch = _batch()
     t = batch.tensors
     w_is = None
@@ -100,7 +101,8 @@ def test_hook_equals_the_float64_loop(case):
 
 
 def test_hook_without_sum_pi_squared_says_what_is_missing():
-    algo = A.build_algorithm(load_config("grpo", ["algorithm.adv_estimator=optimal_token_baseline"]))
+    algo = A.build_algorithm(algorithm_settings(
+        load_config("grpo", ["algorithm.adv_estimator=optimal_token_baseline"])))
     batch = _batch()
     del batch.tensors["sum_pi_squared"]
     with pytest.raises(RuntimeError) as err:

@@ -107,6 +107,6 @@ def test_straight_through_kl_kinds_are_accepted(kind):
                                 f"algorithm.kl_penalty={kind}"])
     assert r.config.actor_rollout_ref.actor.kl_loss_type == kind
     assert r.config.algorithm.kl_penalty == kind
-    from megarl.trainer.algorithm import actor_loss_settings
+    from megarl.trainer.settings import actor_loss_settings
 
     assert actor_loss_settings(r.config).kl_loss_type == kind

@@ -21,10 +21,16 @@ from megarl.trainer import algorithm as A
 from megarl.trainer.advantage import AdvantageSettings
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.metrics import Timer
+from megarl.trainer.settings import algorithm_name, algorithm_settings
 
 
 def _cfg(name="grpo", *overrides):
     return load_config(name, list(overrides))
+
+
+def _build(cfg) -> A.Algorithm:
+    """The algorithm a config runs, as the trainer builds it."""
+    return A.build_algorithm(algorithm_settings(cfg))
 
 
 def _batch(groups=(7, 3, 7, 3, 5), prompts=((1, 2), (3,), (1, 2), (3,), (4, 5))):
@@ -82,7 +88,7 @@ def test_each_config_runs_its_entry_with_its_needs():
         ("pacs", "algorithm.adv_estimator=pure_rloo"): (A.Pacs, A.Needs(groups=True, whole_groups=True)),
     }
     for args, (cls, needs) in cases.items():
-        algo = A.build_algorithm(_cfg(*args))
+        algo = _build(_cfg(*args))
         assert type(algo) is cls and algo.needs == needs, args
         assert algo.update_keys == (("scores",) if cls is A.Pacs else ("advantages",))
     with pytest.raises(ValueError, match="unknown advantage estimator 'nope'"):
@@ -108,7 +114,7 @@ def test_settings_come_from_their_keys():
                "actor_rollout_ref.model.use_fused_kernels=false",
                "algorithm.use_kl_in_reward=true", "algorithm.pure.mask_separator=false",
                "algorithm.pure.normalize=false")
-    algo = A.build_algorithm(cfg)
+    algo = _build(cfg)
     assert isinstance(algo, A.PureRloo)
     assert algo.adv == AdvantageSettings(
         estimator="pure_rloo", gamma=0.9, lam=0.8, norm_adv_by_std_in_grpo=False,
@@ -123,20 +129,20 @@ def test_settings_come_from_their_keys():
     on = algo.loss_settings(True)
     assert on.on_policy and on.loss_mode == "gspo" and not algo.loss_settings(False).on_policy
     assert not algo.loss.on_policy  # the stored settings are not changed
-    assert A.build_algorithm(_cfg("pure_prm_vr")).adv.vr_enabled
+    assert _build(_cfg("pure_prm_vr")).adv.vr_enabled
 
 
 def test_pacs_reads_its_section():
     """pacs.* reaches PACS's objective (reward_method as the string PACS spells, no class
     weights without use_weight); the objective takes no entropy bonus or KL loss. Planted:
     weight_mode kept when use_weight is false; norm_adv_by_std_in_grpo not passed."""
-    algo = A.build_algorithm(_cfg("pacs", "pacs.beta=0.5", "pacs.reward_method=2",
+    algo = _build(_cfg("pacs", "pacs.beta=0.5", "pacs.reward_method=2",
                                   "pacs.adv_estimator=grpo", "pacs.use_weight=false",
                                   "pacs.norm_adv_by_std_in_grpo=false"))
     assert algo.loss.policy == A.PacsLoss(beta=0.5, reward_method="2", adv_estimator="grpo",
                                           weight_mode=None, norm_adv_by_std=False)
     assert not algo.loss.regularized and algo.loss.policy.regularized is False
-    algo = A.build_algorithm(_cfg("pacs", "pacs.weight_mode=only_negative"))
+    algo = _build(_cfg("pacs", "pacs.weight_mode=only_negative"))
     assert algo.loss.policy.weight_mode == "only_negative" and algo.loss.policy.beta == 1.0
 
 
@@ -161,11 +167,11 @@ def test_prepare_generates_only_for_estimators_that_need_baselines():
     """remax's prepare writes reward_baselines; grpo's and PACS's generate nothing (planted:
     prepare always generating, or PACS with remax generating as the PPO family would)."""
     batch, fake = _batch(), FakeStep()
-    A.build_algorithm(_cfg("grpo", "algorithm.adv_estimator=remax")).prepare(batch, fake.context())
+    _build(_cfg("grpo", "algorithm.adv_estimator=remax")).prepare(batch, fake.context())
     assert batch.tensors["reward_baselines"].tolist() == [0.25, 0.5, 0.25, 0.5, 0.75]
     for args in (("grpo",), ("pacs", "algorithm.adv_estimator=remax")):
         batch, fake = _batch(), FakeStep()
-        A.build_algorithm(_cfg(*args)).prepare(batch, fake.context())
+        _build(_cfg(*args)).prepare(batch, fake.context())
         assert "reward_baselines" not in batch.tensors and fake.items is None
 
 
@@ -174,14 +180,14 @@ def test_the_hooks_compute_each_entry_s_advantages():
     PACS's writes scores and no advantages; PURE's equals pure_advantages with its settings.
     Planted: PURE's hook given default PureSettings (normalize on: advantages rescaled)."""
     batch = _batch()
-    A.build_algorithm(_cfg("grpo", "algorithm.adv_estimator=rloo")).advantages(batch, 0.0)
+    _build(_cfg("grpo", "algorithm.adv_estimator=rloo")).advantages(batch, 0.0)
     assert batch.tensors["advantages"][:, 0].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0, 0.0])
     batch = _batch()
-    A.build_algorithm(_cfg("pacs")).advantages(batch, 0.0)
+    _build(_cfg("pacs")).advantages(batch, 0.0)
     assert batch.tensors["scores"].tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
     assert "advantages" not in batch.tensors
     cfg = _cfg("pure_vr", "algorithm.pure.normalize=false", "algorithm.use_kl_in_reward=false")
-    algo, batch, ref = A.build_algorithm(cfg), _batch(), _batch()
+    algo, batch, ref = _build(cfg), _batch(), _batch()
     algo.advantages(batch, 0.0)
     A.pure_advantages(ref, algo.adv, A.PureSettings(normalize=False), 0.0)
     torch.testing.assert_close(batch.tensors["advantages"], ref.tensors["advantages"], rtol=0, atol=0)
@@ -206,12 +212,11 @@ def registered():
         algos.ESTIMATOR_NEEDS.pop(n, None)
 
 
-def test_a_registered_algorithm_is_chosen_by_its_name_or_its_switch(registered):
-    """An entry under a pipeline's name runs when algorithm.adv_estimator names it; an entry
-    with a switch runs when it is on, before any name; two switches on, or a pipeline without
-    an entry, are errors naming the keys. Re-registering the same class is fine, another class
-    under a taken name or an empty name is refused."""
-    registered += ["unit_pipeline", "unit_switch", "unit_switch2"]
+def test_a_registered_algorithm_is_chosen_by_its_name(registered):
+    """An entry under a pipeline's name runs when algorithm.adv_estimator names it; a pipeline
+    without an entry is an error naming the key. Re-registering the same class is fine, another
+    class under a taken name or an empty name is refused."""
+    registered += ["unit_pipeline"]
     algos.register_advantage_pipeline("unit_pipeline", needs=("groups",))(lambda **kw: None)
 
     @A.register_algorithm("unit_pipeline")
@@ -219,35 +224,39 @@ def test_a_registered_algorithm_is_chosen_by_its_name_or_its_switch(registered):
         pass
 
     cfg = _cfg("grpo", "algorithm.adv_estimator=unit_pipeline")
-    assert type(A.build_algorithm(cfg)) is UnitPipeline
+    algo = _build(cfg)
+    assert type(algo) is UnitPipeline and algo.settings == algorithm_settings(cfg)
     assert A.register_algorithm("unit_pipeline")(UnitPipeline) is UnitPipeline
     with pytest.raises(ValueError, match="algorithm 'unit_pipeline' is already registered"):
         A.register_algorithm("unit_pipeline")(type("Other", (A.Algorithm,), {}))
     with pytest.raises(ValueError, match="non-empty string"):
         A.register_algorithm("")
 
-    @A.register_algorithm("unit_switch", enabled_by=lambda c: c.trainer.seed == 7)
-    class UnitSwitch(A.Algorithm):
-        pass
-
-    assert type(A.build_algorithm(cfg)) is UnitPipeline  # switch off
-    cfg.trainer.seed = 7
-    assert type(A.build_algorithm(cfg)) is UnitSwitch
-    A.register_algorithm("unit_switch2", enabled_by=lambda c: c.trainer.seed > 5)(UnitSwitch)
-    with pytest.raises(UserInputError, match=r"algorithms \['unit_switch', 'unit_switch2'\]"):
-        A.build_algorithm(cfg)
-
     del A.ALGORITHMS["unit_pipeline"]
-    cfg.trainer.seed = 1
     with pytest.raises(UserInputError, match="^algorithm.adv_estimator: 'unit_pipeline' has no "
                                              "algorithm") as err:
-        A.build_algorithm(cfg)
+        _build(cfg)
     assert "register_algorithm" in str(err.value)
 
 
+def test_one_name_selects_the_algorithm():
+    """PACS's switch is a spelling of the name "pacs", whatever algorithm.adv_estimator says;
+    without it the estimator names the entry. Settings made once carry the name, and the entry
+    built from them is the one registered under it (planted: the estimator read before the
+    switch runs the PPO family for pacs + remax)."""
+    assert algorithm_name(_cfg("pacs", "algorithm.adv_estimator=remax")) == "pacs"
+    assert algorithm_name(_cfg("pacs", "pacs.enable=false")) == "grpo"
+    assert algorithm_name(_cfg("pure_vr")) == "pure_rloo"
+    assert algorithm_name(_cfg("grpo", "algorithm.adv_estimator=rloo")) == "rloo"
+    assert A.ALGORITHMS["pacs"] is A.Pacs and A.ALGORITHMS["pure_rloo"] is A.PureRloo
+    settings = algorithm_settings(_cfg("pacs", "algorithm.adv_estimator=remax"))
+    assert settings.name == "pacs" and settings.adv.estimator == "remax"
+    assert type(A.build_algorithm(settings)) is A.Pacs
+
+
 def test_build_algorithm_imports_the_user_file(tmp_path, registered):
-    """algorithm.custom_algorithms.path is imported by build_algorithm itself (a Config made in
-    code, never validated): its estimator then runs in the PPO family with its needs; a path
+    """algorithm.custom_algorithms.path is imported by build_algorithm itself (settings of a
+    Config made in code, never validated): its estimator then runs in the PPO family with its needs; a path
     that is not a file is a UserInputError naming the key."""
     registered.append("unit_file_adv")
     path = tmp_path / "algos_file.py"
@@ -262,14 +271,14 @@ def test_build_algorithm_imports_the_user_file(tmp_path, registered):
     cfg.algorithm.custom_algorithms.path = str(path)
     cfg.algorithm.adv_estimator = "unit_file_adv"
     try:
-        algo = A.build_algorithm(cfg)
+        algo = _build(cfg)
         assert algo.needs == A.Needs(groups=True, greedy_baseline=True)
     finally:
         algos.ADVANTAGE_ESTIMATORS.pop("unit_file_adv", None)
     cfg.algorithm.custom_algorithms.path = str(tmp_path / "missing.py")
     with pytest.raises(UserInputError, match=r"^algorithm.custom_algorithms.path: '.*missing.py' "
                                              r"is not a file"):
-        A.build_algorithm(cfg)
+        _build(cfg)
 
 
 @pytest.mark.parametrize("args", [("grpo", "algorithm.adv_estimator=rloo"),
@@ -286,7 +295,7 @@ def test_each_hook_passes_the_step_s_kl_coef(args):
     ref = (old + 0.5 * torch.randn(mask.shape, generator=g)) * mask
     batch.tensors.update(old_logprob=old, ref_logprob=ref)
     cfg = _cfg(*args, "algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl")
-    metrics = A.build_algorithm(cfg).advantages(batch, 0.3)
+    metrics = _build(cfg).advantages(batch, 0.3)
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.3
     lengths, vr = [3, 1, 2, 3, 2], [1.0, 0.0, 0.0, 1.0, 1.0]
     o, r = old.double().tolist(), ref.double().tolist()
@@ -308,7 +317,7 @@ def test_registry_and_build_error_messages_in_full(registered):
     cfg = _cfg("grpo")
     cfg.algorithm.adv_estimator = "unit_nothing"
     with pytest.raises(UserInputError) as err:
-        A.build_algorithm(cfg)
+        _build(cfg)
     assert str(err.value) == (
         "algorithm.adv_estimator: 'unit_nothing' has no algorithm that computes it; register an "
         "advantage estimator (megarl.algos.register_advantage_estimator), or an algorithm of "

@@ -1,5 +1,5 @@
 """Rollout rejection sampling, bypass mode and SAPO's temperatures in the trainer's wiring
-(megarl.trainer.correction, algorithm.actor_loss_settings, losses.actor_loss_fn), in process.
+(megarl.trainer.correction, settings.actor_loss_settings, losses.actor_loss_fn), in process.
 
 Planted while writing (each made the named test fail):
 - add_rollout_rejection judging old_logprob even where prox_logprob holds the recomputation:
@@ -23,7 +23,6 @@ from megarl import algos
 from megarl.backends.protocol import SequenceBatch
 from megarl.config.loader import load_config
 from megarl.errors import UserInputError
-from megarl.trainer.algorithm import actor_loss_settings
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.correction import (
     add_rollout_is_weights,
@@ -34,6 +33,7 @@ from megarl.trainer.correction import (
     without_rejected,
 )
 from megarl.trainer.losses import ActorLossSettings, Norm, actor_loss_fn
+from megarl.trainer.settings import actor_loss_settings
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 RS = SimpleNamespace(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
@@ -180,14 +180,11 @@ def test_truncated_weights_pair_the_recomputation_with_the_engine():
     (1, False, None, True), (0, False, None, False), (1, True, None, False),
     (2, False, "token", False)])
 def test_lagged_samples_without_a_ratio_need_weights(staleness, has_ratio, rollout_is, refused):
-    cfg = load_config("grpo", [f"async_training.staleness_threshold={staleness}",
-                               "actor_rollout_ref.actor.policy_loss.loss_mode=reinforce"])
-    cfg.algorithm.rollout_correction.rollout_is = rollout_is
     if not refused:
-        check_lagged_correction(cfg, has_ratio)
+        check_lagged_correction(staleness, "reinforce", has_ratio, rollout_is)
         return
     with pytest.raises(UserInputError) as e:
-        check_lagged_correction(cfg, has_ratio)
+        check_lagged_correction(staleness, "reinforce", has_ratio, rollout_is)
     assert str(e.value) == (
         "actor_rollout_ref.actor.policy_loss.loss_mode='reinforce' takes no importance ratio, "
         f"so with async_training.staleness_threshold={staleness} and "
