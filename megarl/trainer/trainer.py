@@ -46,6 +46,7 @@ from megarl.trainer.correction import (
 )
 from megarl.trainer.dump import dump_generations
 from megarl.trainer.flops import mfu, peak_flops
+from megarl.trainer.logprob_plan import CorrectionFacts, StepFacts, plan_logprob_passes
 from megarl.trainer.losses import actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
 from megarl.trainer.outcome_rm import prompt_messages, score_samples
@@ -208,36 +209,26 @@ class RLTrainer:
                                                                 self.prm_marker)
         a = arr.actor
         n_groups = len(set(batch.group_index.tolist()))
-        # samples of an earlier policy version (asynchronous rollout) are off-policy
-        lagged = "policy_version" in t
         rc = cfg.algorithm.rollout_correction
-        # bypass mode: the ratio against the engine's logprobs, never on-policy (correction.py)
-        bypass = rc.bypass_mode and not lagged  # lagged: async rollout's own pairing does it
-        one_update = a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups
-        on_policy = one_update and not lagged and not bypass
-        # Off-policy samples whose ratio is taken against the engine's own logprobs need no
-        # recomputed old_logprob when a single update follows (the mismatch is then measured
-        # only on check steps); a loss without a ratio is corrected by importance weights on
-        # the recomputation instead (correction.py)
-        behaviour_only = (lagged and one_update and self.ratio_against_rollout_logprobs
-                          and algo.loss.has_ratio)
-        # The engine/trainer logprob gap is always measured on the first step (a wrong weight
-        # sync or sampler shows at once), and on every step with rollout.check_logprobs.
-        check = "rollout_logprob" in t and (arr.rollout.check_logprobs or self.step == 1)
+        plan = plan_logprob_passes(
+            StepFacts(step=self.step, lagged="policy_version" in t,  # async rollout's samples
+                      has_rollout_logprobs="rollout_logprob" in t,
+                      one_update=a.ppo_epochs == 1 and a.ppo_mini_batch_size >= n_groups,
+                      ratio_against_rollout=self.ratio_against_rollout_logprobs),
+            CorrectionFacts(bypass_mode=rc.bypass_mode, rollout_is=rc.rollout_is,
+                            rollout_rs=rc.rollout_rs,
+                            use_kl_in_reward=cfg.algorithm.use_kl_in_reward,
+                            check_logprobs=arr.rollout.check_logprobs,
+                            record_routing=a.router_replay.mode == "R2"),
+            loss_has_ratio=algo.loss.has_ratio, needs_sum_pi_squared=algo.needs.sum_pi_squared)
         # importance weights on the engine/trainer gap need both logprobs (correction.py)
         if rc.rollout_is is not None:
             require_rollout_logprobs(batch, rc.rollout_is)
-        # On-policy, the update's own forward gives old_logprob (= logprob.detach()), so the
-        # separate pass is only run when something else reads it before the update.
-        # optimal_token_baseline reads the pass's sum_pi_squared (also on-policy); routing
-        # replay R2 records the pass's routing for the update to replay
-        need_stats = algo.needs.sum_pi_squared
-        if ((not on_policy and not behaviour_only and not bypass) or check
-                or cfg.algorithm.use_kl_in_reward or rc.rollout_is is not None
-                or rc.rollout_rs is not None or need_stats):
+        if plan.old_logprob_pass:
             with timer("old_log_prob"):
-                res = old_logprob_pass(p.actor, seq, temperature, sum_pi_squared=need_stats,
-                                       record_routing=a.router_replay.mode == "R2")
+                res = old_logprob_pass(p.actor, seq, temperature,
+                                       sum_pi_squared=plan.sum_pi_squared,
+                                       record_routing=plan.record_routing)
                 old, ent = res["old_logprob"], res["entropy"]
                 t["old_logprob"] = old
                 for key in ("sum_pi_squared", "routed_experts"):
@@ -247,14 +238,14 @@ class RLTrainer:
                     mask = batch.response_mask
                     metrics["actor/old_entropy"] = float(
                         (ent * mask).sum() / mask.sum().clamp(min=1))
-            if check:
+            if plan.check_gap:
                 metrics.update(logprob_diff_metrics(t["rollout_logprob"], old,
                                                     batch.response_mask))
                 # mixture of experts: expert load, router entropy, what routing replay changes
                 metrics.update(p.actor.routing_metrics(seq, t["rollout_logprob"], temperature))
-        if lagged:
+        if plan.pairing == "lagged":
             self.behaviour_logprobs(batch, metrics)
-        elif bypass:
+        elif plan.pairing == "bypass":
             bypass_logprobs(batch)
         if rc.rollout_is is not None:
             metrics.update(add_rollout_is_weights(batch, rc, algo.loss.has_ratio))
@@ -298,7 +289,7 @@ class RLTrainer:
                     keys += ("ref_logprob",)
                 if "rollout_is_weights" in t:
                     keys += ("rollout_is_weights",)
-                settings = algo.loss_settings(on_policy)
+                settings = algo.loss_settings(plan.on_policy)
                 steps = run_update(
                     p.actor, train_batch, keys, lambda norm: actor_loss_fn(settings, norm),
                     prompts_per_mini=a.ppo_mini_batch_size, epochs=a.ppo_epochs,
