@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from megarl.config.schema import Config
 from megarl.config.schema_judge import judge_enabled
 from megarl.utils import hub
 
@@ -26,7 +27,7 @@ def _scheme(path: str) -> bool:
     return bool(sep) and scheme.isidentifier()
 
 
-def model_keys(cfg: Any) -> list[tuple[str, Any, str]]:
+def model_keys(cfg: Config) -> list[tuple[str, Any, str]]:
     """(key, value, the file a folder must hold) of every model folder the run reads."""
     arr = cfg.actor_rollout_ref
     out = [("actor_rollout_ref.model.path", arr.model.path, "config.json")]
@@ -46,7 +47,7 @@ def _files(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
-def path_problems(cfg: Any, sources: Callable[[str], str] | None = None) -> list[str]:
+def path_problems(cfg: Config, sources: Callable[[str], str] | None = None) -> list[str]:
     """One line per path of ``cfg`` the run could not read (module doc). ``sources(key)``: the
     " (from LAYER)" text of a loaded config's provenance."""
     src = sources or (lambda key: "")

@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any
 
+from megarl.config.schema import Config
 from megarl.config.schema_judge import judge_enabled
 
 # reward_model keys that only the process reward model reads (the verifiable-reward manager,
@@ -48,7 +49,7 @@ def judge_model_state(rm: Any) -> bool | None:
                    for a in arch)
 
 
-def unused_reasons(cfg: Any) -> list[tuple[str, str]]:
+def unused_reasons(cfg: Config) -> list[tuple[str, str]]:
     """[(dotted prefix, why)] of the subtrees ``cfg`` (a loaded, filled Config) does not read;
     a key is unused when it equals a prefix or lies under one."""
     out: list[tuple[str, str]] = []

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megarl.config.schema import Config
 
 
-def run(cfg: Any) -> dict[str, Any]:
+def run(cfg: Config) -> dict[str, Any]:
     """Train with a validated Config in this process (one rank of a torchrun job, or alone)."""
     from megarl.trainer.async_rollout import AsyncRLTrainer
     from megarl.trainer.parts import async_settings, pin_threads

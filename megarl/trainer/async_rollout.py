@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from megarl.config.schema import Config
 from megarl.errors import UserInputError
 from megarl.trainer import generation as R
 from megarl.trainer.correction import check_lagged_correction
@@ -70,7 +71,7 @@ from megarl.utils import dist as mdist
 class AsyncRLTrainer(RLTrainer):
     """`RLTrainer` whose rollouts come from the engine process ahead of time (module doc)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.staleness, self.use_rollout_log_probs, _ = async_settings(cfg)
         self.ratio_against_rollout_logprobs = self.use_rollout_log_probs

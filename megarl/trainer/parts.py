@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megarl.backends.protocol import Backend
+from megarl.config.schema import Config
 from megarl.config.schema_judge import judge_enabled
 from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
 from megarl.data.extern import ExternSampler, prompt_dataset, prompt_sampler
@@ -33,7 +34,7 @@ from megarl.utils import dist as mdist
 log = logging.getLogger(__name__)
 
 
-def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
+def build_backend(role: str, cfg: Config, model_path: str) -> Backend:
     """A Backend for ``role`` with the strategy of the actor (critic: its own strategy)."""
     strategy = cfg.critic.strategy if role == "critic" else cfg.actor_rollout_ref.actor.strategy
     if strategy == "torch":
@@ -48,7 +49,7 @@ def build_backend(role: str, cfg: Any, model_path: str) -> Backend:
                      "or megatron")
 
 
-def lora_rank(cfg: Any) -> int:
+def lora_rank(cfg: Config) -> int:
     """The actor's LoRA rank: ``actor_rollout_ref.model.lora_rank``, or the adapter folder's
     with ``lora_adapter_path`` (0: the actor trains all its parameters)."""
 
@@ -56,7 +57,7 @@ def lora_rank(cfg: Any) -> int:
     return settings.rank if settings is not None else 0
 
 
-def build_reference(cfg: Any, actor: Backend, model_path: str) -> Backend:
+def build_reference(cfg: Config, actor: Backend, model_path: str) -> Backend:
     """The reference policy: with LoRA the actor's own module with its adapters off (no second
     copy of the model), else a frozen backend of its own loaded from ``model_path``."""
     if lora_rank(cfg):
@@ -69,7 +70,7 @@ def build_reference(cfg: Any, actor: Backend, model_path: str) -> Backend:
     return build_backend("ref", cfg, model_path)
 
 
-def async_settings(cfg: Any) -> tuple[int, bool, list[int]]:
+def async_settings(cfg: Config) -> tuple[int, bool, list[int]]:
     """(staleness bound in steps, use_rollout_log_probs, engine CPUs) from
     ``async_training`` (all defaults when the section is absent)."""
     sec = getattr(cfg, "async_training", None)
@@ -85,7 +86,7 @@ def async_settings(cfg: Any) -> tuple[int, bool, list[int]]:
     return int(s), bool(sec.use_rollout_log_probs), [int(c) for c in sec.engine_cpus]
 
 
-def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine:
+def run_engine(cfg: Config, model_path: str, device: torch.device) -> RolloutEngine:
     """The run's rollout engine (`megarl.rollout.build`): in this process, or, with
     ``async_training.staleness_threshold`` s > 0, in a process of its own with s + 1 weight
     slots, pinned to ``async_training.engine_cpus[local rank]``."""
@@ -112,7 +113,7 @@ def run_engine(cfg: Any, model_path: str, device: torch.device) -> RolloutEngine
     return ProcessRolloutEngine(spec, slots=staleness + 1, timeout_s=float(timeout))
 
 
-def adapter_sync(cfg: Any) -> bool:
+def adapter_sync(cfg: Config) -> bool:
     """Whether the engine receives the actor's LoRA adapters at each sync instead of merged
     weights (`megarl.rollout.vllm.lora`: vLLM keeps its base weights, colocated or in an
     engine process of its own, any rollout TP); where not, the reason is logged once and
@@ -129,7 +130,7 @@ def adapter_sync(cfg: Any) -> bool:
     return why is None
 
 
-def with_adapter_sync(cfg: Any, spec: EngineSpec) -> EngineSpec:
+def with_adapter_sync(cfg: Config, spec: EngineSpec) -> EngineSpec:
     """``spec`` (a vLLM engine's) set up for adapter sync when `adapter_sync` holds: started
     with one LoRA slot of the run's rank, sleeping at level 1 (the base weights kept), its
     syncs adapters (`megarl.rollout.build.engine_from_spec`)."""
@@ -144,7 +145,7 @@ def with_adapter_sync(cfg: Any, spec: EngineSpec) -> EngineSpec:
     return spec
 
 
-def synced_engine(cfg: Any, engine: RolloutEngine, actor: Backend) -> RolloutEngine:
+def synced_engine(cfg: Config, engine: RolloutEngine, actor: Backend) -> RolloutEngine:
     """``engine``, wrapped to send the actor's adapters when `adapter_sync` holds (the
     colocated engine's targets checked now; an engine process checks them at the first
     sync)."""
@@ -167,7 +168,7 @@ def synced_engine(cfg: Any, engine: RolloutEngine, actor: Backend) -> RolloutEng
 
 @dataclass
 class RunParts:
-    cfg: Any
+    cfg: Config
     run_dir: Path
     device: torch.device
     tokenizer: Any
@@ -242,7 +243,7 @@ class RunParts:
         return str(out)
 
 
-def _resolve_all(cfg: Any) -> dict[str, str]:
+def _resolve_all(cfg: Config) -> dict[str, str]:
     """Resolve model paths (embedded:// assets are built by rank 0 first; the rest wait)."""
     wanted = {"actor": cfg.actor_rollout_ref.model.path,
               "tokenizer": cfg.actor_rollout_ref.model.tokenizer_path}
@@ -266,13 +267,13 @@ def _resolve_all(cfg: Any) -> dict[str, str]:
     return resolved
 
 
-def _total_steps(cfg: Any, sampler: PromptSampler | ExternSampler) -> int:
+def _total_steps(cfg: Config, sampler: PromptSampler | ExternSampler) -> int:
     if cfg.trainer.total_training_steps:
         return int(cfg.trainer.total_training_steps)
     return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch
 
 
-def _default_schedule_length(cfg: Any, total_steps: int) -> None:
+def _default_schedule_length(cfg: Config, total_steps: int) -> None:
     """``optim.total_training_steps <= 0`` means the run's length, so a warmup ratio or a cosine
     schedule needs no second copy of the step count. The schedule advances once per optimizer
     update: ppo_epochs x mini-batches per training step."""
@@ -283,7 +284,7 @@ def _default_schedule_length(cfg: Any, total_steps: int) -> None:
             role.optim.total_training_steps = total_steps * updates
 
 
-def build_run(cfg: Any) -> RunParts:
+def build_run(cfg: Config) -> RunParts:
     """Everything a run needs, built in order; rank 0 first takes the run directory's lock
     (one writer per directory: a second run on it is refused here, within its start-up)."""
     check_engine_installed(cfg.actor_rollout_ref.rollout.name)  # before data, assets, models
@@ -304,7 +305,7 @@ def build_run(cfg: Any) -> RunParts:
     return parts
 
 
-def _build_parts(cfg: Any) -> RunParts:
+def _build_parts(cfg: Config) -> RunParts:
     rank = mdist.rank()
     device = mdist.resolve_device(cfg.trainer.device)
     paths = _resolve_all(cfg)
@@ -365,7 +366,7 @@ def _build_parts(cfg: Any) -> RunParts:
         raise
 
 
-def _build_rest(cfg: Any, paths: dict[str, Any], device: torch.device, tokenizer: Any,
+def _build_rest(cfg: Config, paths: dict[str, Any], device: torch.device, tokenizer: Any,
                 rm_kind: str | None, agent: AgentRollout | None, train_ds: RLDataset,
                 sampler: PromptSampler | ExternSampler, val_items: list | None,
                 total_steps: int, engine: RolloutEngine, judge: Any) -> RunParts:
@@ -440,7 +441,7 @@ def _build_rest(cfg: Any, paths: dict[str, Any], device: torch.device, tokenizer
     )
 
 
-def serves_judge(cfg: Any, paths: dict[str, Any]) -> bool:
+def serves_judge(cfg: Config, paths: dict[str, Any]) -> bool:
     """Whether the run scores with a generative judge: reward_model.use_reward_loop and
     rollout.name set, and the model (``paths["prm"]``, resolved) generative
     (`megarl.judge.judge.is_generative`; a classifier is verl's "disrm": megarl's outcome RM or
@@ -463,7 +464,7 @@ def serves_judge(cfg: Any, paths: dict[str, Any]) -> bool:
     return True
 
 
-def refuse_judge_combinations(cfg: Any) -> None:
+def refuse_judge_combinations(cfg: Config) -> None:
     """UserInputError for a run that configures the generative judge together with something
     it cannot feed: PURE's process-reward modes (reward_model.enable with pure_rloo)."""
     from megarl import algos
@@ -480,7 +481,7 @@ def refuse_judge_combinations(cfg: Any) -> None:
             "for PURE's VR mode on the judge's score set reward_model.enable=false")
 
 
-def say_judge(cfg: Any) -> None:
+def say_judge(cfg: Config) -> None:
     """The start-up line of a run with a generative judge (rank 0)."""
     rm = cfg.reward_model
     enable = (" reward_model.enable=true means this judge: no process or outcome reward model "
@@ -492,7 +493,7 @@ def say_judge(cfg: Any) -> None:
                 enable)
 
 
-def build_run_judge(cfg: Any, paths: dict[str, Any], device: torch.device) -> Any:
+def build_run_judge(cfg: Config, paths: dict[str, Any], device: torch.device) -> Any:
     """This rank's generative judge (`megarl.judge.judge.judge_from_section`) on the
     resolved judge model ``paths["prm"]``."""
     from megarl.judge.judge import judge_from_section
@@ -502,7 +503,7 @@ def build_run_judge(cfg: Any, paths: dict[str, Any], device: torch.device) -> An
     return judge_from_section(local, cfg.trainer.seed, device)
 
 
-def resolved_reward_model_kind(cfg: Any, path: str) -> str:
+def resolved_reward_model_kind(cfg: Config, path: str) -> str:
     """"prm" or "outcome" for ``reward_model.model.path`` (`outcome_rm.reward_model_kind`),
     said once at start-up."""
     from megarl.models import read_hf_config
@@ -520,7 +521,7 @@ def resolved_reward_model_kind(cfg: Any, path: str) -> str:
     return kind
 
 
-def build_outcome_rm(cfg: Any, backend: Backend, path: str, tokenizer: Any) -> OutcomeRewardModel:
+def build_outcome_rm(cfg: Config, backend: Backend, path: str, tokenizer: Any) -> OutcomeRewardModel:
     """The outcome reward model over ``backend`` (the ``prm`` role on ``path``): one label, and
     the RM's own tokenizer when its input must be re-rendered (`outcome_rm.load_rm_tokenizer`)."""
     from megarl.trainer.outcome_rm import load_rm_tokenizer
@@ -541,7 +542,7 @@ def build_outcome_rm(cfg: Any, backend: Backend, path: str, tokenizer: Any) -> O
     return OutcomeRewardModel(backend, tokenizer, rm_tok, max_length)
 
 
-def build_agent(cfg: Any, tokenizer: Any) -> AgentRollout | None:
+def build_agent(cfg: Config, tokenizer: Any) -> AgentRollout | None:
     """``rollout.multi_turn.enable``: the tools of ``multi_turn.tool_config_path``, the
     interactions of ``multi_turn.interaction_config_path`` (each optional, loaded now so a bad
     file fails at start-up) and the agent loop's settings; None when multi-turn rollouts are

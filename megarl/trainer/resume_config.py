@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from megarl.config.provenance import leaves
+from megarl.config.schema import Config
 from megarl.errors import UserInputError
 
 SAVED_CONFIG = "config.yaml"  # in the run directory, and copied into every checkpoint
@@ -74,7 +75,7 @@ def checkpoint_for(mode: str, latest: Path | None) -> Path | None:
     return Path(mode)
 
 
-def _as_dict(cfg: Any) -> dict:
+def _as_dict(cfg: Config | dict) -> dict:
     return cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
 
 
@@ -101,7 +102,7 @@ def _saved_step(ckpt: Path) -> int | None:
         return None
 
 
-def check(cfg: Any, ckpt: Path, total_steps: int | None = None) -> list[str]:
+def check(cfg: Config, ckpt: Path, total_steps: int | None = None) -> list[str]:
     """The lines to print after ``resumed from step N`` for continuing checkpoint ``ckpt``
     with config ``cfg`` (a Config or its dict); raises UserInputError (one line) when a
     ``MEANING`` key differs from the checkpoint's config and trainer.resume is not ``force``.
@@ -146,7 +147,7 @@ def check(cfg: Any, ckpt: Path, total_steps: int | None = None) -> list[str]:
     return lines
 
 
-def refuse_early(cfg: Any) -> None:
+def refuse_early(cfg: Config) -> None:
     """`check` before any model is built (and before the run directory's config.yaml is
     replaced): raises UserInputError for a refused resume; nothing otherwise."""
     from megarl.trainer.checkpoint import CheckpointManager

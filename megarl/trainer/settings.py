@@ -47,6 +47,7 @@ from megarl.backends.settings import (
     RoleSettings,
     micro_batch_tokens,
 )
+from megarl.config.schema import Config
 from megarl.errors import UserInputError
 from megarl.models.lora import DROPOUT_POSITIONS, LORA_INITS, LoraSettings, adapter_settings
 from megarl.models.overrides import override_key
@@ -61,7 +62,7 @@ _PATH_KEYS = {"critic": "critic.model.path", "prm": "reward_model.model.path"}
 _SECTIONS = {"critic": "critic", "prm": "reward_model"}
 
 
-def role_settings(role: str, cfg: Any, model_path: str | None = None) -> RoleSettings:
+def role_settings(role: str, cfg: Config, model_path: str | None = None) -> RoleSettings:
     """The settings of ``role`` (actor | ref | critic | prm) from ``cfg`` (a `megarl.config.Config`;
     `load_config`'s output or a bare one: unfilled None keys follow the rules above).
     ``model_path`` overrides the role's ``model.path``."""
@@ -113,7 +114,7 @@ def _split_budget(micro: MicroBatching, par: Any) -> MicroBatching:
                          rows=micro.rows)
 
 
-def micro_batching(role: str, cfg: Any) -> MicroBatching:
+def micro_batching(role: str, cfg: Config) -> MicroBatching:
     """The no-grad micro-batching of ``role`` (see the module docstring)."""
     arr = cfg.actor_rollout_ref
     ro, ref, actor_dynamic = arr.rollout, arr.ref, arr.actor.use_dynamic_bsz
@@ -193,7 +194,7 @@ def _listed(value: Any) -> Any:
     return value if value is None or isinstance(value, str) else list(value)
 
 
-def lora_settings(cfg: Any) -> LoraSettings | None:
+def lora_settings(cfg: Config) -> LoraSettings | None:
     """The actor's LoRA adapters from ``actor_rollout_ref.model.{lora_rank, lora_alpha,
     target_modules, exclude_modules, lora_A_init_method, lora_B_init_method, lora_dropout,
     lora_dropout_position, lora_adapter_path}``; None when ``lora_rank`` is 0 and no
@@ -235,7 +236,7 @@ def lora_settings(cfg: Any) -> LoraSettings | None:
                         exclude_modules=_listed(m.exclude_modules), **inits, **regulariser)
 
 
-def rollout_settings(cfg: Any) -> RolloutSettings:
+def rollout_settings(cfg: Config) -> RolloutSettings:
     """The run's rollout engine (`megarl.rollout.settings.RolloutSettings` says what each field
     reads). A bucket size that is not a positive number of MiB is a UserInputError."""
     arr, ro = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout
@@ -268,13 +269,13 @@ def rollout_settings(cfg: Any) -> RolloutSettings:
     )
 
 
-def algorithm_name(cfg: Any) -> str:
+def algorithm_name(cfg: Config) -> str:
     """The one name that selects a run's algorithm: "pacs" under PACS's own switch
     ``pacs.enable``, else ``algorithm.adv_estimator``."""
     return "pacs" if cfg.pacs.enable else str(cfg.algorithm.adv_estimator)
 
 
-def advantage_settings(cfg: Any) -> AdvantageSettings:
+def advantage_settings(cfg: Config) -> AdvantageSettings:
     """The reward placement and estimator settings of a config."""
     alg, rm = cfg.algorithm, cfg.reward_model
     return AdvantageSettings(
@@ -286,7 +287,7 @@ def advantage_settings(cfg: Any) -> AdvantageSettings:
         verifiable_reward_coef=rm.verifiable_reward_coef)
 
 
-def actor_loss_settings(cfg: Any) -> ActorLossSettings:
+def actor_loss_settings(cfg: Config) -> ActorLossSettings:
     """The PPO family's actor loss settings of a config."""
     arr = cfg.actor_rollout_ref
     a = arr.actor
@@ -302,7 +303,7 @@ def actor_loss_settings(cfg: Any) -> ActorLossSettings:
         fused=arr.model.use_fused_kernels)
 
 
-def algorithm_settings(cfg: Any) -> AlgorithmSettings:
+def algorithm_settings(cfg: Config) -> AlgorithmSettings:
     """Everything the algorithms read of ``cfg``: the selecting name (`algorithm_name`), the
     advantage and actor loss settings, ``algorithm.pure``, PACS's objective (``pacs.*``) and the
     user's file of algorithms."""

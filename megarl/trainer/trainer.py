@@ -27,6 +27,7 @@ from megarl import algos
 from megarl.algos.rollout_correction import logprob_diff_metrics
 from megarl.backends.settings import micro_batch_tokens
 from megarl.config.notices import startup_notices
+from megarl.config.schema import Config
 from megarl.data.extern import CurriculumBatch
 from megarl.errors import UserInputError
 from megarl.judge.ranks import judge_samples
@@ -59,7 +60,7 @@ from megarl.utils import dist as mdist
 
 
 class RLTrainer:
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         # the user's estimators and losses (algorithm.custom_algorithms.path) are imported
         # first: a name that has no algorithm fails before any model is loaded
