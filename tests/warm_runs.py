@@ -74,6 +74,8 @@ class _Server:
                 raise subprocess.TimeoutExpired([sys.executable, *argv], timeout,
                                                 out.read_text(errors="replace"),
                                                 err.read_text(errors="replace"))
+            global CHILD_CPU_S
+            CHILD_CPU_S += float(done.get("cpu_s") or 0.0)
             return subprocess.CompletedProcess([sys.executable, *argv], done["rc"],
                                                out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
@@ -86,6 +88,9 @@ class _Server:
             self.proc.kill()
 
 
+# CPU-seconds (user + system) of the runs forked for this process, their reaped children
+# included: the server, not this process, reaps them (tests/timing_table.py adds this).
+CHILD_CPU_S = 0.0
 # The servers of this process, most recently used last; `_server` ran the latest run.
 _servers: list[_Server] = []
 _server: _Server | None = None
@@ -235,19 +240,21 @@ def _serve() -> None:
             pids.append(pid)
         reply.write(json.dumps({"pids": pids}) + "\n")
         reply.flush()
-        reply.write(json.dumps({"rc": _wait_world(pids)}) + "\n")
+        rc, cpu_s = _wait_world(pids)
+        reply.write(json.dumps({"rc": rc, "cpu_s": cpu_s}) + "\n")
         reply.flush()
 
 
-def _wait_world(pids: list[int], grace_s: float = 30.0) -> int:
+def _wait_world(pids: list[int], grace_s: float = 30.0) -> tuple[int, float]:
     """Reap ``pids``; once one exits non-zero, SIGTERM the others and SIGKILL them after
-    ``grace_s`` (torchrun's agent does the same). Returns the first non-zero exit code, else 0."""
+    ``grace_s`` (torchrun's agent does the same). Returns the first non-zero exit code (else 0)
+    and the CPU-seconds the ranks and their reaped children spent."""
     import signal
     import time
 
-    left, rc, kill_at = set(pids), 0, None
+    left, rc, kill_at, cpu_s = set(pids), 0, None, 0.0
     while left:
-        pid, status = os.waitpid(-1, os.WNOHANG if kill_at is not None else 0)
+        pid, status, usage = os.wait4(-1, os.WNOHANG if kill_at is not None else 0)
         if pid == 0:
             if time.monotonic() >= kill_at:
                 for p in left:
@@ -257,6 +264,7 @@ def _wait_world(pids: list[int], grace_s: float = 30.0) -> int:
             continue
         if pid not in left:
             continue
+        cpu_s += usage.ru_utime + usage.ru_stime
         left.discard(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and rc == 0:
@@ -264,7 +272,7 @@ def _wait_world(pids: list[int], grace_s: float = 30.0) -> int:
             for p in left:
                 os.kill(p, signal.SIGTERM)
             kill_at = time.monotonic() + grace_s
-    return rc
+    return rc, cpu_s
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:

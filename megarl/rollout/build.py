@@ -68,8 +68,7 @@ class EngineSpec:
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the engine holds its weights in (its model dtype)."""
-        name = (self.settings["dtype"] if self.engine == "torch"
-                else self.settings["engine_kwargs"]["dtype"])
+        name = engine_class(self.engine).settings_dtype(self.settings)
         return torch_dtype(name, "actor_rollout_ref.model.dtype")
 
     @property
@@ -134,22 +133,8 @@ def engine_spec(rollout: RolloutSettings, model_path: str, device: torch.device 
             "async_training.staleness_threshold=0")
     check_engine_installed(name)
     device = _indexed(torch.device(device))
-    if name == "torch":
-        settings = engine_class(name).engine_settings(rollout, model_path, device)
-        if own_process:
-            settings["offload_weights_on_sleep"] = False
-    else:
-        tp = rollout.tensor_model_parallel_size
-        if own_process and tp != 1:
-            raise UserInputError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with asynchronous "
-                "rollout: each training rank runs its own vLLM engine in a process of its own "
-                "(a world of one), so the engine cannot span ranks; set it to 1, or set "
-                "async_training.staleness_threshold=0 for the colocated engine")
-        overrides = {"distributed_executor_backend": "uni"} if own_process else {}
-        settings = engine_class(name).engine_settings(rollout, model_path, **overrides)
-        if own_process:
-            settings["sleep_mode"] = False
+    settings = engine_class(name).spec_settings(rollout, model_path, device,
+                                                own_process=own_process)
     return EngineSpec(engine=name, settings=settings, device=str(device), cpus=list(cpus))
 
 
@@ -158,11 +143,12 @@ def engine_from_spec(spec: EngineSpec, device: str | None = None) -> RolloutEngi
     process numbers its one GPU cuda:0). Settings with ``lora`` (a `LoraSettings`; vLLM
     only, `megarl.trainer.parts.with_adapter_sync`) give an engine whose syncs are adapters
     (`megarl.rollout.vllm.lora.AdapterSyncedEngine`)."""
+    cls = engine_class(spec.engine)
     settings = dict(spec.settings)
-    if spec.engine == "torch" and device is not None:
-        settings["device"] = device
+    if device is not None:
+        settings = cls.settings_on_device(settings, device)
     lora = settings.pop("lora", None)
-    engine = engine_class(spec.engine).from_settings(settings)
+    engine = cls.from_settings(settings)
     if lora is None:
         return engine
     from megarl.rollout.vllm.lora import AdapterSyncedEngine
@@ -172,9 +158,9 @@ def engine_from_spec(spec: EngineSpec, device: str | None = None) -> RolloutEngi
 
 def build_engine(rollout: RolloutSettings, model_path: str,
                  device: torch.device | str) -> RolloutEngine:
-    """The run's engine in this process (SGLang: this rank's group engine or its stand-in,
-    `SGLangEngine.from_rollout_settings`)."""
-    if rollout.name == "sglang":
+    """The run's engine in this process: from its spec, or, for an engine that has none
+    (SGLang: this rank's group engine or its stand-in), its ``from_rollout_settings``."""
+    if rollout.name not in SPEC_ENGINES:
         check_engine_installed(rollout.name)
         return engine_class(rollout.name).from_rollout_settings(rollout, model_path)
     return engine_from_spec(engine_spec(rollout, model_path, device))

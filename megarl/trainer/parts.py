@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import logging
 import math
 import os
@@ -34,19 +35,32 @@ from megarl.utils import dist as mdist
 log = logging.getLogger(__name__)
 
 
+# actor_rollout_ref.actor.strategy / critic.strategy -> the Backend class, and the class of
+# a LoRA actor's reference (its own model with the adapters off), as "module:name": the one
+# place a strategy name picks a training backend
+_BACKENDS = {
+    "torch": ("megarl.backends.torch:TorchBackend",
+              "megarl.backends.torch.lora_reference:AdapterOffReference"),
+    "megatron": ("megarl.backends.megatron:MegatronBackend",
+                 "megarl.backends.megatron.lora:AdapterOffReference"),
+}
+
+
+def backend_class(strategy: str, *, adapter_off_reference: bool = False) -> type:
+    """The Backend class of ``strategy`` (imported on first use), or with
+    ``adapter_off_reference`` the class of its LoRA reference (``from_settings(actor,
+    settings)``)."""
+    if strategy not in _BACKENDS:
+        raise ValueError(f"actor_rollout_ref.actor.strategy: unknown {strategy!r}; expected one "
+                         f"of {sorted(_BACKENDS)}")
+    module, name = _BACKENDS[strategy][1 if adapter_off_reference else 0].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def build_backend(role: str, cfg: Config, model_path: str) -> Backend:
     """A Backend for ``role`` with the strategy of the actor (critic: its own strategy)."""
     strategy = cfg.critic.strategy if role == "critic" else cfg.actor_rollout_ref.actor.strategy
-    if strategy == "torch":
-        from megarl.backends.torch import TorchBackend
-
-        return TorchBackend.from_settings(role_settings(role, cfg, model_path))
-    if strategy == "megatron":
-        from megarl.backends.megatron import MegatronBackend
-
-        return MegatronBackend.from_settings(role_settings(role, cfg, model_path))
-    raise ValueError(f"actor_rollout_ref.actor.strategy: unknown {strategy!r}; expected torch "
-                     "or megatron")
+    return backend_class(strategy).from_settings(role_settings(role, cfg, model_path))
 
 
 def lora_rank(cfg: Config) -> int:
@@ -61,12 +75,9 @@ def build_reference(cfg: Config, actor: Backend, model_path: str) -> Backend:
     """The reference policy: with LoRA the actor's own module with its adapters off (no second
     copy of the model), else a frozen backend of its own loaded from ``model_path``."""
     if lora_rank(cfg):
-        if cfg.actor_rollout_ref.actor.strategy == "megatron":
-            from megarl.backends.megatron.lora import AdapterOffReference
-        else:
-            from megarl.backends.torch.lora_reference import AdapterOffReference
-        return AdapterOffReference.from_settings(actor, role_settings("ref", cfg,
-                                                                      actor.model_path))
+        reference = backend_class(cfg.actor_rollout_ref.actor.strategy,
+                                  adapter_off_reference=True)
+        return reference.from_settings(actor, role_settings("ref", cfg, actor.model_path))
     return build_backend("ref", cfg, model_path)
 
 

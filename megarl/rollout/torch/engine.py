@@ -187,6 +187,26 @@ class TorchRolloutEngine:
         }
 
     @classmethod
+    def spec_settings(cls, rollout: RolloutSettings, model_path: str, device: torch.device | str,
+                      *, own_process: bool = False) -> dict[str, Any]:
+        """`engine_settings` for an `megarl.rollout.build.EngineSpec`; in an engine process of
+        its own the weights stay where they are on sleep (no trainer memory to give back)."""
+        settings = cls.engine_settings(rollout, model_path, device)
+        if own_process:
+            settings["offload_weights_on_sleep"] = False
+        return settings
+
+    @staticmethod
+    def settings_dtype(settings: dict[str, Any]) -> str:
+        """The dtype name the engine of ``settings`` holds its weights in."""
+        return settings["dtype"]
+
+    @staticmethod
+    def settings_on_device(settings: dict[str, Any], device: str) -> dict[str, Any]:
+        """``settings`` for a process that numbers the engine's device ``device``."""
+        return {**settings, "device": device}
+
+    @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> TorchRolloutEngine:
         """The engine of `settings` (another process's included: the dict is picklable)."""
         kwargs = dict(settings)

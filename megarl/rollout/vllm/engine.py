@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from megarl.errors import UserInputError
 from megarl.rollout._adapter import (
     DTYPE_NAMES,
     as_buckets,
@@ -156,6 +157,36 @@ class VLLMEngine:
                               **overrides: Any) -> VLLMEngine:
         """The engine of a run in this process (`engine_settings`)."""
         return cls.from_settings(cls.engine_settings(rollout, model_path, **overrides))
+
+    @classmethod
+    def spec_settings(cls, rollout: RolloutSettings, model_path: str, device: torch.device | str,
+                      *, own_process: bool = False) -> dict[str, Any]:
+        """`engine_settings` for an `megarl.rollout.build.EngineSpec` (vLLM places itself:
+        ``device`` is not read). In an engine process of its own, a world of one beside the
+        trainer: vLLM's single-process executor (so tensor_model_parallel_size 1) and no sleep
+        (the trainer's memory is not shared with it)."""
+        tp = rollout.tensor_model_parallel_size
+        if own_process and tp != 1:
+            raise UserInputError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with asynchronous "
+                "rollout: each training rank runs its own vLLM engine in a process of its own "
+                "(a world of one), so the engine cannot span ranks; set it to 1, or set "
+                "async_training.staleness_threshold=0 for the colocated engine")
+        overrides = {"distributed_executor_backend": "uni"} if own_process else {}
+        settings = cls.engine_settings(rollout, model_path, **overrides)
+        if own_process:
+            settings["sleep_mode"] = False
+        return settings
+
+    @staticmethod
+    def settings_dtype(settings: dict[str, Any]) -> str:
+        """The dtype name the engine of ``settings`` holds its weights in."""
+        return settings["engine_kwargs"]["dtype"]
+
+    @staticmethod
+    def settings_on_device(settings: dict[str, Any], device: str) -> dict[str, Any]:
+        """vLLM finds its device itself: ``settings`` as they are."""
+        return settings
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> VLLMEngine:
