@@ -30,7 +30,6 @@ from megarl.config.notices import startup_notices
 from megarl.config.schema import Config
 from megarl.data.extern import CurriculumBatch
 from megarl.errors import UserInputError
-from megarl.judge.ranks import judge_samples
 from megarl.metrics import Metric, prefixed
 from megarl.rollout.protocol import SamplingParams
 from megarl.trainer import generation as R
@@ -50,9 +49,9 @@ from megarl.trainer.flops import mfu, peak_flops
 from megarl.trainer.logprob_plan import CorrectionFacts, StepFacts, plan_logprob_passes
 from megarl.trainer.losses import actor_loss_fn, critic_loss_fn
 from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
-from megarl.trainer.outcome_rm import prompt_messages, score_samples
 from megarl.trainer.parts import RunParts, build_run
 from megarl.trainer.prm import prm_step_settings, score_steps
+from megarl.trainer.reward_assembly import RewardAssembly
 from megarl.trainer.settings import algorithm_settings
 from megarl.trainer.update import mean_metrics, run_update
 from megarl.trainer.validation import validate
@@ -75,7 +74,8 @@ class RLTrainer:
                                                  alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
         if p.prm is not None:
             self.step_end_ids, self.prm_marker = prm_step_settings(cfg.reward_model, p.tokenizer)
-        if (p.outcome_rm is not None or p.judge is not None) and hasattr(self.algorithm, "adv"):
+        self.rewards = RewardAssembly(p.scorer, p.outcome_rm, p.judge, p.tokenizer)
+        if self.rewards.model_scores and hasattr(self.algorithm, "adv"):
             # its score is the reward (in place of the verifiable one): no PRM step scores
             self.algorithm.adv = dataclasses.replace(self.algorithm.adv, prm_enabled=False)
         self.rollout_tp = arr.rollout.tensor_model_parallel_size
@@ -138,17 +138,7 @@ class RLTrainer:
                 samples = R.generate(p.engine, items, self._sampling(seed),
                                      group_offset=rnd * per_round, tp_size=self.rollout_tp,
                                      agent=p.agent)
-            with timer("reward"):
-                scores, round_metrics = p.scorer(samples)
-            if p.outcome_rm is not None:  # verl: the RM's scores replace the rule reward
-                with timer("rm"):
-                    scores, rm_metrics = score_samples(
-                        p.outcome_rm, samples, prompt_messages(samples, items, rnd * per_round))
-                round_metrics.update(rm_metrics)
-            if p.judge is not None:  # the generative judge's scores replace it likewise
-                with timer("judge"):
-                    scores, judge_metrics = judge_samples(p.judge, samples, p.tokenizer)
-                round_metrics.update(judge_metrics)
+            scores, round_metrics = self.rewards.score(samples, items, rnd * per_round, timer)
             rounds.append(round_metrics)
             rnd += 1
             if not fg.enable:
@@ -351,14 +341,8 @@ class RLTrainer:
             return R.generate(p.engine, items, params, 0, tp_size=self.rollout_tp,
                               agent=p.agent)
 
-        def score(samples: list) -> torch.Tensor:
-            if p.judge is not None:
-                return judge_samples(p.judge, samples, p.tokenizer)[0]
-            if p.outcome_rm is not None:
-                return score_samples(p.outcome_rm, samples)[0]
-            return p.scorer(samples)[0]
-
-        return StepContext(generate=generate, score=score, sampling=self._sampling, timer=timer)
+        return StepContext(generate=generate, score=self.rewards.final_scores,
+                           sampling=self._sampling, timer=timer)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
