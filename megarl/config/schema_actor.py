@@ -288,6 +288,10 @@ class RolloutConfig:
     enforce_eager: bool = False  # vLLM: no torch.compile / CUDA graphs (faster start, slower decode)
     gpu_memory_utilization: float = 0.5  # vLLM/SGLang share of GPU memory (weights + KV cache)
     tensor_model_parallel_size: int = 1  # engine TP (vLLM/SGLang)
+    # experts split over the engine's ranks instead of each expert's matrices (verl's rule:
+    # tensor_model_parallel_size x data_parallel_size, so 1 or the engine TP here): vLLM's
+    # enable_expert_parallel, SGLang's ep_size
+    expert_parallel_size: int = 1
     # engine.sleep() while training, wake() before generating (vLLM / SGLang free their memory)
     free_cache_engine: bool = True
     log_prob_micro_batch_size_per_gpu: int | None = None  # RESPONSES per old-logprob forward

@@ -238,6 +238,15 @@ def _check_ranges(cfg: Config, c: _Checker) -> None:
         c.positive(f"{r}.{key}", getattr(rollout, key))
     c.positive(f"{r}.max_num_batched_tokens", rollout.max_num_batched_tokens)
     c.unit(f"{r}.gpu_memory_utilization", rollout.gpu_memory_utilization, low_open=True)
+    ep, tp = rollout.expert_parallel_size, rollout.tensor_model_parallel_size
+    if ep not in (1, tp):
+        fix = (f"set it to {tp} (experts split over the engine's ranks) or 1 (each expert split "
+               "by tensor parallelism)" if tp > 1 else
+               "set it to 1 (an engine of one rank holds every expert)")
+        c.fail((f"{r}.expert_parallel_size", f"{r}.tensor_model_parallel_size"),
+               f"{ep}, but the experts are split over one engine's ranks: as in verl, it must be "
+               f"{r}.tensor_model_parallel_size ({tp}) x data_parallel_size, and megarl runs one "
+               f"engine per tensor-parallel group (data_parallel_size 1); {fix}")
     if rollout.name == "torch" and rollout.tensor_model_parallel_size > 1:
         c.fail((f"{r}.tensor_model_parallel_size", f"{r}.name"),
                f"{rollout.tensor_model_parallel_size} > 1, but rollout.name=torch generates with "

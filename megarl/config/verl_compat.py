@@ -325,7 +325,7 @@ RULES: tuple[Rule, ...] = (
          "the distribution sampled from)"),
     *[Rule(f"{_ROLLOUT}.{k}", "rejected", f"rollout {k} > 1 is not implemented; one engine "
            "per tensor_model_parallel_size ranks") for k in (
-        "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")],
+        "data_parallel_size", "pipeline_model_parallel_size")],
     Rule(f"{_ROLLOUT}.disaggregation.enabled", "rejected", "prefill/decode disaggregation is "
          "not implemented"),
     Rule(f"{_ROLLOUT}.disaggregation.*", "inert", _ONLY_WHEN.format(what="disaggregation.enabled")),

@@ -27,6 +27,8 @@ class RolloutSettings:
         (``rollout.engine_kwargs.{vllm, sglang}``), checked by each engine.
     bucket_bytes: bytes per weight-update bucket (``rollout.update_weights_bucket_megabytes``).
     routed_experts: the engine records each token's experts (``router_replay.mode`` R3).
+    expert_parallel_size: 1, or tensor_model_parallel_size: the engine's ranks split the experts
+        between them (vLLM's enable_expert_parallel, SGLang's ep_size).
     The rest are ``actor_rollout_ref.rollout``'s keys of the same names (``free_cache_engine``:
     the engine sleeps between generations) and ``actor_rollout_ref.model``'s
     (``override_config``: verl's HF config overrides).
@@ -40,6 +42,7 @@ class RolloutSettings:
     trust_remote_code: bool = False
     override_config: dict[str, Any] = field(default_factory=dict)
     tensor_model_parallel_size: int = 1
+    expert_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 1024
     max_num_batched_tokens: int | None = 8192

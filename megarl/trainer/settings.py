@@ -256,6 +256,7 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
         trust_remote_code=arr.model.trust_remote_code,
         override_config=plain(arr.model.override_config) or {},
         tensor_model_parallel_size=ro.tensor_model_parallel_size,
+        expert_parallel_size=ro.expert_parallel_size,
         gpu_memory_utilization=ro.gpu_memory_utilization,
         max_num_seqs=ro.max_num_seqs,
         max_num_batched_tokens=ro.max_num_batched_tokens,

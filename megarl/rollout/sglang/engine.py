@@ -112,8 +112,8 @@ def engine_kwargs(rollout: RolloutSettings, local_rank: int,
                   local_world_size: int | None = None) -> dict[str, Any]:
     """``sglang.Engine`` arguments (besides model and tokenizer paths) for the engine of the
     rank ``local_rank``'s group, from ``rollout``'s dtype, trust_remote_code,
-    tensor_model_parallel_size, gpu_memory_utilization, max_num_seqs, max_model_len and
-    seed."""
+    tensor_model_parallel_size, expert_parallel_size, gpu_memory_utilization, max_num_seqs,
+    max_model_len and seed."""
     ro = rollout
     tp = ro.tensor_model_parallel_size
     return {
@@ -127,6 +127,7 @@ def engine_kwargs(rollout: RolloutSettings, local_rank: int,
         "random_seed": ro.seed,
         "trust_remote_code": ro.trust_remote_code,
         "enable_deterministic_inference": True,  # the trainer always seeds its sampling
+        **({"ep_size": ro.expert_parallel_size} if ro.expert_parallel_size > 1 else {}),
     }
 
 
@@ -138,6 +139,7 @@ OWNED: dict[str, str] = {
     "dtype": "actor_rollout_ref.model.dtype",
     "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
     "tp_size": "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "ep_size": "actor_rollout_ref.rollout.expert_parallel_size",
     "base_gpu_id": "the rank's LOCAL_RANK (one engine per tensor-parallel group)",
     "gpu_id_step": "the engine's placement (one GPU per tensor-parallel rank)",
     "mem_fraction_static": "actor_rollout_ref.rollout.gpu_memory_utilization",

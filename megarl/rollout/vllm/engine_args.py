@@ -23,6 +23,7 @@ OWNED: dict[str, str] = {
     "dtype": "actor_rollout_ref.model.dtype",
     "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
     "tensor_parallel_size": f"{_RO}.tensor_model_parallel_size",
+    "enable_expert_parallel": f"{_RO}.expert_parallel_size",
     "max_num_seqs": f"{_RO}.max_num_seqs",
     "max_num_batched_tokens": f"{_RO}.max_num_batched_tokens",
     "enable_chunked_prefill": f"{_RO}.enable_chunked_prefill",
