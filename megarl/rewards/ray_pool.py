@@ -2,9 +2,13 @@
 
 Same contract as the local pool: results in request order; an item past `timeout_s` kills its
 actor (`ray.kill`), scores 0 with status "timeout" and the actor is replaced; an actor that
-dies (segfault, os._exit, MemoryError under its RLIMIT_AS) has its item retried once on a fresh
-actor, then it scores 0 with status "error". Each actor runs at most `pipeline_depth` calls
+dies (segfault, os._exit, MemoryError under its RLIMIT_AS) has its item retried once, alone, on a
+fresh actor, then it scores 0 with status "error". Each actor runs at most `pipeline_depth` calls
 queued, so the parent knows when the head call started (when the one before it finished).
+
+A retried item runs alone because a death is charged to the head call, and the head can be an
+innocent item whose answer was lost with the actor that the call behind it killed; run alone,
+its retry is its own.
 
 memory_mb: an idle Ray worker already maps ~1.3 GB of address space (mostly reserved, not
 resident), so inside an actor RLIMIT_AS is set to that idle size plus memory_mb.
@@ -279,13 +283,16 @@ class RayRewardPool(SupervisedRewardPool):
         return batch.results  # type: ignore[return-value]
 
     def _dispatch(self, batch: Batch) -> None:
-        """Keep each ready actor `pipeline_depth` calls deep: retried items first, then pending."""
+        """Keep each ready actor `pipeline_depth` calls deep with pending items; a retried item
+        goes to an idle actor and nothing is queued behind it (module doc)."""
         fresh_available = any(s.fresh for s in self._slots)
         for s in self._slots:
             if not s.ready:
                 continue
             while len(s.inflight) < self.pipeline_depth:
-                i = batch.take_retry(s, fresh_available)
+                if s.inflight and batch.crashes[s.inflight[-1][0]]:
+                    break  # a retried item runs alone
+                i = None if s.inflight else batch.take_retry(s, fresh_available)
                 if i is None:
                     if not batch.pending:
                         break

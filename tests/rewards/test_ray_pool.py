@@ -87,7 +87,8 @@ def test_ray_matches_local(hostile_path, tmp_path):
     assert got["nodes"] == ["127.0.0.1"]  # Ray saw only the loopback interface
     remote = [tuple(r) for r in got["results"]]
     assert [(r.score, r.status) for r in local] == EXPECTED
-    assert [(s, st) for s, _, st in remote] == EXPECTED
+    assert [(s, st) for s, _, st in remote] == EXPECTED, [  # what each failed item said
+        (i, e) for i, (_, e, st) in enumerate(remote) if st != "ok"]
     assert [e for _, e, st in remote if st == "ok"] == [r.extra for r in local if r.status == "ok"]
     assert tuple(got["again"]) == (1.0, {}, "ok")
     assert (local_stats["reward/timeouts"], local_stats["reward/errors"], local_stats["reward/crash_retries"]) == (1, 4, 3)
@@ -96,3 +97,43 @@ def test_ray_matches_local(hostile_path, tmp_path):
     # alloc, exit and segv each killed two actors; an actor lost to the system under heavy load
     # is retried too, so this is a lower bound.
     assert stats["reward/crash_retries"] >= 3
+
+
+class _Handle:
+    """An actor handle's call interface, recording what was sent (the scheduler's side only:
+    `RayRewardPool._dispatch` calls ``handle.score.remote(request)``)."""
+
+    def __init__(self):
+        self.sent = []
+        self.score = self
+
+    def remote(self, request):
+        self.sent.append(request)
+        return object()
+
+
+def test_a_retried_item_runs_alone_on_a_fresh_actor():
+    """A death is charged to the head call, which can be an innocent item whose answer was lost
+    with the actor the call behind it killed (CI saw a plain math item score "error" that way
+    on a slow machine): its retry must run alone, so that a second death is its own. Before the
+    fix the fresh actor got the retried item with a pending one queued behind it ([1, 4])."""
+    from collections import deque
+
+    from megarl.rewards.pool_policy import Batch
+    from megarl.rewards.ray_pool import RayRewardPool, _Slot
+
+    pool = object.__new__(RayRewardPool)  # the scheduler alone: no cluster
+    pool.pipeline_depth = 2
+    used, fresh = _Slot(_Handle(), None), _Slot(_Handle(), None)
+    used.ready = fresh.ready = True
+    used.fresh = False
+    pool._slots = [used, fresh]
+    batch = Batch([RewardRequest("math", f"\\boxed{{{i}}}", str(i)) for i in range(5)])
+    batch.pending = deque([2, 3, 4])
+    batch.retries.append(1)
+    batch.crashes[1] = 1
+    pool._dispatch(batch)
+    assert fresh.indices() == [1] and used.indices() == [2, 3]
+    assert list(batch.pending) == [4] and not batch.retries
+    pool._dispatch(batch)  # nothing joins the retried item while it runs
+    assert fresh.indices() == [1] and used.indices() == [2, 3]
