@@ -160,6 +160,9 @@ class CustomAlgorithmsConfig:
     # what it registers (@register_advantage_estimator, @register_policy_loss from megarl.algos)
     # can be chosen as algorithm.adv_estimator / actor.policy_loss.loss_mode. null = none
     path: str | None = None
+    # the settings of the file's own Algorithm entries (@register_algorithm): any mapping, handed
+    # to them as AlgorithmSettings.options (megarl.trainer.algorithm); megarl reads none of it
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

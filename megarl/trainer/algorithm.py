@@ -28,14 +28,16 @@ algorithm_settings` reads the config once). ``build_algorithm(settings)`` runs t
 registered under that name (PURE, OTB, PACS), else the PPO family. Entries take the typed
 `AlgorithmSettings`, never the config. A user's own entry: ``@register_algorithm("name")`` on an
 ``Algorithm`` subclass in the file named by ``algorithm.custom_algorithms.path``, its estimator
-name registered with ``megarl.algos.register_advantage_pipeline`` (so that the config accepts it).
+name registered with ``megarl.algos.register_advantage_pipeline`` (so that the config accepts it);
+its own settings come from ``algorithm.custom_algorithms.options`` as ``settings.options``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -146,6 +148,8 @@ class AlgorithmSettings:
     pure: PureSettings = PureSettings()  # algorithm.pure
     pacs: PacsLoss = PacsLoss()  # pacs.*
     custom_path: str | None = None  # algorithm.custom_algorithms.path, imported by the build
+    # algorithm.custom_algorithms.options: a user entry's own settings (read-only)
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class Algorithm:

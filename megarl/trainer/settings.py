@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from megarl.backends.optim_settings import OptimSettings
@@ -316,4 +317,5 @@ def algorithm_settings(cfg: Config) -> AlgorithmSettings:
                       adv_estimator=pacs.adv_estimator,
                       weight_mode=pacs.weight_mode if pacs.use_weight else None,
                       norm_adv_by_std=pacs.norm_adv_by_std_in_grpo),
-        custom_path=cfg.algorithm.custom_algorithms.path)
+        custom_path=cfg.algorithm.custom_algorithms.path,
+        options=MappingProxyType(plain(cfg.algorithm.custom_algorithms.options)))

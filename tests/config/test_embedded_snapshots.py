@@ -15,6 +15,7 @@ from embedded_cases import SNAPSHOTS, cases, resolve
 # schema keys added after the snapshots: dotted key -> the value every pinned run resolves to
 ADDED: dict[str, object] = {
     "actor_rollout_ref.rollout.expert_parallel_size": 1,
+    "algorithm.custom_algorithms.options": {},
     "data.apply_chat_template_kwargs": {},
     "actor_rollout_ref.actor.parallel.context_parallel_size": 1,
     "critic.parallel.context_parallel_size": 1,

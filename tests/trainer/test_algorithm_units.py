@@ -254,6 +254,35 @@ def test_one_name_selects_the_algorithm():
     assert type(A.build_algorithm(settings)) is A.Pacs
 
 
+def test_a_user_entry_reads_its_own_options(tmp_path, registered):
+    """algorithm.custom_algorithms.options reaches the user's entry as settings.options, a
+    read-only plain mapping (nested values too), from the config file's and the command line's
+    keys alike (planted: options left at the default {} fails)."""
+    registered.append("unit_opts")
+    path = tmp_path / "entry.py"
+    path.write_text(textwrap.dedent('''
+        from megarl.algos import register_advantage_pipeline
+        from megarl.trainer.algorithm import PPOFamily, register_algorithm
+
+        register_advantage_pipeline("unit_opts", needs=("groups",))(lambda **kw: None)
+
+        @register_algorithm("unit_opts")
+        class UnitOpts(PPOFamily):
+            def __init__(self, settings):
+                super().__init__(settings)
+                self.beta = settings.options["beta"]
+                self.tiers = settings.options["tiers"]["names"]
+    '''))
+    cfg = _cfg("grpo", f"algorithm.custom_algorithms.path={path}",
+               "algorithm.adv_estimator=unit_opts", "+algorithm.custom_algorithms.options.beta=0.25",
+               "+algorithm.custom_algorithms.options.tiers.names=[a,b]")
+    algo = _build(cfg)
+    assert (algo.beta, algo.tiers) == (0.25, ["a", "b"])
+    with pytest.raises(TypeError):
+        algo.settings.options["beta"] = 1.0  # read-only
+    assert dict(algorithm_settings(_cfg("grpo")).options) == {}
+
+
 def test_build_algorithm_imports_the_user_file(tmp_path, registered):
     """algorithm.custom_algorithms.path is imported by build_algorithm itself (settings of a
     Config made in code, never validated): its estimator then runs in the PPO family with its needs; a path
