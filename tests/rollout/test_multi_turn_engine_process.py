@@ -200,9 +200,10 @@ def test_a_long_multi_turn_request_reports_progress_after_each_turn(setup, tmp_p
     sp = SamplingParams(n=1, temperature=1.0, seed=3, max_new_tokens=200,
                         stop_token_ids=list(range(40, 70)))
     request = agent_request(items[:1], [0], sp, 0, agent)
-    proc = ProcessRolloutEngine(_spec(path, max_num_seqs=8), slots=2, timeout_s=5.0)
+    proc = ProcessRolloutEngine(_spec(path, max_num_seqs=8), slots=2)
     try:
-        proc.update_weights(base.items())
+        proc.update_weights(base.items())  # start-up under the default bound: a loaded box
+        proc.timeout_s = 5.0  # took more than 5 s to start the process and map the ring
         got = proc.generate_agent(agent, request, sp)
     finally:
         proc.close()
