@@ -46,6 +46,7 @@ class _Server:
         hello = json.loads(self.proc.stdout.readline() or '{"ok": false}')
         self.ok = bool(hello.get("ok"))
         self.lock = threading.Lock()
+        self.cpu_s = 0.0  # the CPU its forked runs reported (added to CHILD_CPU_S)
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float,
             nproc: int | None = None) -> subprocess.CompletedProcess:
@@ -75,17 +76,25 @@ class _Server:
                                                 out.read_text(errors="replace"),
                                                 err.read_text(errors="replace"))
             global CHILD_CPU_S
-            CHILD_CPU_S += float(done.get("cpu_s") or 0.0)
+            cpu_s = float(done.get("cpu_s") or 0.0)
+            CHILD_CPU_S += cpu_s
+            self.cpu_s += cpu_s
             return subprocess.CompletedProcess([sys.executable, *argv], done["rc"],
                                                out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
 
     def close(self) -> None:
+        global CHILD_CPU_S
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=10)
         except Exception:
             self.proc.kill()
+            self.proc.wait()
+        # reaped, the server brings its runs' CPU into this process's RUSAGE_CHILDREN: counted
+        # there from now on, so it leaves CHILD_CPU_S (else tests/timing_table.py counts it twice)
+        CHILD_CPU_S -= self.cpu_s
+        self.cpu_s = 0.0
 
 
 # CPU-seconds (user + system) of the runs forked for this process, their reaped children

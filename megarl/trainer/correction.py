@@ -73,8 +73,8 @@ def check_lagged_correction(staleness: float, loss_mode: str, loss_has_ratio: bo
     if staleness > 0 and not loss_has_ratio and rollout_is is None:
         raise UserInputError(
             f"{LOSS_KEY}={loss_mode!r} takes no importance ratio, so with "
-            f"{STALENESS_KEY}={staleness} and {KEY}=null the samples of older policy versions would train uncorrected; set "
-            f"{KEY}=token (truncated weights pi/mu on each token), or a loss with a ratio "
+            f"{STALENESS_KEY}={staleness} and {KEY}=null the samples of older policy versions "
+            f"would train uncorrected; set {KEY}=token (truncated weights pi/mu on each token), or a loss with a ratio "
             f"({LOSS_KEY}=vanilla), or {STALENESS_KEY}=0")
 
 

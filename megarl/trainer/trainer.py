@@ -75,9 +75,12 @@ class RLTrainer:
         if p.prm is not None:
             self.step_end_ids, self.prm_marker = prm_step_settings(cfg.reward_model, p.tokenizer)
         self.rewards = RewardAssembly(p.scorer, p.outcome_rm, p.judge, p.tokenizer)
-        if self.rewards.model_scores and hasattr(self.algorithm, "adv"):
-            # its score is the reward (in place of the verifiable one): no PRM step scores
-            self.algorithm.adv = dataclasses.replace(self.algorithm.adv, prm_enabled=False)
+        if self.rewards.model_scores:
+            # its score is the reward (in place of the verifiable one): no PRM step scores; the
+            # entry is built again from those settings, so that it and its settings agree
+            s = self.algorithm.settings
+            self.algorithm = build_algorithm(
+                dataclasses.replace(s, adv=dataclasses.replace(s.adv, prm_enabled=False)))
         self.rollout_tp = arr.rollout.tensor_model_parallel_size
         self.peak_flops = peak_flops(p.device)
         self.actor_hf_config = None

@@ -202,8 +202,9 @@ class VLLMEngine:
         memory): ``model_path`` and ``tokenizer`` (resolved folders), ``sleep_mode`` and
         ``engine_kwargs`` (``vllm.LLM`` arguments; ``overrides`` replace any of them), from
         ``rollout``'s dtype, tokenizer_path, trust_remote_code, tensor_model_parallel_size,
-        expert_parallel_size (``enable_expert_parallel``), gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-        enforce_eager, free_cache_engine, seed, max_model_len, device and engine_kwargs
+        expert_parallel_size (``enable_expert_parallel``), gpu_memory_utilization, max_num_seqs,
+        max_num_batched_tokens, enable_chunked_prefill, enforce_eager, free_cache_engine, seed,
+        max_model_len, device and engine_kwargs
         (``vllm``); see `megarl.rollout.vllm.launch` for the process model and memory sizing.
         ``engine_kwargs.vllm`` (verl's extra engine arguments) is checked by
         `megarl.rollout.vllm.engine_args`: an argument megarl sets itself, or one vLLM's
