@@ -9,7 +9,10 @@ optimizer step:
   one also for an engine wrapping the trainer's model object;
 - the bytes of streamed tensors alive at once stay within one bucket + what the backend's
   export holds by itself (torch: one tensor; megatron: one layer), for two bucket sizes, and
-  grow with the bucket size.
+  grow with the bucket size. gloo's worker thread may still hold the last tensors a collective
+  broadcast for a moment after the call returned (their Python objects outlive the consumer's
+  reference), so a peak may exceed the exact figure by up to `_gloo_slack`; the large bucket is
+  chosen so that growth exceeds it (every layout here holds at most a ~200 KB layer).
 
 The five launches run concurrently (each is mostly start-up and gloo waits).
 """
@@ -28,7 +31,7 @@ pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "dist" / "rollout_reshard_worker.py"
-BUCKETS = (40_000, 200_000)
+BUCKETS = (40_000, 400_000)  # as tests/dist/rollout_reshard_worker.py
 TOL = 1e-5
 
 
@@ -99,8 +102,20 @@ def test_stream_matches_trainer(results, launch, layout):
     if layout == "one":
         assert r["shared_engine_err"] < TOL
     small, large = (r[f"peak_bytes.{b}"] for b in BUCKETS)
+    slack = _gloo_slack(r)
     for b in BUCKETS:
         assert r[f"max_bucket_bytes.{b}"] <= max(b, r["max_tensor_bytes"])
         # bucketing adds at most one bucket to what the backend's stream holds itself
-        assert r[f"peak_bytes.{b}"] <= b + r["stream_peak_bytes"]
+        assert r[f"peak_bytes.{b}"] <= b + r["stream_peak_bytes"] + slack
+        # and a bucket's tensors are alive together when it is handed out
+        assert r[f"peak_bytes.{b}"] >= r[f"max_bucket_bytes.{b}"]
+    # the precondition of "grows": a large bucket fills past what the small one can reach
+    filled = min(BUCKETS[1] - r["max_tensor_bytes"], r["total_bytes"])
+    assert filled > BUCKETS[0] + r["stream_peak_bytes"] + slack, "choose a larger BUCKETS[1]"
     assert small < large and small < r["total_bytes"]
+
+
+def _gloo_slack(r: dict) -> int:
+    """Bytes a peak may overstate: ProcessGroupGloo's two worker threads drop their reference
+    to a finished collective's tensors after the caller's wait() returned."""
+    return 2 * r["max_tensor_bytes"]
