@@ -31,7 +31,6 @@ LETTERS = {"gen": "g", "reward": "s", "prm": "p", "old_log_prob": "o", "ref": "r
 def run(args: argparse.Namespace) -> tuple[list, list, dict[int, tuple[float, float]]]:
     """Train; return the trainer's spans, the engine's spans and each step's (start, end)."""
     from megarl.config.loader import resolve_config
-    from megarl.trainer.async_rollout import AsyncRLTrainer
     from megarl.trainer.metrics import Timer
     from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
@@ -47,7 +46,7 @@ def run(args: argparse.Namespace) -> tuple[list, list, dict[int, tuple[float, fl
         "trainer.export_hf=false", "trainer.save_freq=-1",
         f"async_training.staleness_threshold={args.staleness}",
         f"async_training.engine_cpus=[{args.engine_cpu}]", *args.overrides]).config
-    trainer = (AsyncRLTrainer if args.staleness > 0 else RLTrainer)(cfg)
+    trainer = RLTrainer(cfg)
     Timer.sink = []
     bounds = {}
     try:

@@ -53,7 +53,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,21 +102,19 @@ class ProcessRolloutEngine:
     """Proxy of a rollout engine running in a spawned process (see the module doc).
 
     slots: shared weight copies (>= 1; ``staleness + 1`` lets the trainer publish without
-    waiting). version_fn: the label of the next published version (default: 0 for the first
-    publish, then +1 per publish); the trainer passes its count of actor updates, so a
-    version's lag is counted in updates. timeout_s: how long a wait on the engine process may hear
+    waiting). A publish's version label is ``update_weights(..., version=)`` (the trainer
+    passes its count of actor updates, so a version's lag is counted in updates), by default 0
+    for the first publish, then +1 per publish. timeout_s: how long a wait on the engine process may hear
     nothing from it (``async_training.engine_timeout_s``).
     """
 
     def __init__(self, spec: EngineSpec, *, slots: int = 2,
-                 version_fn: Callable[[], int] | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.spec = spec
-        self.version_fn = version_fn
         self.timeout_s = float(timeout_s)
         self._ctx = mp.get_context("spawn")
         requests_in, self._to_engine = self._ctx.Pipe(duplex=False)
@@ -159,12 +157,13 @@ class ProcessRolloutEngine:
             rid = self.submit(prompts, sampling, prompt_keys)
         return self.result(rid)
 
-    def update_weights(self, weights: Iterable[Any]) -> None:
-        """Publish a new version: copy the (HF name, full tensor) stream (flat or bucketed)
-        into the next ring slot. Collective: every rank calls it and consumes its whole
-        stream; the node's first rank writes the node's ring."""
-        version = (self.version_fn() if self.version_fn is not None
-                   else (0 if self._latest is None else self._latest[0] + 1))
+    def update_weights(self, weights: Iterable[Any], version: int | None = None) -> None:
+        """Publish a new version (labelled ``version``; default: the last label + 1, 0 at
+        first): copy the (HF name, full tensor) stream (flat or bucketed) into the next ring
+        slot. Collective: every rank calls it and consumes its whole stream; the node's first
+        rank writes the node's ring."""
+        if version is None:
+            version = 0 if self._latest is None else self._latest[0] + 1
         slot = self._next_slot
         self._wait_slot_free(slot)
         if not self._published:

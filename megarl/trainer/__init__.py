@@ -10,8 +10,7 @@ if TYPE_CHECKING:
 
 def run(cfg: Config) -> dict[str, Any]:
     """Train with a validated Config in this process (one rank of a torchrun job, or alone)."""
-    from megarl.trainer.async_rollout import AsyncRLTrainer
-    from megarl.trainer.parts import async_settings, pin_threads
+    from megarl.trainer.parts import pin_threads
     from megarl.trainer.resume_config import refuse_early
     from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
@@ -21,7 +20,7 @@ def run(cfg: Config) -> dict[str, Any]:
     device = mdist.resolve_device(cfg.trainer.device)
     mdist.init_distributed(device, cfg.launch.backend)
     try:
-        trainer = (AsyncRLTrainer if async_settings(cfg)[0] > 0 else RLTrainer)(cfg)
+        trainer = RLTrainer(cfg)
         try:
             return trainer.fit()
         finally:

@@ -8,8 +8,8 @@ Which logprobs are paired (verl's modes; `megarl.algos.rollout_correction` has t
   `exp(old_logprob - rollout_logprob)` (verl's decoupled mode) and go to the loss as
   ``rollout_is_weights``.
 - the ratio is taken against the engine's logprobs (asynchronous rollout with
-  ``use_rollout_log_probs=true``: `AsyncRLTrainer.behaviour_logprobs` moved the recomputation
-  to ``prox_logprob``): a loss with a ratio already corrects for the behaviour policy (verl's
+  ``use_rollout_log_probs=true``: `lagged_logprobs` moved the recomputation to
+  ``prox_logprob``): a loss with a ratio already corrects for the behaviour policy (verl's
   bypass mode), so the weights `exp(prox_logprob - rollout_logprob)` are only measured
   (metrics), not applied, and the config's startup notice says so. A loss without a ratio
   (``policy_loss.loss_mode=reinforce``: `megarl.algos.policy_loss_has_ratio`) has nothing
@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import torch
 
 from megarl import algos
 from megarl.errors import UserInputError
@@ -86,6 +88,48 @@ def bypass_logprobs(batch: RolloutBatch) -> None:
     if "old_logprob" in t:
         t["prox_logprob"] = t["old_logprob"]
     t["old_logprob"] = t["rollout_logprob"]
+
+
+def lagged_logprobs(batch: RolloutBatch, ratio_against_rollout: bool) -> dict[str, float]:
+    """Pair the logprobs of a batch sampled by an earlier policy version (asynchronous
+    rollout, `megarl.trainer.async_rollout`), after ``old_logprob`` was recomputed with the
+    trainer's current weights (or not: then the engine's become ``old_logprob``): measure the
+    gap to the behaviour policy (`mismatch_metrics`) and choose the ratio's denominator. With
+    ``ratio_against_rollout`` (``async_training.use_rollout_log_probs``) the engine's logprobs
+    become ``old_logprob`` and the recomputation moves to ``prox_logprob`` (the truncated
+    weights and the KL in the reward read it there)."""
+    t = batch.tensors
+    if "old_logprob" not in t:  # no recomputed pass this step: the ratio needs none
+        t["old_logprob"] = t["rollout_logprob"]
+        return {}
+    behaviour, prox = t["rollout_logprob"], t["old_logprob"]
+    metrics = mismatch_metrics(behaviour, prox, batch.response_mask)
+    if ratio_against_rollout:
+        t["prox_logprob"] = prox
+        t["old_logprob"] = behaviour
+    return metrics
+
+
+def mismatch_metrics(behaviour: torch.Tensor, current: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """Behaviour (rollout) logprobs vs the trainer's current ones, both [B, L], over the
+    response ``mask`` [B, L]: ``rollout_corr/kl`` (k1 estimate of KL(behaviour || current),
+    mean over tokens), ``rollout_corr/k3_kl``, and the token ratio current / behaviour
+    (``ratio_mean``, ``ratio_min``, ``ratio_max``)."""
+    m = mask.to(torch.float64)
+    n = m.sum().clamp(min=1)
+    log_ratio = (current.double() - behaviour.double()) * m
+    ratio = torch.exp(log_ratio)
+    on = m.bool()
+    if not on.any():
+        return {}
+    return {
+        "rollout_corr/kl": float((-log_ratio).sum() / n),
+        "rollout_corr/k3_kl": float(((ratio - 1 - log_ratio) * m).sum() / n),
+        "rollout_corr/ratio_mean": float((ratio * m).sum() / n),
+        "rollout_corr/ratio_min": float(ratio[on].min()),
+        "rollout_corr/ratio_max": float(ratio[on].max()),
+    }
 
 
 def add_rollout_rejection(batch: RolloutBatch, rc: Any) -> dict[str, float]:

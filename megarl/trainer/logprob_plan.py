@@ -52,7 +52,7 @@ class LogprobPlan:
     """What the step runs: the old-logprob pass or not (with which extras), whether the update
     is on-policy, whether the engine/trainer gap is measured, and how the behaviour logprobs are
     paired with the recomputation: ``sampled`` (they are the recomputation's policy), ``lagged``
-    (the async schedule's `behaviour_logprobs`), ``bypass`` (`correction.bypass_logprobs`)."""
+    (`correction.lagged_logprobs`), ``bypass`` (`correction.bypass_logprobs`)."""
 
     old_logprob_pass: bool
     on_policy: bool

@@ -33,13 +33,13 @@ def main() -> None:
     mdist.init_distributed(mdist.resolve_device(cfg.trainer.device), cfg.launch.backend)
     trainer = RLTrainer(cfg)
     kept = {}
-    rollout = trainer.rollout_and_score
+    rollout = trainer.producer.produce
 
-    def keep(timer):
-        kept["batch"], metrics = rollout(timer)
+    def keep(step, timer):
+        kept["batch"], metrics = rollout(step, timer)
         return kept["batch"], metrics
 
-    trainer.rollout_and_score = keep
+    trainer.producer.produce = keep
     save_file(_weights(trainer.parts.actor), str(out / "before.safetensors"))
     trainer.step = 1
     trainer.train_step()

@@ -56,21 +56,22 @@ def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int, log: dict | 
     the actor's weights after each step (version = step without critic warmup; version 0 =
     the initial weights). ``log``, when given, gets "metrics" (step -> the step's metrics) and
     "is_weights" (per loss call: step, input ids, its rollout_is_weights or None)."""
-    import megarl.trainer.trainer as trainer_mod
+    import megarl.trainer.learner as learner_mod
     from megarl.config.loader import resolve_config
-    from megarl.trainer.async_rollout import AsyncRLTrainer
+    from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
 
     torch.set_num_threads(1)
     mdist.init_distributed(torch.device("cpu"))  # a world of one
     cfg = resolve_config("grpo", [*FAST, *cfg_overrides, f"trainer.default_local_dir={run_dir}"]
                          ).config
-    trainer = AsyncRLTrainer(cfg)
+    trainer = RLTrainer(cfg)
+    assert trainer.schedule == "one_step_off"
     p = trainer.parts
     assert p.engine.spec.engine == cfg.actor_rollout_ref.rollout.name  # the engine in the child
     calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     batches: dict[int, tuple] = {}
-    real_loss_fn = trainer_mod.actor_loss_fn
+    real_loss_fn = learner_mod.actor_loss_fn
 
     def recording_loss_fn(settings, norm):
         inner = real_loss_fn(settings, norm)
@@ -85,18 +86,18 @@ def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int, log: dict | 
             return inner(out, mb)
         return loss_fn
 
-    real_rollout = trainer.rollout_and_score
+    real_rollout = trainer.producer.produce
 
-    def recording_rollout(timer):
-        batch, metrics = real_rollout(timer)
+    def recording_rollout(step, timer):
+        batch, metrics = real_rollout(step, timer)
         seq = batch.sequence_batch()
         batches[trainer.step] = (seq.input_ids, seq.attention_mask, batch.response_mask,
                                  batch.tensors["policy_version"].clone(), metrics)
         return batch, metrics
 
     weights = {0: {n: t.clone() for n, t in p.actor.export_weights()}}
-    trainer_mod.actor_loss_fn = recording_loss_fn
-    trainer.rollout_and_score = recording_rollout
+    learner_mod.actor_loss_fn = recording_loss_fn
+    trainer.producer.produce = recording_rollout
     try:
         for _ in range(steps):
             trainer.step += 1
@@ -105,7 +106,7 @@ def _run_async_steps(run_dir, cfg_overrides: list[str], steps: int, log: dict | 
                 log.setdefault("metrics", {})[trainer.step] = metrics
             weights[trainer.step] = {n: t.clone() for n, t in p.actor.export_weights()}
     finally:
-        trainer_mod.actor_loss_fn = real_loss_fn
+        learner_mod.actor_loss_fn = real_loss_fn
         p.close()
     return cfg, calls, batches, weights
 

@@ -53,12 +53,12 @@ def _gap_bound(tokens: int) -> float:
 def test_ratio_free_loss_without_weights_is_refused(tmp_path, demo_assets):
     """REINFORCE (no ratio) on lagged samples with rollout_is=null: refused before any model is
     built, naming the keys and the fix. Before the fix: "the trainer was built" (no error)."""
-    from megarl.trainer.async_rollout import AsyncRLTrainer
+    from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
 
     mdist.init_distributed(torch.device("cpu"))
     try:
-        trainer = AsyncRLTrainer(_config(tmp_path, [*ASYNC1, REINFORCE]))
+        trainer = RLTrainer(_config(tmp_path, [*ASYNC1, REINFORCE]))
     except UserInputError as err:
         text = str(err)
     else:
@@ -224,13 +224,13 @@ def test_resume_with_a_smaller_bound_regenerates_too_old_batches(tmp_path, demo_
     by versions 1 and 2); resumed with staleness 1 they would lag 2 updates when collected, so
     both are dropped (the run says so) and generated again: lag max 0, 1, 1 on steps 4-6, all
     within the new bound. Before the fix: they were collected as restored, lag max 2, 2, 1."""
-    import megarl.trainer.async_rollout as A
+    from megarl.trainer.trainer import RLTrainer
     from megarl.utils import dist as mdist
 
     torch.set_num_threads(1)
     mdist.init_distributed(torch.device("cpu"))
     common = [FP32, "trainer.total_training_steps=6"]
-    first = A.AsyncRLTrainer(_config(tmp_path, [*common, "async_training.staleness_threshold=2"]))
+    first = RLTrainer(_config(tmp_path, [*common, "async_training.staleness_threshold=2"]))
     try:
         for _ in range(3):
             first.step += 1
@@ -238,7 +238,7 @@ def test_resume_with_a_smaller_bound_regenerates_too_old_batches(tmp_path, demo_
         first.save(metrics)
     finally:
         first.parts.close()
-    resumed = A.AsyncRLTrainer(_config(tmp_path, [*common, *ASYNC1, "trainer.resume=auto"]))
+    resumed = RLTrainer(_config(tmp_path, [*common, *ASYNC1, "trainer.resume=auto"]))
     try:
         resumed.fit()
     finally:

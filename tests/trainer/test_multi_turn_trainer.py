@@ -40,7 +40,7 @@ MT = f"{A}.rollout.multi_turn"
 FORCED_CALLS = """
 import runpy, sys
 import torch
-import megarl.trainer.trainer as trainer
+import megarl.trainer.learner as learner
 from megarl.rollout.agent.tool_parser import ParsedTurn, ToolCall, register_tool_parser
 
 class EveryTurnCalls:
@@ -49,7 +49,7 @@ class EveryTurnCalls:
 
 register_tool_parser("hermes", EveryTurnCalls)
 out = sys.argv.pop(1)
-run_update = trainer.run_update
+run_update = learner.run_update
 
 def recording(backend, batch, keys, *args, **kwargs):
     if "advantages" in keys:
@@ -59,7 +59,7 @@ def recording(backend, batch, keys, *args, **kwargs):
                     "advantages": seq.tensors["advantages"]}, out)
     return run_update(backend, batch, keys, *args, **kwargs)
 
-trainer.run_update = recording
+learner.run_update = recording
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -56,10 +56,10 @@ RESPONSE_TOKENS = RESPONSES * 48  # of 48 tokens at most (trainer_helpers.FAST)
 RECORD_UPDATE = """
 import runpy, sys
 import torch
-import megarl.trainer.trainer as trainer
+import megarl.trainer.learner as learner
 
 out = sys.argv.pop(1)
-run_update = trainer.run_update
+run_update = learner.run_update
 
 def recording(backend, batch, keys, *args, **kwargs):
     if "rollout_is_weights" in keys:
@@ -69,7 +69,7 @@ def recording(backend, batch, keys, *args, **kwargs):
                     "temperature": kwargs.get("temperature", 1.0)}, out)
     return run_update(backend, batch, keys, *args, **kwargs)
 
-trainer.run_update = recording
+learner.run_update = recording
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -174,11 +174,13 @@ class AdapterSource:
         self.engine = engine
         self.adapter_source = adapter_source
 
-    def update_weights(self, weights: Iterable[Any]) -> None:
+    def update_weights(self, weights: Iterable[Any], **labels: Any) -> None:
+        """``labels``: what the wrapped engine's publish takes beside the stream (an engine
+        process's ``version``)."""
         close = getattr(weights, "close", None)
         if close is not None:
             close()
-        self.engine.update_weights(self.adapter_source())
+        self.engine.update_weights(self.adapter_source(), **labels)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
