@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import importlib
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +56,12 @@ def backend_class(strategy: str, *, adapter_off_reference: bool = False) -> type
     return getattr(importlib.import_module(module), name)
 
 
-def build_backend(role: str, cfg: Config, model_path: str) -> Backend:
-    """A Backend for ``role`` with the strategy of the actor (critic: its own strategy)."""
+def build_backend(role: str, cfg: Config, model_path: str,
+                  run_steps: int | None = None) -> Backend:
+    """A Backend for ``role`` with the strategy of the actor (critic: its own strategy);
+    ``run_steps``: the run's length (the learning-rate schedule's, `role_settings`)."""
     strategy = cfg.critic.strategy if role == "critic" else cfg.actor_rollout_ref.actor.strategy
-    return backend_class(strategy).from_settings(role_settings(role, cfg, model_path))
+    return backend_class(strategy).from_settings(role_settings(role, cfg, model_path, run_steps))
 
 
 def lora_rank(cfg: Config) -> int:
@@ -284,17 +285,6 @@ def _total_steps(cfg: Config, sampler: PromptSampler | ExternSampler) -> int:
     return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch
 
 
-def _default_schedule_length(cfg: Config, total_steps: int) -> None:
-    """``optim.total_training_steps <= 0`` means the run's length, so a warmup ratio or a cosine
-    schedule needs no second copy of the step count. The schedule advances once per optimizer
-    update: ppo_epochs x mini-batches per training step."""
-    prompts = cfg.data.train_batch_size
-    for role in (cfg.actor_rollout_ref.actor, cfg.critic):
-        if role.optim.total_training_steps <= 0:
-            updates = role.ppo_epochs * math.ceil(prompts / role.ppo_mini_batch_size)
-            role.optim.total_training_steps = total_steps * updates
-
-
 def build_run(cfg: Config) -> RunParts:
     """Everything a run needs, built in order; rank 0 first takes the run directory's lock
     (one writer per directory: a second run on it is refused here, within its start-up)."""
@@ -357,7 +347,6 @@ def _build_parts(cfg: Config) -> RunParts:
         val_items = [val_ds[i] for i in range(len(val_ds))]
 
     total_steps = _total_steps(cfg, sampler)
-    _default_schedule_length(cfg, total_steps)
     # The engine first: it sizes its memory from what is free, before the training backends
     # hold theirs (asleep, it gives its memory back until the first weight sync).
     engine = run_engine(cfg, paths["actor"], device)
@@ -388,11 +377,12 @@ def _build_rest(cfg: Config, paths: dict[str, Any], device: torch.device, tokeni
     if cfg.actor_rollout_ref.rollout.free_cache_engine:
         engine.sleep()
     torch.manual_seed(cfg.trainer.seed)  # fresh heads (critic) initialise identically everywhere
-    actor = build_backend("actor", cfg, paths["actor"])
+    actor = build_backend("actor", cfg, paths["actor"], total_steps)
     a = cfg.actor_rollout_ref.actor
     need_ref = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = build_reference(cfg, actor, paths["actor"]) if need_ref else None
-    critic = build_backend("critic", cfg, paths["critic"]) if cfg.critic.enable else None
+    critic = (build_backend("critic", cfg, paths["critic"], total_steps) if cfg.critic.enable
+              else None)
     prm = outcome_rm = None
     if rm_kind is not None:
         rm_backend = build_backend("prm", cfg, paths["prm"])

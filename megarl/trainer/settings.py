@@ -34,6 +34,7 @@ megatron: param_dtype, recompute, distributed optimizer, expert layout) stays th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
@@ -63,10 +64,13 @@ _PATH_KEYS = {"critic": "critic.model.path", "prm": "reward_model.model.path"}
 _SECTIONS = {"critic": "critic", "prm": "reward_model"}
 
 
-def role_settings(role: str, cfg: Config, model_path: str | None = None) -> RoleSettings:
+def role_settings(role: str, cfg: Config, model_path: str | None = None,
+                  run_steps: int | None = None) -> RoleSettings:
     """The settings of ``role`` (actor | ref | critic | prm) from ``cfg`` (a `megarl.config.Config`;
     `load_config`'s output or a bare one: unfilled None keys follow the rules above).
-    ``model_path`` overrides the role's ``model.path``."""
+    ``model_path`` overrides the role's ``model.path``. ``run_steps``: the run's training steps,
+    the learning-rate schedule's length when ``optim.total_training_steps`` is unset
+    (`schedule_length`)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     arr = cfg.actor_rollout_ref
@@ -87,7 +91,8 @@ def role_settings(role: str, cfg: Config, model_path: str | None = None) -> Role
     if role in TRAINABLE_ROLES:
         optim = _optim(section.optim, section.grad_clip,
                        f"{_SECTIONS.get(role, 'actor_rollout_ref.actor')}.optim."
-                       "override_optimizer_config")
+                       "override_optimizer_config",
+                       schedule_length(section, cfg.data.train_batch_size, run_steps))
     opts = model.fused_kernel_options
     return RoleSettings(
         role=role,
@@ -148,7 +153,19 @@ def _micro(dynamic: bool | None, max_tokens: int | None, rows: int | None) -> Mi
                          max_tokens=max_tokens, rows=rows)
 
 
-def _optim(optim: Any, grad_clip: float | None, override_key: str) -> OptimSettings:
+def schedule_length(role: Any, prompts_per_step: int, run_steps: int | None) -> int:
+    """Optimizer updates the learning-rate schedule spans: ``optim.total_training_steps``, or
+    when that is unset (<= 0) the run's length, so a warmup ratio or a cosine schedule needs no
+    second copy of the step count. The schedule advances once per optimizer update: ppo_epochs
+    x mini-batches per training step (``role``: the actor's or the critic's section). -1 when
+    unset and no run length is given."""
+    if role.optim.total_training_steps > 0 or run_steps is None:
+        return role.optim.total_training_steps
+    return run_steps * role.ppo_epochs * math.ceil(prompts_per_step / role.ppo_mini_batch_size)
+
+
+def _optim(optim: Any, grad_clip: float | None, override_key: str,
+           total_training_steps: int) -> OptimSettings:
     overrides = getattr(optim, "override_optimizer_config", None)
     return OptimSettings(
         override_optimizer_config=dict(overrides) if overrides else None,
@@ -162,7 +179,7 @@ def _optim(optim: Any, grad_clip: float | None, override_key: str) -> OptimSetti
         lr_warmup_steps=optim.lr_warmup_steps,
         lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
         min_lr_ratio=optim.min_lr_ratio,
-        total_training_steps=optim.total_training_steps,
+        total_training_steps=total_training_steps,
     )
 
 

@@ -143,3 +143,32 @@ def test_the_staleness_bound_selects_the_schedule(staleness, name):
     assert schedule_name(cfg) == name
     assert PRODUCERS[name].__name__ == {"synchronous": "SampleProducer",
                                         "one_step_off": "OneStepOffProducer"}[name]
+
+
+def test_a_run_leaves_its_validated_config_as_it_was(tmp_path, demo_assets):
+    """The config is read, never written, after validation: one PPO step (actor and critic,
+    their learning-rate schedules spanning the run) in this process, and the config is the same
+    value after. Before: building the run wrote the schedule's length into both roles'
+    ``optim.total_training_steps``."""
+    import copy
+    import dataclasses
+
+    import torch
+    from trainer_helpers import FAST
+
+    from megarl.config.loader import resolve_config
+    from megarl.trainer.trainer import RLTrainer
+    from megarl.utils import dist as mdist
+
+    torch.set_num_threads(1)
+    mdist.init_distributed(torch.device("cpu"))
+    cfg = resolve_config("ppo", [*FAST, "trainer.total_training_steps=1", "trainer.save_freq=-1",
+                                 f"trainer.default_local_dir={tmp_path}"]).config
+    before = copy.deepcopy(dataclasses.asdict(cfg))
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.parts.close()
+        mdist.destroy()
+    assert dataclasses.asdict(cfg) == before
