@@ -518,21 +518,25 @@ def _on_backend(cfg: Config, prefix: str, c: _Checker, key: str, value: int, fea
     return False
 
 
-def _check_megatron_cp_shared(cfg: Config, c: _Checker) -> None:
-    """Every megatron role of the run uses one context-parallel size (one megatron-core
-    parallel state per process)."""
+def _check_megatron_sizes_shared(cfg: Config, c: _Checker) -> None:
+    """Every megatron role of the run uses one tensor-, pipeline- and context-parallel size
+    (one megatron-core parallel state per process)."""
     roles = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.parallel)]
     if cfg.critic.enable:
         roles.append(("critic", cfg.critic.parallel))
     if cfg.reward_model.enable:
         roles.append(("reward_model", cfg.reward_model.parallel))
-    sizes = {prefix: par.context_parallel_size for prefix, par in roles
-             if _role_strategy(cfg, prefix) == "megatron"}
-    if len(set(sizes.values())) > 1:
-        said = ", ".join(f"{k}.parallel.context_parallel_size={v}" for k, v in sizes.items())
-        c.fail(tuple(f"{k}.parallel.context_parallel_size" for k in sizes),
-               f"{said}: the megatron roles of one run share megatron-core's process groups, "
-               "so they need one context-parallel size; set them equal")
+    megatron = [(prefix, par) for prefix, par in roles
+                if _role_strategy(cfg, prefix) == "megatron"]
+    for key, what in (("tensor_model_parallel_size", "tensor-parallel"),
+                      ("pipeline_model_parallel_size", "pipeline-parallel"),
+                      ("context_parallel_size", "context-parallel")):
+        sizes = {prefix: getattr(par, key) for prefix, par in megatron}
+        if len(set(sizes.values())) > 1:
+            said = ", ".join(f"{k}.parallel.{key}={v}" for k, v in sizes.items())
+            c.fail(tuple(f"{k}.parallel.{key}" for k in sizes),
+                   f"{said}: the megatron roles of one run share megatron-core's process "
+                   f"groups, so they need one {what} size; set them equal")
 
 
 def _check_expert_layout(cfg: Config, prefix: str, tp: int, pp: int, world: int,
@@ -645,7 +649,7 @@ def _check_layout(cfg: Config, c: _Checker) -> None:
             c.fail((f"{prefix}.ppo_mini_batch_size", "actor_rollout_ref.rollout.n", *world_keys),
                    f"{mbs} prompts x rollout.n {n} = {mbs * n} responses cannot be split evenly over "
                    f"{dp} data-parallel ranks")
-    _check_megatron_cp_shared(cfg, c)
+    _check_megatron_sizes_shared(cfg, c)
     rtp = arr.rollout.tensor_model_parallel_size
     if rtp > 0 and world % rtp:
         c.fail(("actor_rollout_ref.rollout.tensor_model_parallel_size", *world_keys),

@@ -95,3 +95,21 @@ def test_per_gpu_token_budgets_scale_with_the_sequence_split(split):
     assert micro_batch_tokens(actor.ppo_max_token_len_per_gpu, actor.parallel) == 6000
     plain = _load(f"{A}.rollout.log_prob_max_token_len_per_gpu=1000")
     assert role_settings("actor", plain.config, "m").micro.max_tokens == 1000
+
+
+@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
+def test_megatron_roles_share_tensor_and_pipeline_sizes(key, tmp_path):
+    """The reward model on megatron with another TP (or PP) size than the actor is refused at
+    the config check, naming both keys. Before: the run started and the reward model's backend
+    failed deep inside megatron's parallel state (a traceback)."""
+    from megarl.models.testing import make_tiny_hf_model
+
+    rm = make_tiny_hf_model(tmp_path / "rm", "qwen2", head="seq_cls", tokenizer=False)
+    common = ["launch.nproc_per_node=2", MEGA, "reward_model.enable=true",
+              f"reward_model.model.path={rm}"]
+    with pytest.raises(ConfigError) as e:
+        _load(*common, f"{A}.actor.parallel.{key}=2")
+    text = str(e.value)
+    assert f"reward_model.parallel.{key}=1" in text and f"{A}.actor.parallel.{key}=2" in text
+    assert "set them equal" in text
+    _load(*common, f"{A}.actor.parallel.{key}=2", f"reward_model.parallel.{key}=2")
