@@ -26,6 +26,11 @@ def critic_enabled(cfg: Config) -> bool:
     return "values" in A.estimator_needs(cfg.algorithm.adv_estimator)
 
 
+# the parallel sizes every megatron role of one run shares (`_check_megatron_sizes_shared`)
+SHARED_MEGATRON_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                         "context_parallel_size")
+
+
 def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tuple[str, ...], str]]]:
     """Copy of ``cfg`` with the documented "None = X" values filled. ``explicit`` holds the
     dotted keys the user wrote (files or overrides). Returns (config, problems)."""
@@ -87,6 +92,17 @@ def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tu
     for name in ("num_workers", "timeout_s", "memory_mb"):
         if getattr(rm.ray, name) is None:
             setattr(rm.ray, name, getattr(rm, name))
+
+    # megatron roles share one megatron-core parallel state per process: a critic's or reward
+    # model's sizes the user did not write follow the actor's (verl runs each role in its own
+    # workers, where its default 1 stands alone)
+    if actor.strategy == "megatron":
+        for prefix, role in (("critic", critic), ("reward_model", rm)):
+            if not role.enable or role.strategy != "megatron":
+                continue
+            for name in SHARED_MEGATRON_SIZES:
+                if f"{prefix}.parallel.{name}" not in explicit:
+                    setattr(role.parallel, name, getattr(actor.parallel, name))
 
     # trainer.nnodes / n_gpus_per_node (verl) and launch.nnodes / nproc_per_node (torchrun)
     # describe the same thing; whichever was written wins, both written must agree.
@@ -528,15 +544,16 @@ def _check_megatron_sizes_shared(cfg: Config, c: _Checker) -> None:
         roles.append(("reward_model", cfg.reward_model.parallel))
     megatron = [(prefix, par) for prefix, par in roles
                 if _role_strategy(cfg, prefix) == "megatron"]
-    for key, what in (("tensor_model_parallel_size", "tensor-parallel"),
-                      ("pipeline_model_parallel_size", "pipeline-parallel"),
-                      ("context_parallel_size", "context-parallel")):
+    what = {"tensor_model_parallel_size": "tensor-parallel",
+            "pipeline_model_parallel_size": "pipeline-parallel",
+            "context_parallel_size": "context-parallel"}
+    for key in SHARED_MEGATRON_SIZES:
         sizes = {prefix: getattr(par, key) for prefix, par in megatron}
         if len(set(sizes.values())) > 1:
             said = ", ".join(f"{k}.parallel.{key}={v}" for k, v in sizes.items())
             c.fail(tuple(f"{k}.parallel.{key}" for k in sizes),
                    f"{said}: the megatron roles of one run share megatron-core's process "
-                   f"groups, so they need one {what} size; set them equal")
+                   f"groups, so they need one {what[key]} size; set them equal")
 
 
 def _check_expert_layout(cfg: Config, prefix: str, tp: int, pp: int, world: int,

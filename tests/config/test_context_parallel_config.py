@@ -40,9 +40,14 @@ def test_critic_key_maps_and_must_match_the_actor():
               "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2",
               "critic.megatron.context_parallel_size=2")
     assert backend_kwargs(role_settings("critic", r.config, "m"))[1]["cp"] == 2
+    # unset, the critic's size follows the actor's (one megatron-core parallel state)
+    r = _load("launch.nproc_per_node=2", MEGA, "critic.strategy=megatron",
+              "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2")
+    assert r.config.critic.parallel.context_parallel_size == 2
     with pytest.raises(ConfigError) as e:
         _load("launch.nproc_per_node=2", MEGA, "critic.strategy=megatron",
-              "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2")
+              "algorithm.adv_estimator=gae", f"{A}.actor.megatron.context_parallel_size=2",
+              "critic.megatron.context_parallel_size=1")
     text = str(e.value)
     assert f"critic.{KEY}" in text and f"{A}.actor.{KEY}" in text and "set them equal" in text
 
@@ -99,17 +104,19 @@ def test_per_gpu_token_budgets_scale_with_the_sequence_split(split):
 
 @pytest.mark.parametrize("key", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
 def test_megatron_roles_share_tensor_and_pipeline_sizes(key, tmp_path):
-    """The reward model on megatron with another TP (or PP) size than the actor is refused at
-    the config check, naming both keys. Before: the run started and the reward model's backend
-    failed deep inside megatron's parallel state (a traceback)."""
+    """A reward model on megatron beside a megatron actor: left unset, its TP (or PP) size
+    follows the actor's; written otherwise, the config check refuses it naming both keys.
+    Before: the reward model kept 1, the run started and its backend failed deep inside
+    megatron's parallel state (a traceback), as the real PURE recipe on 8 GPUs would have."""
     from megarl.models.testing import make_tiny_hf_model
 
     rm = make_tiny_hf_model(tmp_path / "rm", "qwen2", head="seq_cls", tokenizer=False)
     common = ["launch.nproc_per_node=2", MEGA, "reward_model.enable=true",
-              f"reward_model.model.path={rm}"]
+              f"reward_model.model.path={rm}", f"{A}.actor.parallel.{key}=2"]
+    r = _load(*common)
+    assert getattr(r.config.reward_model.parallel, key) == 2
     with pytest.raises(ConfigError) as e:
-        _load(*common, f"{A}.actor.parallel.{key}=2")
+        _load(*common, f"reward_model.parallel.{key}=1")
     text = str(e.value)
     assert f"reward_model.parallel.{key}=1" in text and f"{A}.actor.parallel.{key}=2" in text
     assert "set them equal" in text
-    _load(*common, f"{A}.actor.parallel.{key}=2", f"reward_model.parallel.{key}=2")
