@@ -3,7 +3,10 @@ sys.path)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from megarl.rollout.sampling import counter_uniforms
 
 
 def prompts_of(lengths: list[int], seed: int = 0, vocab: int = 100) -> list[list[int]]:
@@ -69,3 +72,38 @@ def assert_first_tokens_follow(completions, target, atol: float) -> None:
     assert chi2_pvalue(counts, target) > 1e-3
     lps = np.array([float(c.logprobs[0]) for c in completions])
     np.testing.assert_allclose(lps, np.log(target[tokens]), atol=atol)
+
+
+def brute_force_generate(hf, prompts, sp, stop_ids: set[int],
+                         keys: list[int] | None = None) -> list[tuple]:
+    """(tokens, finish) per (prompt, sample), prompt-major, one sequence at a time, no cache:
+    transformers' logits over the whole sequence at every step, the numpy-built target
+    distribution's CDF inverted at the engine's documented uniform of (sp.seed, prompt key,
+    sample, position); ``keys``: the prompts' keys (default their indices)."""
+    out = []
+    for r, prompt in enumerate(prompts):
+        for s in range(sp.n):
+            seq: list[int] = []
+            finish = "length"
+            while len(seq) < sp.max_new_tokens:
+                with torch.no_grad():
+                    logits = hf(torch.tensor([prompt + seq])).logits[0, -1].double().numpy()
+                if sp.is_greedy:
+                    tok = int(np.argmax(logits))
+                else:
+                    p = target_distribution(logits, sp.temperature, sp.top_k, sp.top_p)
+                    filtered = sp.top_k > 0 or sp.top_p < 1.0
+                    # documented CDF order: token ids unfiltered, descending prob when filtered
+                    order = np.argsort(-p, kind="stable") if filtered else np.arange(len(p))
+                    key = r if keys is None else keys[r]
+                    u = counter_uniforms(sp.seed, torch.tensor([key]), torch.tensor([s]),
+                                         torch.tensor([len(seq)])).item()
+                    cdf = np.cumsum(p[order])
+                    tok = int(order[min(np.searchsorted(cdf, u * cdf[-1], side="right"),
+                                        len(p) - 1)])
+                seq.append(tok)
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+            out.append((seq, finish))
+    return out

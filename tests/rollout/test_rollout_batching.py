@@ -5,13 +5,11 @@ cache) and inverts the CDF of the numpy-built target distribution."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from rollout_helpers import prompts_of, target_distribution
+from rollout_helpers import brute_force_generate, prompts_of
 
 from megarl.rollout.protocol import SamplingParams
-from megarl.rollout.sampling import counter_uniforms
 from megarl.rollout.torch import TorchRolloutEngine
 
 PROMPT_LENGTHS = [6, 2, 13, 4, 9, 3, 7]
@@ -20,36 +18,6 @@ SETTINGS = [
     pytest.param(dict(temperature=0.9, seed=17), id="T0.9"),
     pytest.param(dict(temperature=1.2, top_k=30, top_p=0.9, seed=5), id="topk-topp"),
 ]
-
-
-def _brute_force(hf, prompts, sp: SamplingParams, stop_ids: set[int]) -> list[tuple]:
-    """(tokens, finish) per (prompt, sample), prompt-major, one sequence at a time, no cache."""
-    out = []
-    for r, prompt in enumerate(prompts):
-        for s in range(sp.n):
-            seq: list[int] = []
-            finish = "length"
-            while len(seq) < sp.max_new_tokens:
-                with torch.no_grad():
-                    logits = hf(torch.tensor([prompt + seq])).logits[0, -1].double().numpy()
-                if sp.is_greedy:
-                    tok = int(np.argmax(logits))
-                else:
-                    p = target_distribution(logits, sp.temperature, sp.top_k, sp.top_p)
-                    filtered = sp.top_k > 0 or sp.top_p < 1.0
-                    # documented CDF order: token ids unfiltered, descending prob when filtered
-                    order = np.argsort(-p, kind="stable") if filtered else np.arange(len(p))
-                    u = counter_uniforms(sp.seed, torch.tensor([r]), torch.tensor([s]),
-                                         torch.tensor([len(seq)])).item()
-                    cdf = np.cumsum(p[order])
-                    tok = int(order[min(np.searchsorted(cdf, u * cdf[-1], side="right"),
-                                        len(p) - 1)])
-                seq.append(tok)
-                if tok in stop_ids:
-                    finish = "stop"
-                    break
-            out.append((seq, finish))
-    return out
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
@@ -71,7 +39,7 @@ def test_continuous_batching_equals_one_by_one_and_brute_force(settings, tiny_fo
     lengths = {len(c.token_ids) for c in ref}
     assert len(lengths) > 2, "sequences should finish at different steps"
 
-    brute = _brute_force(hf_model(path), prompts, sp, {7, 20, 33, 61, 2})
+    brute = brute_force_generate(hf_model(path), prompts, sp, {7, 20, 33, 61, 2})
     assert [(c.token_ids, c.finish_reason) for c in ref] == brute
     if not sp.is_greedy:  # samples of one prompt differ
         assert len({tuple(c.token_ids) for c in ref}) > len(prompts)

@@ -48,6 +48,7 @@ from megarl.rollout.sampling import check_sampling_params
 from megarl.rollout.settings import RolloutSettings
 from megarl.rollout.torch.kv_cache import SlotKVCache
 from megarl.rollout.torch.scheduler import Run, Seq
+from megarl.rollout.torch.session import GenerationSession
 from megarl.rollout.torch.stopping import StopStrings
 from megarl.rollout.torch.weights import load_weight_stream
 from megarl.utils.dtypes import canonical_dtype, torch_dtype
@@ -242,28 +243,31 @@ class TorchRolloutEngine:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= set(self.eos_token_ids)
-        run = Run(
-            self,
-            seqs,
-            sampling,
-            seed,
-            frozenset(stop_ids),
-            StopStrings(self.tokenizer, list(sampling.stop)),
-        )
+        run = Run(self, sampling, frozenset(stop_ids),
+                  StopStrings(self.tokenizer, list(sampling.stop)),
+                  max_len=max(len(s.prompt) + s.max_new for s in seqs), max_seqs=len(seqs))
+        run.add(seqs, seed)
         with torch.inference_mode():
             run.loop()
             run.collect()
-        return [
-            Completion(
-                prompt_index=s.req,
-                token_ids=s.tokens,
-                logprobs=(torch.tensor(s.logprobs, dtype=torch.float32)
-                          if sampling.logprobs else None),
-                finish_reason=s.finish or "length",
-                routed_experts=self._routing_of(s) if self.return_routed_experts else None,
-            )
-            for s in seqs
-        ]
+        return [self.completion(s, sampling) for s in seqs]
+
+    def open_session(self, sampling: SamplingParams, max_len: int) -> GenerationSession:
+        """Continuous generation: requests submitted at any step join the running batch
+        (`megarl.rollout.torch.session`). ``max_len``: prompt + response tokens any request
+        may reach."""
+        return GenerationSession(self, sampling, max_len)
+
+    def completion(self, s: Seq, sampling: SamplingParams) -> Completion:
+        """The `Completion` of a finished sequence whose tokens were collected."""
+        return Completion(
+            prompt_index=s.req,
+            token_ids=s.tokens,
+            logprobs=(torch.tensor(s.logprobs, dtype=torch.float32)
+                      if sampling.logprobs else None),
+            finish_reason=s.finish or "length",
+            routed_experts=self._routing_of(s) if self.return_routed_experts else None,
+        )
 
     def _routing_of(self, s: Seq) -> torch.Tensor:
         """[len(prompt) + len(tokens), n_sparse, k] int16: the recorded rows, then -1 for the

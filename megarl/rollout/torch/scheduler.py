@@ -1,6 +1,12 @@
-"""One `TorchRolloutEngine.generate` call: the continuous-batching loop over the slots of the
-KV cache (prefill newly admitted sequences, decode the active ones, sample, retire the finished
-ones and admit the waiting), and the per-sequence state it schedules (`Seq`)."""
+"""The continuous-batching loop of `TorchRolloutEngine` over the slots of the KV cache
+(prefill newly admitted sequences, decode the active ones, sample, retire the finished ones and
+admit the waiting), and the per-sequence state it schedules (`Seq`).
+
+A `Run` serves one ``generate`` call (every sequence added at the start, stepped until none is
+left) or a `megarl.rollout.torch.session.GenerationSession`, whose requests join between steps
+while others decode. One step is the same in both: a sequence added before a step is
+scheduled exactly as if it had been there from the start, so the schedule, hence every batch's
+rounding, is a function of what was added when, never of timing."""
 
 from __future__ import annotations
 
@@ -41,21 +47,28 @@ class Seq:
 
 
 class Run:
-    """One generate() call: the scheduling loop over slots."""
+    """The scheduling loop over slots (module doc)."""
 
     def __init__(
         self,
         engine: Any,  # the TorchRolloutEngine of this call (its model, cache and settings)
-        seqs: list[Seq],
         sampling: SamplingParams,
-        seed: int,
         stop_ids: frozenset[int],
         stops: StopStrings,
+        max_len: int,
+        max_seqs: int,
     ) -> None:
-        self.e, self.seqs, self.sampling, self.seed = engine, seqs, sampling, seed
+        """``max_len``: prompt + response tokens of any sequence this run will hold;
+        ``max_seqs``: sequences it could hold at once (slots = the fewest of this,
+        ``engine.max_num_seqs`` and what the KV cache budget fits)."""
+        self.e, self.sampling = engine, sampling
         self.stop_ids, self.stops = stop_ids, stops
-        max_len = max(len(s.prompt) + s.max_new for s in seqs)
-        self.slots = min(engine.max_num_seqs, len(seqs))
+        self.max_len = max_len
+        self.seqs: list[Seq | None] = []  # None: finished and handed back (a session)
+        self.pending: deque[int] = deque()
+        self.active: list[int] = []  # active[i] is the sequence in cache slot i
+        self.finished: list[int] = []  # retired since the caller last took them
+        self.slots = min(engine.max_num_seqs, max_seqs)
         if engine.kv_cache_bytes is not None:
             a = engine.model.args
             per_slot = (2 * len(engine.model.model.layers) * a.num_key_value_heads * max_len
@@ -71,8 +84,6 @@ class Run:
             self.slots = min(self.slots, int(fit))
         self.cache = engine._get_cache(self.slots, max_len)
         self.device = engine.device
-        for s in seqs:
-            s.key = noise_key(seed, s.prompt_key, s.sample)
         # the last sampled token of the sequence in each slot: the next decode's input
         self.last = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         self.stop_t = (to_device(sorted(stop_ids), torch.long, self.device) if stop_ids
@@ -80,21 +91,43 @@ class Run:
         # (sequence ids, tokens [n], logprobs [n]) of every sampling call, on the device
         self.sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
 
+    def add(self, seqs: list[Seq], seed: int) -> list[int]:
+        """Queue ``seqs`` (their noise drawn from ``seed``); returns their sequence ids."""
+        for s in seqs:
+            if len(s.prompt) + s.max_new > self.max_len:
+                raise ValueError(f"a sequence of {len(s.prompt)} prompt + {s.max_new} new tokens "
+                                 f"exceeds this run's {self.max_len}")
+            s.key = noise_key(seed, s.prompt_key, s.sample)
+        first = len(self.seqs)
+        self.seqs.extend(seqs)
+        sids = list(range(first, len(self.seqs)))
+        self.pending.extend(sids)
+        return sids
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.active)
+
     def loop(self) -> None:
-        pending = deque(range(len(self.seqs)))
-        active: list[int] = []  # active[i] is the sequence in cache slot i
-        while pending or active:
-            if pending and len(active) < self.slots:
-                new = []
-                while pending and len(active) + len(new) < self.slots:
-                    new.append(pending.popleft())
-                self.prefill(new, first_slot=len(active))
-                active = self.retire(active + new)
-                if pending and len(active) < self.slots:
-                    continue  # some finished on their first token: admit more first
-            if active:
-                self.decode(active)
-                active = self.retire(active)
+        """Step until every added sequence is finished."""
+        while self.busy:
+            self.step()
+
+    def step(self) -> None:
+        """Admit waiting sequences into free slots (prefill), then decode the active ones; the
+        sequences retired meanwhile are appended to ``finished``."""
+        pending = self.pending
+        if pending and len(self.active) < self.slots:
+            new = []
+            while pending and len(self.active) + len(new) < self.slots:
+                new.append(pending.popleft())
+            self.prefill(new, first_slot=len(self.active))
+            self.active = self.retire(self.active + new)
+            if pending and len(self.active) < self.slots:
+                return  # some finished on their first token: admit more first
+        if self.active:
+            self.decode(self.active)
+            self.active = self.retire(self.active)
 
     # ------------------------------------------------------------------------- steps
 
@@ -204,18 +237,18 @@ class Run:
         return torch.isin(tokens, self.stop_t).tolist()
 
     def collect(self) -> None:
-        """Copy every sampled token and logprob to the host (one transfer each) into the
-        sequences, in the order they were sampled."""
+        """Copy the tokens and logprobs sampled since the last call to the host (one transfer
+        each) into the sequences, in the order they were sampled (with stop strings the tokens
+        are there already: `_stopped` read them)."""
         if not self.sampled:
             return
         tokens = torch.cat([t for _, t, _ in self.sampled]).tolist()
         logprobs = torch.cat([lp for _, _, lp in self.sampled]).tolist()
-        for s in self.seqs:
-            s.tokens, s.logprobs = [], []
         sids = (sid for ids, _, _ in self.sampled for sid in ids)
         for sid, tok, lp in zip(sids, tokens, logprobs, strict=True):
             seq = self.seqs[sid]
-            seq.tokens.append(tok)
+            if not self.stops:
+                seq.tokens.append(tok)
             seq.logprobs.append(lp)
         self.sampled = []
 
@@ -225,6 +258,7 @@ class Run:
         live = [s for s in active if self.seqs[s].finish is None]
         if len(live) == len(active):
             return active
+        self.finished.extend(s for s in active if self.seqs[s].finish is not None)
         n = len(live)
         holes = [i for i in range(n) if self.seqs[active[i]].finish is not None]
         movers = [i for i in range(n, len(active)) if self.seqs[active[i]].finish is None]
