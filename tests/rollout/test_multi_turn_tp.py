@@ -119,7 +119,9 @@ def test_tp2_group_equals_tp1(tmp_path, tiny_folder):
     _, items, sp, agent, count = _setup(str(path))
     count.executed = 0
     engine = TorchRolloutEngine.from_pretrained(path, tokenizer=None, max_num_seqs=8)
-    want = _plain(generate(engine, items, sp, group_offset=0, agent=agent))  # a world of one
+    # a world of one, turn by turn like the worker's recording engines (a bare torch engine
+    # would run the turns as session requests: tests/rollout/test_agent_loop_session.py)
+    want = _plain(generate(Recording(engine), items, sp, group_offset=0, agent=agent))
     calls = sum(len(s["calls"]) for s in want)
     assert count.executed == calls and calls >= len(want)
     assert max(len(s["calls"]) for s in want) >= 2  # trajectories of several turns

@@ -33,15 +33,22 @@ import logging
 import time
 import uuid
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from megarl.errors import UserInputError
 from megarl.rollout.agent.chat import ChatContinuation
 from megarl.rollout.agent.tool_parser import ParseError, get_tool_parser
 from megarl.rollout.agent.tools import BaseTool, ToolResponse, tool_schemas
-from megarl.rollout.protocol import RolloutEngine, SamplingParams, resolve_prompt_keys
+from megarl.rollout.protocol import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    resolve_prompt_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -401,26 +408,18 @@ def run_agent_loop(
         runner = _ToolRunner(tools, settings, tools_kwargs)
         if inter is not None:
             runner_loop.run_until_complete(inter.start(trajs))
-        live = list(range(len(trajs)))
-        turn = 0
-        while live:
-            left = {j: budget - len(trajs[j].response_ids) for j in live}
-            sp = replace(sampling, n=1, max_new_tokens=max(left.values()),
-                         seed=_turn_seed(sampling.seed, turn))
-            completions = engine.generate(
-                [trajs[j].prompt_ids + trajs[j].response_ids for j in live], sp,
-                prompt_keys=[traj_keys[j] for j in live])
-            if len(completions) != len(live):
-                raise RuntimeError(f"the engine returned {len(completions)} completions for "
-                                   f"{len(live)} prompts")
+        def advance(done: list[tuple[int, Completion]]) -> list[int]:
+            """Append the turn each trajectory ``j`` just generated (its completion ``c``), run
+            their tool calls and interactions (at once), append the responses; returns the
+            trajectories that go on, in order."""
             work, still, talk = [], [], []
-            for c in completions:
-                j = live[c.prompt_index]
+            for j, c in done:
                 t = trajs[j]
-                ids = list(c.token_ids[: left[j]])
+                left = budget - len(t.response_ids)
+                ids = list(c.token_ids[:left])
                 lps = ([0.0] * len(ids) if c.logprobs is None
-                       else [float(x) for x in c.logprobs[: left[j]]])
-                stopped = c.finish_reason == "stop" and len(c.token_ids) <= left[j]
+                       else [float(x) for x in c.logprobs[:left]])
+                stopped = c.finish_reason == "stop" and len(c.token_ids) <= left
                 t.response_ids += ids
                 t.response_mask += [1] * len(ids)
                 t.logprobs += lps
@@ -441,7 +440,7 @@ def run_agent_loop(
                 elif settings.max_user_turns and t.user_turns >= settings.max_user_turns:
                     t.finish_reason = "max_user_turns"
                 elif parsed.has_calls:
-                    work.append((t, turn, parsed.entries))
+                    work.append((t, t.turns - 1, parsed.entries))
                     still.append(j)
                 else:
                     talk.append(j)
@@ -492,7 +491,13 @@ def run_agent_loop(
                 t._open_tail = ""
                 live.append(j)
             live.sort()
-            turn += 1
+            return live
+
+        continuous = getattr(engine, "open_session", None)
+        if continuous is None:
+            _turn_by_turn(engine, trajs, traj_keys, sampling, budget, advance)
+        else:
+            _continuously(engine, trajs, traj_keys, sampling, budget, advance)
         runner_loop.run_until_complete(runner.finish(trajs))
         if inter is not None:
             runner_loop.run_until_complete(inter.finish(trajs))
@@ -512,6 +517,60 @@ def run_agent_loop(
                            "from the re-tokenized conversation (first: %s)", bad, len(trajs),
                            first.sanity_mismatch)
     return trajs
+
+
+def _turn_by_turn(engine: RolloutEngine, trajs: list[Trajectory], keys: list[int],
+                  sampling: SamplingParams, budget: int,
+                  advance: Callable[[list[tuple[int, Completion]]], list[int]]) -> None:
+    """One ``engine.generate`` per turn over every live trajectory (engines without a
+    session): the slowest trajectory of a turn holds the others' next turns."""
+    live = list(range(len(trajs)))
+    turn = 0
+    while live:
+        left = {j: budget - len(trajs[j].response_ids) for j in live}
+        sp = replace(sampling, n=1, max_new_tokens=max(left.values()),
+                     seed=_turn_seed(sampling.seed, turn))
+        completions = engine.generate(
+            [trajs[j].prompt_ids + trajs[j].response_ids for j in live], sp,
+            prompt_keys=[keys[j] for j in live])
+        if len(completions) != len(live):
+            raise RuntimeError(f"the engine returned {len(completions)} completions for "
+                               f"{len(live)} prompts")
+        live = advance([(live[c.prompt_index], c) for c in completions])
+        turn += 1
+
+
+def _continuously(engine: Any, trajs: list[Trajectory], keys: list[int],
+                  sampling: SamplingParams, budget: int,
+                  advance: Callable[[list[tuple[int, Completion]]], list[int]]) -> None:
+    """Every trajectory's turns as requests of one engine session (`open_session`): a turn
+    finished at a decode step has its tool calls run, and its next turn joins the running
+    batch before the next step, while the other trajectories go on decoding. Each turn draws
+    the noise the turn-by-turn loop gives it (the trajectory's key, the seed of its turn), and
+    the schedule depends only on when turns finish, so a run repeats bit for bit."""
+    seed = sampling.seed
+    if seed is None:  # one draw for the whole loop, as generate draws one per call
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    longest = max(len(t.prompt_ids) for t in trajs) + budget
+    limit = getattr(engine, "max_model_len", None)
+    session = engine.open_session(replace(sampling, n=1),
+                                  max_len=longest if limit is None else min(longest, limit))
+    owner: dict[int, int] = {}  # request id -> trajectory
+
+    def submit(j: int) -> None:
+        t = trajs[j]
+        rid = session.submit(t.prompt_ids + t.response_ids, prompt_key=keys[j],
+                             seed=_turn_seed(seed, t.turns),
+                             max_new_tokens=budget - len(t.response_ids))
+        owner[rid] = j
+
+    for j in range(len(trajs)):
+        submit(j)
+    while session.busy:
+        done = session.step()
+        if done:
+            for j in advance([(owner.pop(c.prompt_index), c) for c in done]):
+                submit(j)
 
 
 def sanity_check(chat: ChatContinuation, traj: Trajectory, prompt_messages: list[dict],

@@ -81,11 +81,18 @@ def agent_setup(settings: AgentLoopSettings, tokenizer: Any, tools: dict[str, An
 
 class _Stamped:
     """An engine whose completions say which weight version generated them; ``on_turn``
-    (if any) is called after each of its generations (each turn of the agent loop)."""
+    (if any) is called after each of its generations (each turn of the agent loop), or, on an
+    engine with sessions, after each step that finished turns."""
 
     def __init__(self, engine: RolloutEngine, version: int | None,
                  on_turn: Callable[[], None] | None = None):
         self.engine, self.version, self.on_turn = engine, version, on_turn
+        self.max_model_len = getattr(engine, "max_model_len", None)
+        if hasattr(engine, "open_session"):  # the agent loop then runs turns continuously
+            self.open_session = self._open_session
+
+    def _open_session(self, sampling: SamplingParams, max_len: int) -> _StampedSession:
+        return _StampedSession(self.engine.open_session(sampling, max_len), self)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_keys: Any = None) -> list[Completion]:
@@ -94,6 +101,28 @@ class _Stamped:
             c.policy_version = self.version
         if self.on_turn is not None:
             self.on_turn()
+        return out
+
+
+class _StampedSession:
+    """An engine session whose completions carry the version of `_Stamped`."""
+
+    def __init__(self, session: Any, stamped: _Stamped):
+        self.session, self.stamped = session, stamped
+
+    @property
+    def busy(self) -> bool:
+        return self.session.busy
+
+    def submit(self, *args: Any, **kwargs: Any) -> int:
+        return self.session.submit(*args, **kwargs)
+
+    def step(self) -> list[Completion]:
+        out = self.session.step()
+        for c in out:
+            c.policy_version = self.stamped.version
+        if out and self.stamped.on_turn is not None:
+            self.stamped.on_turn()
         return out
 
 
