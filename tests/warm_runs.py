@@ -29,6 +29,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from free_ports import free_port
+
 # What a training run imports before its first step (the start-up the server pays once).
 PRELOAD = ("torch", "torch.distributed", "transformers", "megarl.trainer", "megarl.trainer.trainer",
            "megarl.trainer.async_rollout", "megarl.config.loader", "megarl.data",
@@ -54,7 +56,7 @@ class _Server:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             out.touch()
             err.touch()
-            port = _free_port() if nproc else 0
+            port = free_port() if nproc else 0
             self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "env": env,
                                               "out": str(out), "err": str(err),
                                               "nproc": nproc, "port": port}) + "\n")
@@ -151,14 +153,6 @@ def run_script(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
                 ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
     return subprocess.run([sys.executable, *launcher, *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ server side

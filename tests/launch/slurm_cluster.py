@@ -18,12 +18,14 @@ import fcntl
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: free_ports
+from free_ports import free_port  # noqa: E402
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel", "srun")
@@ -71,10 +73,6 @@ def ensure_installed(timeout: float = 900) -> float:
     return time.monotonic() - start
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalSlurm:

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_two_nodes import HELLO, HELLO_CONFIG, REPO, _free_port, _processes_mentioning
+from free_ports import free_port
+from test_two_nodes import HELLO, HELLO_CONFIG, REPO, _processes_mentioning
 
 pytestmark = pytest.mark.dist
 
@@ -73,7 +74,7 @@ def test_stopping_the_launcher_stops_the_remote_nodes(tmp_path, sig):
     env.update(OMP_NUM_THREADS="1", HELLO_STEP_SECONDS="60", PATH=f"{bin_dir}:{env['PATH']}")
     launcher = subprocess.Popen(
         [sys.executable, "launch/multinode.py", "--mode", "ssh", "--hosts", "localhost,127.0.0.1",
-         "--rdzv-host", "127.0.0.1", "--rdzv-port", str(_free_port()), "--backend", "gloo",
+         "--rdzv-host", "127.0.0.1", "--rdzv-port", str(free_port()), "--backend", "gloo",
          "--config", HELLO_CONFIG, "--script", HELLO, "--run-dir", str(run_dir)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from free_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 HELLO = "tests/launch/hello_dist.py"
@@ -23,12 +24,6 @@ HELLO_CONFIG = "tests/launch/hello.yaml"
 TRAIN = REPO / "launch/train.py"
 
 pytestmark = pytest.mark.dist
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(args: list[str], timeout: float, path_prefix: str | None = None) -> subprocess.CompletedProcess:
@@ -73,7 +68,7 @@ def test_two_local_nodes_run_hello(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     r = _launch(["--mode", "local", "--hosts", "127.0.0.1,127.0.0.1", "--nproc-per-node", "1",
-                 "--backend", "gloo", "--rdzv-port", str(_free_port()), "--config", HELLO_CONFIG,
+                 "--backend", "gloo", "--rdzv-port", str(free_port()), "--config", HELLO_CONFIG,
                  "--script", HELLO, "--run-dir", str(run_dir), "trainer.total_training_steps=2"],
                 timeout=240)
     print(f"two local nodes: {time.monotonic() - t0:.1f}s")
@@ -94,7 +89,7 @@ def test_ssh_mode_runs_the_quoted_remote_command(tmp_path):
     fake.chmod(0o755)
     run_dir = tmp_path / "run dir"
     r = _launch(["--mode", "ssh", "--hosts", "localhost,127.0.0.1", "--rdzv-host", "127.0.0.1",
-                 "--rdzv-port", str(_free_port()), "--backend", "gloo", "--config", HELLO_CONFIG,
+                 "--rdzv-port", str(free_port()), "--backend", "gloo", "--config", HELLO_CONFIG,
                  "--script", HELLO, "--run-dir", str(run_dir), "trainer.total_training_steps=2",
                  "trainer.experiment_name=it's a test"], timeout=240, path_prefix=str(bin_dir))
     assert r.returncode == 0, r.stderr
@@ -144,7 +139,7 @@ def test_killing_the_launcher_stops_every_node(tmp_path):
     env.update(OMP_NUM_THREADS="1", HELLO_STEP_SECONDS="60")
     launcher = subprocess.Popen(
         [sys.executable, "launch/multinode.py", "--mode", "local", "--nnodes", "2", "--rdzv-port",
-         str(_free_port()), "--config", HELLO_CONFIG, "--script", HELLO, "--run-dir", str(run_dir)],
+         str(free_port()), "--config", HELLO_CONFIG, "--script", HELLO, "--run-dir", str(run_dir)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180
@@ -188,7 +183,7 @@ def test_preflight_refuses_a_taken_rendezvous_port(tmp_path):
 def test_two_local_nodes_run_the_demo_trainer(tmp_path):
     run_dir = tmp_path / "run"
     r = _launch(["--mode", "local", "--hosts", "127.0.0.1,127.0.0.1", "--nproc-per-node", "1",
-                 "--backend", "gloo", "--rdzv-port", str(_free_port()), "--config", "grpo",
+                 "--backend", "gloo", "--rdzv-port", str(free_port()), "--config", "grpo",
                  "--run-dir", str(run_dir), "trainer.total_training_steps=2"], timeout=1100)
     assert r.returncode == 0, r.stderr + "\n".join(
         (run_dir / f"logs/node{i}.log").read_text()[-3000:] for i in (0, 1))
