@@ -34,6 +34,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e  # starts the config CLI in another process
 def test_show_subprocess_prints_resolved_yaml():
     out = run_cli("show", "pure_prm_vr", "actor_rollout_ref.actor.optim.lr=1e-6")
     assert out.returncode == 0, out.stderr
@@ -42,6 +43,7 @@ def test_show_subprocess_prints_resolved_yaml():
     assert shown["actor_rollout_ref"]["actor"]["optim"]["lr"] == 1e-6
 
 
+@pytest.mark.e2e  # starts the config CLI in another process
 def test_cli_error_exit_2_without_traceback():
     out = run_cli("show", "grpo", "actor_rollout_ref.rollout.nn=3")
     assert out.returncode == 2

@@ -49,6 +49,7 @@ def setup(tiny_folder):
     proc.close()
 
 
+@pytest.mark.e2e  # starts an engine process
 def test_versions_are_picked_up_at_submit_and_stamped(setup):
     """Each request uses the version that was newest when it was submitted, even when newer
     versions are published while it waits in the queue (two slots: v1 and v2 both published
@@ -81,6 +82,7 @@ def test_versions_are_picked_up_at_submit_and_stamped(setup):
         assert a.start <= a.generate < a.end <= b.start
 
 
+@pytest.mark.e2e  # starts an engine process
 def test_prefetch_is_collected_by_the_matching_generate(setup):
     """A prefetched request is returned by a generate call with the same arguments (and stays
     on the version it was submitted with); any other call runs on the newest version. The
@@ -108,6 +110,7 @@ def test_prefetch_is_collected_by_the_matching_generate(setup):
     assert [c.policy_version for c in again] == [c.policy_version for c in got]
 
 
+@pytest.mark.e2e  # starts an engine process
 def test_engine_errors_surface_in_the_trainer(setup):
     """A failure inside the child comes back as EngineProcessError with its traceback (a bad
     prompt id here), not as a hang."""
@@ -117,6 +120,7 @@ def test_engine_errors_surface_in_the_trainer(setup):
         proc.generate([[1, 10**6]], SamplingParams(max_new_tokens=3, seed=0))
 
 
+@pytest.mark.e2e  # starts an engine process
 def test_the_ring_holds_the_engines_dtype_and_the_engine_gets_the_same_bits(tiny_folder):
     """A bf16 engine fed fp32 master weights (the torch backend's mixed precision): the ring
     holds every floating tensor in bf16, half the bytes of the fp32 stream, and the engine
@@ -164,6 +168,7 @@ def test_engine_process_refuses_what_it_cannot_host(overrides, field):
         run_engine(cfg, "unused", "cpu")
 
 
+@pytest.mark.e2e  # starts an engine process
 def test_routed_experts_come_back_from_the_engine_process(tiny_folder):
     """Routing replay with asynchronous rollout: the child's torch engine records each token's
     experts and they come back through the pipe (and through the prefetched-work checkpoint)

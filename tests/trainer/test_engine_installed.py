@@ -59,6 +59,7 @@ def test_installed_or_unneeded_engines_pass(monkeypatch):
         check_engine_installed("sglang")
 
 
+@pytest.mark.e2e  # starts launch/train.py
 def test_train_stops_at_startup_without_vllm(tmp_path):
     """launch/train.py without vLLM: exit status 2 and the one-message error, no traceback,
     before any path of the run is opened (the model and data paths do not exist). Before the

@@ -113,6 +113,7 @@ except UserInputError:
 """
 
 
+@pytest.mark.e2e  # starts competing processes
 def test_two_runs_starting_at_once_get_one_lock(tmp_path):
     """Planted (the lock created empty, then written): a racer that reads it in between takes
     it for a dead writer's and holds it too (6 racers: two held it in 3 of 4 tries)."""

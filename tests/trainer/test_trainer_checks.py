@@ -104,6 +104,7 @@ def test_overlong_prompt_with_truncation_error(tmp_path, demo_assets):
     assert "max_prompt_length" in proc.stderr
 
 
+@pytest.mark.e2e  # starts launch/train.py
 @pytest.mark.parametrize("override, expected", [
     ("reward_model.reward_manager=fancy", "reward_model.reward_manager"),
     ("actor_rollout_ref.rollout.nn=8", "did you mean n?"),
