@@ -1,4 +1,4 @@
-"""The agent loop on an engine session (megarl/rollout/agent/loop.py `_continuously`): each
+"""The agent loop on an engine session (megarl/rollout/agent/drivers.py `continuously`): each
 trajectory's next turn joins the running batch the step its tool call returns, instead of one
 ``generate`` per turn over every live trajectory.
 

@@ -32,15 +32,13 @@ import inspect
 import logging
 import time
 import uuid
-import zlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from megarl.errors import UserInputError
 from megarl.rollout.agent.chat import ChatContinuation
+from megarl.rollout.agent.drivers import continuously, turn_by_turn
 from megarl.rollout.agent.tool_parser import ParseError, get_tool_parser
 from megarl.rollout.agent.tools import BaseTool, ToolResponse, tool_schemas
 from megarl.rollout.protocol import (
@@ -164,13 +162,6 @@ def truncate_tool_response(text: str, limit: int, side: str) -> str:
         return "(truncated)..." + text[-limit:]
     half = limit // 2
     return text[:half] + "...(truncated)..." + text[-half:]
-
-
-def _turn_seed(seed: int | None, turn: int) -> int | None:
-    """A seed per turn (a turn's noise must not repeat the previous turn's positions)."""
-    if seed is None or turn == 0:
-        return seed
-    return zlib.crc32(repr((seed, "agent_turn", turn)).encode()) & 0x7FFFFFFF
 
 
 # --- tools -----------------------------------------------------------------------------------
@@ -493,11 +484,8 @@ def run_agent_loop(
             live.sort()
             return live
 
-        continuous = getattr(engine, "open_session", None)
-        if continuous is None:
-            _turn_by_turn(engine, trajs, traj_keys, sampling, budget, advance)
-        else:
-            _continuously(engine, trajs, traj_keys, sampling, budget, advance)
+        drive = turn_by_turn if getattr(engine, "open_session", None) is None else continuously
+        drive(engine, trajs, traj_keys, sampling, budget, advance)
         runner_loop.run_until_complete(runner.finish(trajs))
         if inter is not None:
             runner_loop.run_until_complete(inter.finish(trajs))
@@ -517,60 +505,6 @@ def run_agent_loop(
                            "from the re-tokenized conversation (first: %s)", bad, len(trajs),
                            first.sanity_mismatch)
     return trajs
-
-
-def _turn_by_turn(engine: RolloutEngine, trajs: list[Trajectory], keys: list[int],
-                  sampling: SamplingParams, budget: int,
-                  advance: Callable[[list[tuple[int, Completion]]], list[int]]) -> None:
-    """One ``engine.generate`` per turn over every live trajectory (engines without a
-    session): the slowest trajectory of a turn holds the others' next turns."""
-    live = list(range(len(trajs)))
-    turn = 0
-    while live:
-        left = {j: budget - len(trajs[j].response_ids) for j in live}
-        sp = replace(sampling, n=1, max_new_tokens=max(left.values()),
-                     seed=_turn_seed(sampling.seed, turn))
-        completions = engine.generate(
-            [trajs[j].prompt_ids + trajs[j].response_ids for j in live], sp,
-            prompt_keys=[keys[j] for j in live])
-        if len(completions) != len(live):
-            raise RuntimeError(f"the engine returned {len(completions)} completions for "
-                               f"{len(live)} prompts")
-        live = advance([(live[c.prompt_index], c) for c in completions])
-        turn += 1
-
-
-def _continuously(engine: Any, trajs: list[Trajectory], keys: list[int],
-                  sampling: SamplingParams, budget: int,
-                  advance: Callable[[list[tuple[int, Completion]]], list[int]]) -> None:
-    """Every trajectory's turns as requests of one engine session (`open_session`): a turn
-    finished at a decode step has its tool calls run, and its next turn joins the running
-    batch before the next step, while the other trajectories go on decoding. Each turn draws
-    the noise the turn-by-turn loop gives it (the trajectory's key, the seed of its turn), and
-    the schedule depends only on when turns finish, so a run repeats bit for bit."""
-    seed = sampling.seed
-    if seed is None:  # one draw for the whole loop, as generate draws one per call
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    longest = max(len(t.prompt_ids) for t in trajs) + budget
-    limit = getattr(engine, "max_model_len", None)
-    session = engine.open_session(replace(sampling, n=1),
-                                  max_len=longest if limit is None else min(longest, limit))
-    owner: dict[int, int] = {}  # request id -> trajectory
-
-    def submit(j: int) -> None:
-        t = trajs[j]
-        rid = session.submit(t.prompt_ids + t.response_ids, prompt_key=keys[j],
-                             seed=_turn_seed(seed, t.turns),
-                             max_new_tokens=budget - len(t.response_ids))
-        owner[rid] = j
-
-    for j in range(len(trajs)):
-        submit(j)
-    while session.busy:
-        done = session.step()
-        if done:
-            for j in advance([(owner.pop(c.prompt_index), c) for c in done]):
-                submit(j)
 
 
 def sanity_check(chat: ChatContinuation, traj: Trajectory, prompt_messages: list[dict],
