@@ -33,7 +33,7 @@ from megarl.config.notices import startup_notices
 from megarl.config.schema import Config
 from megarl.rollout.publish import WeightPublisher
 from megarl.trainer import generation as R
-from megarl.trainer.algorithm import Algorithm, build_algorithm
+from megarl.trainer.algorithm import build_algorithm
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.dump import dump_generations
@@ -87,10 +87,6 @@ class RLTrainer:
         self.logger = None
         self._resumed_row: dict[str, float] | None = None
         self.resume_notes: list[str] = []  # what a resume changed, printed after it
-
-    @property
-    def algorithm(self) -> Algorithm:
-        return self.learner.algorithm
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
