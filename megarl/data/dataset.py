@@ -1,5 +1,5 @@
-"""RLDataset: prompts in verl's row format, tokenised once through the chat template (the ids
-of a large file cached on disk: megarl.data.token_cache)."""
+"""RLDataset: prompts in verl's row format, tokenised once through the chat template (a large
+file's load cached on disk: megarl.data.prompt_cache, its ids: megarl.data.token_cache)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.data import prompt_cache
 from megarl.data.locations import resolve_path
 from megarl.data.rows import BadRowError, read_rows, validate_row
 from megarl.data.token_cache import token_ids
@@ -84,8 +85,20 @@ class RLDataset:
             raise ValueError("RLDataset needs at least one data file")
         self._setup([resolve_path(f) for f in files], tokenizer, max_prompt_length, truncation,
                     on_bad_row, filter_overlong_prompts, tools, chat_template_kwargs)
-        self._ingest([(path, read_rows(path, on_bad_row)) for path in self.files], prompt_key,
-                     on_bad_row, chat_template, apply_chat_template)
+        settings = {"prompt_key": prompt_key, "on_bad_row": on_bad_row,
+                    "max_prompt_length": max_prompt_length, "truncation": truncation,
+                    "filter_overlong_prompts": filter_overlong_prompts,
+                    "apply_chat_template": apply_chat_template, "tools": tools,
+                    "chat_template_kwargs": self.chat_template_kwargs}
+        key = prompt_cache.cache_key(self.files, tokenizer, settings, chat_template)
+        cached = prompt_cache.load(key) if key is not None else None
+        if cached is not None:
+            self._restore(cached)
+            return
+        bad_examples = self._ingest([(path, read_rows(path, on_bad_row)) for path in self.files],
+                                    prompt_key, on_bad_row, chat_template, apply_chat_template)
+        if key is not None:
+            prompt_cache.save(key, self._cached(bad_examples))
 
     @classmethod
     def from_rows(cls, name: str, rows: Sequence[dict], tokenizer, max_prompt_length: int,
@@ -102,6 +115,25 @@ class RLDataset:
         self._ingest([(name, iter(enumerate(rows)))], prompt_key, on_bad_row, chat_template,
                      apply_chat_template)
         return self
+
+    def _cached(self, bad_examples: list[str]) -> prompt_cache.CachedLoad:
+        rows = [[it.raw_prompt, it.data_source, it.ground_truth, it.extra_info, it.index,
+                 it.prompt_text] for it in self.items]
+        return prompt_cache.CachedLoad([it.prompt_ids for it in self.items], rows,
+                                       self._counts(), bad_examples)
+
+    def _counts(self) -> dict[str, int]:
+        return {"num_bad_rows": self.num_bad_rows, "num_filtered": self.num_filtered,
+                "num_truncated": self.num_truncated}
+
+    def _restore(self, cached: prompt_cache.CachedLoad) -> None:
+        """The items and counts of an earlier load of the same files and settings."""
+        self.items = [PromptItem(ids, raw, source, truth, extra, index, text)
+                      for ids, (raw, source, truth, extra, index, text)
+                      in zip(cached.ids, cached.rows)]
+        for name in self._counts():
+            setattr(self, name, int(cached.counts.get(name, 0)))
+        self._report(cached.bad_examples)
 
     def _setup(self, files: list[str], tokenizer, max_prompt_length: int, truncation: str,
                on_bad_row: str, filter_overlong_prompts: bool, tools: list[dict] | None,
@@ -125,12 +157,10 @@ class RLDataset:
         self.items: list[PromptItem] = []
 
     def _ingest(self, sources, prompt_key: str, on_bad_row: str, chat_template: str | None,
-                apply_chat_template: bool) -> None:
+                apply_chat_template: bool) -> list[str]:
         """Validate, render and tokenise the rows of each ``(name, iterator of (row index,
-        row or BadRowError))`` source, in order; a row's ``index`` counts across sources."""
-        max_prompt_length = self.max_prompt_length
-        filter_overlong_prompts = self.filter_overlong_prompts
-        truncation = self.truncation
+        row or BadRowError))`` source, in order; a row's ``index`` counts across sources.
+        Returns the first bad rows' messages (logged)."""
         bad_examples: list[str] = []
         offset = 0
         for path, source in sources:
@@ -150,6 +180,12 @@ class RLDataset:
                         bad_examples.append(str(e).split(". Fix the row")[0])
             self._add_file(path, rows, where, offset, chat_template, apply_chat_template)
             offset += n_rows
+        self._report(bad_examples)
+        return bad_examples
+
+    def _report(self, bad_examples: list[str]) -> None:
+        """Logs the load's counts; raises when no prompt is left."""
+        max_prompt_length, truncation = self.max_prompt_length, self.truncation
         if self.num_bad_rows:
             logger.warning(
                 "skipped %d malformed rows (on_bad_row=skip), e.g.: %s",
@@ -159,7 +195,7 @@ class RLDataset:
             logger.warning(
                 "filtered %d prompts longer than max_prompt_length=%d tokens (%s)",
                 self.num_filtered, max_prompt_length,
-                "filter_overlong_prompts" if filter_overlong_prompts else "truncation=filter",
+                "filter_overlong_prompts" if self.filter_overlong_prompts else "truncation=filter",
             )
         if self.num_truncated:
             logger.info(

@@ -10,6 +10,7 @@ import pytest
 from test_data_dataset import row
 
 from megarl.data import RLDataset, load_tokenizer, write_rows
+from megarl.data import prompt_cache
 from megarl.data import token_cache as tc
 
 N = 1200  # over token_cache.MIN_ROWS
@@ -48,6 +49,13 @@ def calls(monkeypatch, tok):
 
     monkeypatch.setattr(cls, "__call__", spy)
     return seen
+
+
+@pytest.fixture(autouse=True)
+def _token_level_only(monkeypatch):
+    """These tests are about the token ids' cache: the whole-file cache above it
+    (megarl.data.prompt_cache, tests/data/test_data_prompt_cache.py) writes nothing here."""
+    monkeypatch.setattr(prompt_cache, "MIN_ROWS", 10**9)
 
 
 @pytest.fixture
