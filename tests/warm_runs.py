@@ -21,6 +21,7 @@ run gives the same bits both ways.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import subprocess
@@ -37,6 +38,9 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "megarl.trainer", "mega
            "megarl.backends.torch", "megarl.rollout.torch", "megarl.rollout.process",
            "megarl.rewards.local_pool", "megarl.logging", "megarl.demo.assets",
            "matplotlib.pyplot")  # curves.png at the end of every run (megarl.logging.plots)
+# Imported when they can be (a run of the megatron backend, a worker of tests/megatron): a
+# checkout without megatron-core still gets a warm server for everything else.
+OPTIONAL_PRELOAD = ("megarl.backends.megatron", "megarl.backends.megatron.backend")
 
 
 class _Server:
@@ -227,6 +231,14 @@ def _serve() -> None:
     except Exception as err:  # a missing extra: every run is a plain subprocess then
         print(f"warm_runs: preload failed ({err!r})", file=sys.stderr)
         ok = False
+    for name in OPTIONAL_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    # What the imports built lives as long as every run: a full collection in a run (megatron's
+    # optimizer runs one per checkpoint) skips it instead of walking every module's objects.
+    gc.freeze()
     ok = ok and _threads() == 1  # forking a threaded process is unsafe
     reply.write(json.dumps({"ok": ok}) + "\n")
     reply.flush()

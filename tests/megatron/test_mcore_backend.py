@@ -3,6 +3,8 @@ every model family and head, the Backend protocol methods, recompute, bf16, skip
 the config adapter; plus the CPU compatibility layer and the import guard."""
 
 import math
+import multiprocessing
+import queue
 
 import mcore_testlib as lib
 import pytest
@@ -229,7 +231,12 @@ def test_checkpoint_roundtrip_restores_weights_optimizer_and_step(zoo, backend_c
     optim = {"lr": 1e-2, "lr_warmup_steps": 2}
     a = backend_cls("actor", str(path), optim=optim)
     step(a)
+    children = multiprocessing.active_children()
     a.save(str(tmp_path / "ckpt"))
+    # megatron's writer reports through an in-process queue, not a spawned Manager's
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    assert type(filesystem_async._results_queue) is queue.Queue
+    assert multiprocessing.active_children() == children
     m_a = step(a)
     b = backend_cls("actor", str(path), optim=optim)
     b.load(str(tmp_path / "ckpt"))

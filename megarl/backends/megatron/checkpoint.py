@@ -11,6 +11,7 @@ Keys are those of megatron's local spec, which TransformerEngine layers map onto
 from __future__ import annotations
 
 import os
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megarl.backends import checkpoint_meta
 from megarl.backends.megatron import cpu_compat
@@ -34,6 +36,19 @@ def sharded_metadata() -> dict[str, Any]:
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
     }
+
+
+def in_process_results_queue() -> None:
+    """Hand megatron's checkpoint writer a plain ``queue.Queue`` for its results.
+
+    ``FileSystemWriterAsync`` collects what its writer processes wrote through a queue of a
+    ``multiprocessing`` Manager that it spawns once per process: a fresh interpreter that
+    imports torch (seconds of CPU per rank) and a server process that outlives a rank killed
+    with SIGKILL. megarl's saves are synchronous (``dist_checkpointing.save`` runs the write in
+    the calling process, which puts the results and reads them back), so an in-process queue
+    carries them. Only megatron's unset default is replaced."""
+    if getattr(filesystem_async, "_results_queue", ...) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def model_sharded_state(chunks: list[torch.nn.Module], metadata: dict[str, Any],
@@ -82,6 +97,7 @@ def save(
             state["optimizer"] = optimizer.sharded_state_dict(
                 state, is_loading=False, metadata=metadata
             )
+        in_process_results_queue()
         dist_checkpointing.save(state, str(directory))
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, **meta, "has_optimizer": optimizer is not None}
