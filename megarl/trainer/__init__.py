@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,6 +22,9 @@ def run(cfg: Config) -> dict[str, Any]:
     mdist.init_distributed(device, cfg.launch.backend)
     try:
         trainer = RLTrainer(cfg)
+        # What start-up built (modules, models, the prompt set) lives for the whole run: later
+        # full collections (megatron's optimizer runs one at every checkpoint) skip it.
+        gc.freeze()
         try:
             return trainer.fit()
         finally:
