@@ -3,8 +3,9 @@
 - TRITON_INTERPRET=1 so the Triton kernels run (and are tested) on CPU; it has to be set
   before a kernel module is imported, because `@triton.jit` reads it at decoration time.
 - One thread per process: with 2 shared cores, default OpenMP threading is ~25x slower.
-- MEGARL_CACHE_DIR (the prompt token cache, megarl.data.token_cache) in the session's pytest
-  temp folder, shared by its xdist workers (``_megarl_cache_dir``), not in the user's home.
+- MEGARL_CACHE_DIR (the prompt caches, megarl.data.prompt_cache and token_cache) in the
+  session's pytest temp folder, shared by its xdist workers (``_megarl_cache_dir``), not in
+  the user's home.
 - torch's and python's global generators reseeded before each test.
 """
 

@@ -258,6 +258,7 @@ def _serve() -> None:
         rc, cpu_s = _wait_world(pids)
         reply.write(json.dumps({"rc": rc, "cpu_s": cpu_s}) + "\n")
         reply.flush()
+    gc.unfreeze()  # the server's own exit frees its heap as usual
 
 
 def _wait_world(pids: list[int], grace_s: float = 30.0) -> tuple[int, float]:

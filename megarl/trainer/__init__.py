@@ -23,11 +23,13 @@ def run(cfg: Config) -> dict[str, Any]:
     try:
         trainer = RLTrainer(cfg)
         # What start-up built (modules, models, the prompt set) lives for the whole run: later
-        # full collections (megatron's optimizer runs one at every checkpoint) skip it.
+        # full collections (megatron's optimizer runs one at every checkpoint) skip it. Thawed
+        # at the end, so the interpreter's exit frees it as usual.
         gc.freeze()
         try:
             return trainer.fit()
         finally:
+            gc.unfreeze()
             trainer.parts.close()
     finally:
         mdist.destroy()
