@@ -26,8 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.results import write_section  # noqa: E402
-from megarl.data import RLDataset, load_tokenizer  # noqa: E402
-from megarl.data import prompt_cache  # noqa: E402
+from megarl.data import (  # noqa: E402
+    RLDataset,
+    load_tokenizer,
+    prompt_cache,  # noqa: E402
+)
 
 FILE = "embedded://arith/train.parquet"
 

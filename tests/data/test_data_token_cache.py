@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from test_data_dataset import row
 
-from megarl.data import RLDataset, load_tokenizer, write_rows
-from megarl.data import prompt_cache
+from megarl.data import RLDataset, load_tokenizer, prompt_cache, write_rows
 from megarl.data import token_cache as tc
 
 N = 1200  # over token_cache.MIN_ROWS
