@@ -30,10 +30,8 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,6 @@ SUBDIR = "prompt_files"
 MIN_ROWS = token_cache.MIN_ROWS
 _FORMAT = b"megarl-prompt-files-v1"
 _CLOCK_FUNCTIONS = ("strftime_now",)
-_write_warned = False
 
 
 @dataclass
@@ -67,16 +64,6 @@ def cache_dir() -> Path | None:
     """``<cache dir>/prompt_files``, or None when the cache is off (``MEGARL_CACHE_DIR``)."""
     tokens = token_cache.cache_dir()
     return None if tokens is None else tokens.parent / SUBDIR
-
-
-def _versions(*packages: str) -> str:
-    out = []
-    for pkg in packages:
-        try:
-            out.append(f"{pkg}={version(pkg)}")
-        except PackageNotFoundError:
-            out.append(f"{pkg}=?")
-    return "|".join(out)
 
 
 def _templates(tokenizer: Any, chat_template: str | None) -> list[str]:
@@ -101,27 +88,22 @@ def cache_key(files: Sequence[str], tokenizer: Any, settings: dict[str, Any],
             "settings": settings, "chat_template": chat_template,
             "tokenizer_template": getattr(tokenizer, "chat_template", None),
             "special_tokens": getattr(tokenizer, "special_tokens_map", None),
-            "versions": _versions("jinja2", "pyarrow"),
+            "versions": token_cache.package_versions("jinja2", "pyarrow"),
         }, sort_keys=True)
     except (TypeError, ValueError):
         return None
-    h = hashlib.sha256()
-
-    def part(b: bytes) -> None:
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-
-    part(_FORMAT)
-    part(fingerprint)
-    part(described.encode())
-    part(len(files).to_bytes(8, "little"))
+    h = token_cache.KeyHash()
+    h.part(_FORMAT)
+    h.part(fingerprint)
+    h.part(described.encode())
+    h.part(len(files).to_bytes(8, "little"))
     for path in files:
-        part(Path(path).suffix.lower().encode())
+        h.part(Path(path).suffix.lower().encode())
         digest = hashlib.sha256()
-        with open(path, "rb") as f:
+        with open(path, "rb") as f:  # (hashlib.file_digest is Python >= 3.11)
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-        part(digest.digest())
+        h.part(digest.digest())
     return h.hexdigest()
 
 
@@ -133,73 +115,43 @@ def load(key: str) -> CachedLoad | None:
     """The load cached under ``key``, or None when its file is missing, unreadable or
     inconsistent (a miss: the caller loads the files and writes the cache again)."""
     path = _path(key)
+    arrays = token_cache.read_npz(path, ("ids", "offsets", "rows", "meta"), "prompt file cache")
+    if arrays is None:
+        return None
     try:
-        with np.load(path, allow_pickle=False) as f:
-            ids, offsets, rows, meta = f["ids"], f["offsets"], f["rows"], f["meta"]
-        rows = json.loads(rows.tobytes().decode("utf-8"))
-        meta = json.loads(meta.tobytes().decode("utf-8"))
-    except FileNotFoundError:
+        rows = json.loads(arrays["rows"].tobytes().decode("utf-8"))
+        meta = json.loads(arrays["meta"].tobytes().decode("utf-8"))
+    except ValueError:  # torn JSON, or bytes that are not UTF-8
+        logger.debug("prompt file cache: unreadable rows in %s; loading the files", path)
         return None
-    except Exception as e:  # noqa: BLE001 - a torn or foreign file is a miss, whatever it raises
-        logger.debug("prompt file cache: unreadable %s (%s: %s); loading the files", path,
-                     type(e).__name__, e)
-        return None
-    n = len(rows) if isinstance(rows, list) else -1
-    ok = (n > 0 and ids.ndim == 1 and ids.dtype == np.int32 and offsets.ndim == 1
-          and offsets.dtype == np.int64 and offsets.shape[0] == n + 1 and offsets[0] == 0
-          and offsets[-1] == ids.shape[0] and bool(np.all(np.diff(offsets) >= 0))
-          and isinstance(meta, dict) and isinstance(meta.get("counts"), dict)
-          and isinstance(meta.get("bad_examples"), list)
+    ok = (isinstance(rows, list) and rows and isinstance(meta, dict)
+          and isinstance(meta.get("counts"), dict) and isinstance(meta.get("bad_examples"), list)
           and all(isinstance(r, list) and len(r) == 6 for r in rows))
-    if not ok:
+    ids_list = (token_cache.unpack_ids(arrays["ids"], arrays["offsets"], len(rows))
+                if ok else None)
+    if ids_list is None:
         logger.debug("prompt file cache: inconsistent %s; loading the files", path)
         return None
-    flat, bounds = ids.tolist(), offsets.tolist()
-    return CachedLoad([flat[bounds[i]:bounds[i + 1]] for i in range(n)], rows, meta["counts"],
-                      meta["bad_examples"])
+    return CachedLoad(ids_list, rows, meta["counts"], meta["bad_examples"])
 
 
 def save(key: str, entry: CachedLoad) -> None:
-    """Writes ``entry`` under ``key`` atomically (a temporary file renamed into place), unless
-    it holds fewer than ``MIN_ROWS`` prompts or a row that JSON does not give back equal. A
-    failed write is logged, once per process at warning level."""
-    global _write_warned
+    """Writes ``entry`` under ``key`` (`token_cache.write_npz`: atomic, a failure only
+    logged), unless it holds fewer than ``MIN_ROWS`` prompts, an id that is not int32 or a
+    row that JSON does not give back equal."""
     if len(entry.rows) < MIN_ROWS:
         return
-    tmp = None
     try:
         rows_json = json.dumps(entry.rows, ensure_ascii=False, allow_nan=False)
         if json.loads(rows_json) != entry.rows:
-            logger.debug("prompt file cache: rows that JSON changes (tuples?); not cached")
-            return
-        meta = json.dumps({"counts": entry.counts, "bad_examples": entry.bad_examples})
-        lengths = np.fromiter((len(x) for x in entry.ids), dtype=np.int64, count=len(entry.ids))
-        offsets = np.zeros(len(entry.ids) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter((t for x in entry.ids for t in x), dtype=np.int64,
-                           count=int(offsets[-1]))
-        if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
-            return
-        path = _path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, ids=flat.astype(np.int32), offsets=offsets,
-                     rows=np.frombuffer(rows_json.encode("utf-8"), dtype=np.uint8),
-                     meta=np.frombuffer(meta.encode("utf-8"), dtype=np.uint8))
-        os.replace(tmp, path)
-        tmp = None
+            raise ValueError("rows that JSON changes (tuples?)")
     except (TypeError, ValueError) as e:  # bytes, NaN or another value JSON cannot carry
         logger.debug("prompt file cache: rows JSON cannot hold (%s); not cached", e)
-    except Exception as e:  # noqa: BLE001 - a cache that cannot be written never stops a run
-        level = logging.DEBUG if _write_warned else logging.WARNING
-        _write_warned = True
-        logger.log(level, "prompt file cache: could not write %s (%s: %s); prompt files are "
-                   "loaded whole at every start (set %s to a writable folder, or 'off')",
-                   _path(key), type(e).__name__, e, token_cache.ENV_VAR)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        return
+    arrays = token_cache.pack_ids(entry.ids)
+    if arrays is None:
+        return
+    meta = json.dumps({"counts": entry.counts, "bad_examples": entry.bad_examples})
+    arrays["rows"] = np.frombuffer(rows_json.encode("utf-8"), dtype=np.uint8)
+    arrays["meta"] = np.frombuffer(meta.encode("utf-8"), dtype=np.uint8)
+    token_cache.write_npz(_path(key), arrays, "prompt file cache")

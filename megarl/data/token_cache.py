@@ -54,6 +54,33 @@ def cache_dir() -> Path | None:
     return base / "megarl" / SUBDIR
 
 
+def package_versions(*packages: str) -> str:
+    """``"name=version|..."`` of the installed ``packages`` (``name=?`` when one is missing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for pkg in packages:
+        try:
+            out.append(f"{pkg}={version(pkg)}")
+        except PackageNotFoundError:
+            out.append(f"{pkg}=?")
+    return "|".join(out)
+
+
+class KeyHash:
+    """sha256 over length-prefixed parts: no two sequences of parts hash the same bytes."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def part(self, b: bytes) -> None:
+        self._h.update(len(b).to_bytes(8, "little"))
+        self._h.update(b)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> bytes | None:
     """Bytes that change whenever the tokenizer may give other ids: its class, the backend's
     whole JSON (normalizer, pre-tokenizer, model, added tokens, post-processor) and the
@@ -66,94 +93,109 @@ def tokenizer_fingerprint(tokenizer: Any) -> bytes | None:
         state = None
     if state is None:
         return None
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = []
-    for pkg in ("tokenizers", "transformers"):
-        try:
-            versions.append(f"{pkg}={version(pkg)}")
-        except PackageNotFoundError:
-            versions.append(f"{pkg}=?")
     cls = type(tokenizer)
     split = getattr(tokenizer, "split_special_tokens", None)
-    head = f"{cls.__module__}.{cls.__qualname__}|{'|'.join(versions)}|split={split!r}|"
+    versions = package_versions("tokenizers", "transformers")
+    head = f"{cls.__module__}.{cls.__qualname__}|{versions}|split={split!r}|"
     return head.encode() + hashlib.sha256(state.encode()).digest()
 
 
 def cache_key(fingerprint: bytes, texts: Sequence[str], add_special_tokens: bool) -> str:
     """Hex sha256 over the format tag, the tokenizer fingerprint, ``add_special_tokens`` and
     every text, each part length-prefixed (no two inputs hash the same bytes)."""
-    h = hashlib.sha256()
-
-    def part(b: bytes) -> None:
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-
-    part(_FORMAT)
-    part(fingerprint)
-    part(b"add_special_tokens=1" if add_special_tokens else b"add_special_tokens=0")
-    part(len(texts).to_bytes(8, "little"))
+    h = KeyHash()
+    h.part(_FORMAT)
+    h.part(fingerprint)
+    h.part(b"add_special_tokens=1" if add_special_tokens else b"add_special_tokens=0")
+    h.part(len(texts).to_bytes(8, "little"))
     for t in texts:
-        part(t.encode("utf-8", "surrogatepass"))
+        h.part(t.encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 
-def _load(path: Path, n_rows: int) -> list[list[int]] | None:
-    """The ids in ``path`` (n_rows lists), or None when the file is missing, unreadable or
-    does not hold exactly n_rows rows."""
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            ids, offsets = f["ids"], f["offsets"]
-    except FileNotFoundError:
-        return None
-    except Exception as e:  # noqa: BLE001 - a torn or foreign file is a miss, whatever np raises
-        logger.debug("token cache: unreadable %s (%s: %s); recomputing", path,
-                     type(e).__name__, e)
-        return None
+def unpack_ids(ids: np.ndarray, offsets: np.ndarray, n_rows: int) -> list[list[int]] | None:
+    """Row i is ``ids[offsets[i]:offsets[i + 1]]``; None unless ``ids`` (int32 [tokens]) and
+    ``offsets`` (int64 [n_rows + 1], from 0 to the end, never falling) fit together."""
     ok = (ids.ndim == 1 and ids.dtype == np.int32 and offsets.ndim == 1
           and offsets.dtype == np.int64 and offsets.shape[0] == n_rows + 1
           and offsets[0] == 0 and offsets[-1] == ids.shape[0]
           and bool(np.all(np.diff(offsets) >= 0)))
     if not ok:
-        logger.debug("token cache: inconsistent %s; recomputing", path)
         return None
     flat = ids.tolist()
     bounds = offsets.tolist()
     return [flat[bounds[i]:bounds[i + 1]] for i in range(n_rows)]
 
 
-def _save(path: Path, ids_list: Sequence[Sequence[int]]) -> None:
-    """Writes ``ids`` (int32, [total tokens]) and ``offsets`` (int64, [rows + 1]; row i is
-    ``ids[offsets[i]:offsets[i + 1]]``) to ``path`` atomically; a failure is logged, once per
-    process at warning level."""
+def pack_ids(ids_list: Sequence[Sequence[int]]) -> dict[str, np.ndarray] | None:
+    """``{"ids": int32 [tokens], "offsets": int64 [rows + 1]}`` (`unpack_ids`' inverse), or
+    None when an id does not fit in int32."""
+    lengths = np.fromiter((len(x) for x in ids_list), dtype=np.int64, count=len(ids_list))
+    offsets = np.zeros(len(ids_list) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter((t for x in ids_list for t in x), dtype=np.int64, count=int(offsets[-1]))
+    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
+        return None
+    return {"ids": flat.astype(np.int32), "offsets": offsets}
+
+
+def write_npz(path: Path, arrays: dict[str, np.ndarray], what: str) -> None:
+    """``np.savez`` of ``arrays`` to ``path`` through a temporary file renamed into place (a
+    reader never sees half a file). A failure is logged, once per process at warning level:
+    a cache that cannot be written never stops a run. ``what`` names the cache."""
     global _write_warned
     tmp = None
     try:
-        lengths = np.fromiter((len(x) for x in ids_list), dtype=np.int64, count=len(ids_list))
-        offsets = np.zeros(len(ids_list) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter((t for x in ids_list for t in x), dtype=np.int64,
-                           count=int(offsets[-1]))
-        if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
-            return  # not representable as int32: not cached
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, ids=flat.astype(np.int32), offsets=offsets)
+            np.savez(f, **arrays)
         os.replace(tmp, path)
         tmp = None
-    except Exception as e:  # noqa: BLE001 - a cache that cannot be written never stops a run
+    except Exception as e:  # noqa: BLE001 - whatever the folder or disk says, the run goes on
         level = logging.DEBUG if _write_warned else logging.WARNING
         _write_warned = True
-        logger.log(level, "token cache: could not write %s (%s: %s); prompts are tokenized "
-                   "at every start (set %s to a writable folder, or 'off')", path,
-                   type(e).__name__, e, ENV_VAR)
+        logger.log(level, "%s: could not write %s (%s: %s); it is recomputed at every start "
+                   "(set %s to a writable folder, or 'off')", what, path, type(e).__name__, e,
+                   ENV_VAR)
     finally:
         if tmp is not None:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def read_npz(path: Path, names: Sequence[str], what: str) -> dict[str, np.ndarray] | None:
+    """The arrays ``names`` of the ``.npz`` at ``path`` (no pickle), or None when it is
+    missing, torn or foreign: a miss (logged at debug level, ``what`` naming the cache)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {name: f[name] for name in names}
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file is a miss, whatever np raises
+        logger.debug("%s: unreadable %s (%s: %s); recomputing", what, path, type(e).__name__, e)
+        return None
+
+
+def _load(path: Path, n_rows: int) -> list[list[int]] | None:
+    """The ids in ``path`` (n_rows lists), or None when the file is missing, unreadable or
+    does not hold exactly n_rows rows."""
+    arrays = read_npz(path, ("ids", "offsets"), "token cache")
+    if arrays is None:
+        return None
+    ids_list = unpack_ids(arrays["ids"], arrays["offsets"], n_rows)
+    if ids_list is None:
+        logger.debug("token cache: inconsistent %s; recomputing", path)
+    return ids_list
+
+
+def _save(path: Path, ids_list: Sequence[Sequence[int]]) -> None:
+    """`pack_ids` written to ``path`` by `write_npz` (nothing when an id is not int32)."""
+    arrays = pack_ids(ids_list)
+    if arrays is not None:
+        write_npz(path, arrays, "token cache")
 
 
 def token_ids(tokenizer: Any, texts: Sequence[str],
