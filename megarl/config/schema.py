@@ -253,23 +253,48 @@ class LaunchConfig:
 
 @dataclass
 class AsyncTrainingConfig:
-    """``async_training`` (verl's one-step-off-policy / fully-async recipes): the torch engine
-    runs in its own process and generates the next batches while the trainer trains."""
+    """``async_training`` (verl's one-step-off-policy / fully-async recipes). Colocated
+    (``actor_rollout_ref.hybrid_engine=true``): the engine runs in its own process and generates
+    the next batches while the trainer trains. Disaggregated (``hybrid_engine=false``): rollout
+    workers of their own generate continuously (docs/design.md, "Disaggregated, fully
+    asynchronous RL")."""
 
-    # whole steps a batch may lag the trainer's weights: 0 = the synchronous loop (exactly),
-    # 1 = one-step off-policy (batch k+1 sampled with the weights after step k-1 while step k
-    # trains); verl's fractional sample-level thresholds are not implemented
-    staleness_threshold: int = 0
+    # colocated: whole steps a batch may lag the trainer's weights: 0 = the synchronous loop
+    # (exactly), 1 = one-step off-policy (batch k+1 sampled with the weights after step k-1
+    # while step k trains). Disaggregated (verl's meaning): the share of extra prompts the
+    # workers may generate ahead of a sync window, up to window x (1 + threshold) prompts
+    staleness_threshold: int | float = 0
     # PPO ratio against the engine's sampling logprobs (the behaviour policy); false: against
     # the trainer's recomputation with its weights before the update, and only
     # algorithm.rollout_correction.rollout_is then corrects for the behaviour policy (decoupled
     # PPO); with it null nothing does (a startup notice says so)
     use_rollout_log_probs: bool = True
-    # CPUs of the engine processes (local rank r's engine: engine_cpus[r % len]); [] = inherit
+    # CPUs of the engine processes (local rank r's engine, or rollout worker r:
+    # engine_cpus[r % len]); [] = inherit
     engine_cpus: list[int] = field(default_factory=list)
-    # seconds the trainer waits on its engine process hearing nothing from it (a generation,
-    # the engine's start-up) before the run fails naming the request; generous by default
+    # seconds the trainer waits on its engine process or a rollout worker hearing nothing from
+    # it (a generation, the engine's start-up) before the run fails naming it
     engine_timeout_s: float = 1800.0
+    # disaggregated: a learner step trains on ppo_mini_batch_size x require_batches prompts
+    # (all their n samples back)
+    require_batches: int = 1
+    # disaggregated: new weights go to the rollout workers every this many learner steps
+    trigger_parameter_sync_step: int = 1
+    # disaggregated: requests in flight at a sync go on under the new weights (not built yet:
+    # false, the default, lets them finish on the weights they started with)
+    partial_rollout: bool = False
+
+
+@dataclass
+class RolloutWorkersConfig:
+    """``rollout`` (verl's fully-async recipe): the rollout workers' own devices, used when
+    ``actor_rollout_ref.hybrid_engine=false``."""
+
+    nnodes: int = 0  # nodes of rollout workers (0: none; colocated rollouts)
+    n_gpus_per_node: int = 0  # rollout workers per node (one engine each; CPU: processes)
+    # after each weight sync every worker reports a sha256 of each tensor its engine holds,
+    # compared with what the trainer sent; a mismatch fails the run naming the tensor
+    check_weight_digest: bool = False
 
 
 @dataclass
@@ -286,6 +311,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    rollout: RolloutWorkersConfig = field(default_factory=RolloutWorkersConfig)
 
 
 __all__ = [
@@ -316,6 +342,7 @@ __all__ = [
     "RayPoolConfig",
     "RefConfig",
     "RewardModelConfig",
+    "RolloutWorkersConfig",
     "RewardModelModelConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",

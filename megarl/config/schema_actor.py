@@ -324,6 +324,9 @@ class RefConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
+    # true: rollouts run on the training ranks (colocated); false: on rollout workers of their
+    # own (the top-level rollout section; async_training's disaggregated keys)
+    hybrid_engine: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

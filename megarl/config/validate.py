@@ -11,6 +11,7 @@ import copy
 import logging
 
 from megarl.config import algorithms as A
+from megarl.config import disaggregated
 from megarl.config.schema import Config, ParallelConfig
 from megarl.config.schema_judge import judge_enabled
 from megarl.config.schema_reward import sandbox_fusion_problems
@@ -42,6 +43,7 @@ def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tu
         problems.append(((A.PATH_KEY,), bad_file))
     if cfg.data.seed is None:
         cfg.data.seed = cfg.trainer.seed
+    disaggregated.fill(cfg)
     arr = cfg.actor_rollout_ref
     model, actor, rollout, ref = arr.model, arr.actor, arr.rollout, arr.ref
     if model.tokenizer_path is None:
@@ -164,6 +166,7 @@ def check(cfg: Config, bad_keys: set[str]) -> list[str]:
     _check_router_replay(cfg, c)
     _check_multi_turn(cfg, c)
     _check_judge(cfg, c)
+    disaggregated.check(cfg, c)
     return c.problems
 
 

@@ -180,8 +180,6 @@ RULES: tuple[Rule, ...] = (
     Rule("critic.model.use_fused_kernels", "inert", "the critic's value head reads hidden "
          "states; no vocabulary projection to fuse"),
     Rule("critic.model.use_remove_padding", "mapped", f"{_ARR}.model.use_remove_padding"),
-    Rule(f"{_ARR}.hybrid_engine", "rejected", "rollouts always share the training ranks "
-         "(colocated); separate rollout workers are not implemented"),
     # FSDP options (megarl's torch backend shards with FSDP2)
     *_each(_FSDP, "param_offload", "inert", _OFFLOAD),
     *_each(_FSDP, "optimizer_offload", "inert", _OFFLOAD),

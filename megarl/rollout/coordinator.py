@@ -14,6 +14,13 @@ A worker that fails (its connection closes, it reports an error, or it is silent
 to the queue whole (their samples already returned are dropped: a sample's noise is keyed by
 (seed, prompt key, sample, position), so on the same weights the regenerated samples are the
 same) and are handed to the others. With no worker left, the wait fails naming the last cause.
+
+New weights go to every worker at once (`publish`, over the weight group of
+`megarl.rollout.weight_stream`); each worker applies them once its submitted requests are done
+and says so, with a digest of its engine's tensors when asked for one, which is checked against
+what was sent. `generate` runs a whole list of prompts (validation, greedy baselines) on the
+workers' current weights, dealt round-robin. A weight group cannot lose a member: a publish
+after a worker was dropped fails naming it (the group is not rebuilt).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from typing import Any
 
 from megarl.rollout.channel import Channel, ChannelError
 from megarl.rollout.completion_arrays import unpack_completions
-from megarl.rollout.protocol import Completion
+from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.weight_stream import Sent, WeightGroup, check_digests, send_weights
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +59,8 @@ class Coordinator:
     their samples (module doc). ``timeout_s``: how long a worker with work may stay silent."""
 
     def __init__(self, channels: list[Channel], *, capacity: int, timeout_s: float = 1800.0,
-                 warn: Callable[[str], None] = logger.warning) -> None:
+                 warn: Callable[[str], None] = logger.warning,
+                 group: WeightGroup | None = None) -> None:
         if not channels:
             raise ValueError("the coordinator needs at least one rollout worker")
         if capacity < 1:
@@ -63,13 +72,21 @@ class Coordinator:
         self.heard: dict[Channel, float] = {c: time.monotonic() for c in channels}
         self.ready: deque[PromptRequest] = deque()
         self.last_cause = ""
+        self.group = group  # the weight group (rank 0 here), for `publish`
+        self.dropped: list[str] = []  # causes, in order
+        self.versions: dict[Channel, int] = {c: 0 for c in channels}  # weights each one runs
+        self.dtypes: dict[Channel, str] = {}  # the engine dtype each one said hello with
+        self.sent: dict[int, Sent] = {}  # version -> what its publish sent (digests checked)
+        self._jobs: dict[int, dict] = {}  # generate job id -> its parts and results
+        self._next_job = 0
 
     def add(self, requests: Iterable[PromptRequest]) -> None:
-        """Queue prompts (handed out in this order)."""
+        """Queue prompts (handed out in this order, at once to the workers with room)."""
         for r in requests:
             if r.n < 1:
                 raise ValueError(f"prompt {r.key}: n must be >= 1")
             self.queue.append(r)
+        self._dispatch()
 
     @property
     def pending(self) -> int:
@@ -98,7 +115,10 @@ class Coordinator:
             raise ChannelError(f"no rollout worker is left (the last: {self.last_cause})")
         now = time.monotonic()
         for ch in list(self.live):
-            if self.in_flight[ch] and now - self.heard[ch] > self.timeout_s:
+            busy = self.in_flight[ch] or any(
+                ch is owner and part not in job["done"]
+                for job in self._jobs.values() for part, owner in job["owner"].items())
+            if busy and now - self.heard[ch] > self.timeout_s:
                 self._drop(ch, f"{ch.peer} sent nothing for {self.timeout_s:g} s with "
                                f"{len(self.in_flight[ch])} prompts in flight")
         conns = {ch.conn: ch for ch in self.live}
@@ -110,6 +130,57 @@ class Coordinator:
             except ChannelError as e:
                 self._drop(ch, str(e))
 
+    def publish(self, named: Any, version: int, bucket_bytes: int,
+                digest_dtype: Any = None) -> Sent:
+        """Stream new weights (version ``version``) to every worker over the weight group;
+        with ``digest_dtype`` each worker's digests are checked when it reports the load."""
+        if self.group is None:
+            raise RuntimeError("Coordinator.publish needs the weight group (group=)")
+        if self.dropped:
+            raise ChannelError(
+                f"cannot publish version {version}: a rollout worker was lost "
+                f"({self.dropped[0]}) and the weight group is not rebuilt without it")
+        sent = send_weights(self.group, list(self.live), named, version, bucket_bytes,
+                            digest_dtype)
+        self.sent = {v: s for v, s in self.sent.items() if v >= version - 4}
+        self.sent[version] = sent
+        return sent
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 prompt_keys: list[int], timeout_s: float | None = None) -> list[Completion]:
+        """``prompts``' completions on the workers' current weights (``sampling.n`` each, in
+        prompt order), the prompts dealt round-robin; each worker first finishes what it runs."""
+        if not prompts:
+            return []
+        job_id = self._next_job
+        self._next_job += 1
+        parts: dict[int, list[int]] = {}
+        for i in range(len(prompts)):
+            parts.setdefault(i % len(self.live), []).append(i)
+        job = self._jobs[job_id] = {"parts": parts, "done": {}, "owner": {}}
+        for part, idx in parts.items():
+            self._send_part(job_id, part, idx, prompts, sampling, prompt_keys)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while len(job["done"]) < len(parts):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ChannelError(f"a generation of {len(prompts)} prompts on the rollout "
+                                       f"workers took more than {timeout_s:g} s")
+                self.pump(1.0)
+                for part, ch in list(job["owner"].items()):  # a dropped worker's part: again
+                    if part not in job["done"] and ch not in self.live:
+                        self._send_part(job_id, part, parts[part], prompts, sampling,
+                                        prompt_keys)
+        finally:
+            del self._jobs[job_id]
+        out: list[Completion] = []
+        for part, idx in sorted(parts.items()):
+            for c in job["done"][part]:
+                c.prompt_index = idx[c.prompt_index]
+                out.append(c)
+        out.sort(key=lambda c: c.prompt_index)
+        return out
+
     def close(self) -> None:
         """Tell every live worker to stop."""
         for ch in self.live:
@@ -119,6 +190,23 @@ class Coordinator:
                 pass
 
     # ------------------------------------------------------------------ internals
+    def _send_part(self, job_id: int, part: int, idx: list[int], prompts: list[list[int]],
+                   sampling: SamplingParams, prompt_keys: list[int]) -> None:
+        while True:
+            if not self.live:
+                raise ChannelError(f"no rollout worker is left (the last: {self.last_cause})")
+            ch = self.live[part % len(self.live)]
+            try:
+                ch.send("generate", {"id": (job_id, part), "prompts": [prompts[i] for i in idx],
+                                     "prompt_keys": [prompt_keys[i] for i in idx],
+                                     "sampling": sampling})
+            except ChannelError as e:
+                self._drop(ch, str(e))
+                continue
+            self._jobs[job_id]["owner"][part] = ch
+            self.heard[ch] = time.monotonic()
+            return
+
     def _load(self, ch: Channel) -> int:
         return sum(r.n - len(r.samples) for r in self.in_flight[ch].values())
 
@@ -143,8 +231,21 @@ class Coordinator:
         self.heard[ch] = time.monotonic()
         if kind == "error":
             raise ChannelError(f"{ch.peer} failed: {str(payload).strip().splitlines()[-1]}")
+        if kind == "hello":
+            self.dtypes[ch] = str(payload.get("dtype", ""))
+            return
+        if kind == "weights_loaded":
+            version = int(payload["version"])
+            self.versions[ch] = version
+            if payload.get("digests") is not None and version in self.sent:
+                check_digests(self.sent[version], payload["digests"], ch.peer)
+            return
+        if kind == "generated":
+            job = self._jobs[payload["id"][0]]
+            job["done"][payload["id"][1]] = unpack_completions(payload["completions"])
+            return
         if kind != "samples":
-            return  # heartbeats, hello
+            return  # heartbeats
         for key, c in zip(payload["ids"], unpack_completions(payload["completions"])):
             r = self.in_flight[ch][key]
             r.samples.append(c)
@@ -161,6 +262,7 @@ class Coordinator:
             r.samples.clear()
             self.queue.appendleft(r)
         self.last_cause = cause
+        self.dropped.append(f"{ch.peer}: {cause}")
         self.warn(f"rollout worker dropped: {cause}; {len(back)} prompts in flight go to the "
                   f"{len(self.live)} others")
         try:

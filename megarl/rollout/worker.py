@@ -5,10 +5,20 @@ Messages on its `megarl.rollout.channel.Channel`:
 
     coordinator -> worker   ("request", {"id": any, "prompt": [ids], "prompt_key": int,
                                           "seed": int, "n": int, "max_new_tokens": int})
+                            ("weights_bucket", header)   then the bucket's broadcast on the
+                                          weight group (`megarl.rollout.weight_stream`)
+                            ("weights_end", {"version": int, "digest": bool})
+                            ("generate", {"id": any, "prompts": [[ids]], "prompt_keys": [int],
+                                          "sampling": SamplingParams})
                             ("stop", None)
-    worker -> coordinator   ("samples", {"ids": [request id per completion], "completions":
-                                          flat arrays (`completion_arrays.pack_completions`),
+    worker -> coordinator   ("hello", {"name": str, "dtype": str})   first
+                            ("samples", {"ids": [request id per completion], "completions":
+                                          flat arrays (`completion_arrays.pack_completions`,
+                                          each with the version that sampled it),
                                           "step": the engine step they finished at})
+                            ("weights_loaded", {"version": int, "digests": {name: sha256} or
+                                          None})
+                            ("generated", {"id": any, "completions": flat arrays})
                             ("heartbeat", {"step": int, "in_flight": int})   when idle or
                                           every ``heartbeat_s`` while decoding
                             ("error", "traceback text")   then the worker ends
@@ -16,30 +26,45 @@ Messages on its `megarl.rollout.channel.Channel`:
 A request joins the running batch at the next step with a free slot (`GenerationSession`); the
 worker reads new requests between decode steps without waiting while it has work; idle, it
 sends a heartbeat every ``heartbeat_s`` and ends after ``idle_timeout_s`` without a request.
+
+New weights arrive between two decode steps: the buckets are staged at once (the trainer
+waits on their broadcast), and applied when the requests already submitted have finished
+(``async_training.partial_rollout=false``: every sample comes whole from one version);
+requests that arrive meanwhile wait and run on the new version. A "generate" call (validation,
+greedy baselines) waits the same way and runs on the weights its message follows.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
+from collections import deque
 from typing import Any
 
 from megarl.rollout.channel import Channel, ChannelError, connect
 from megarl.rollout.completion_arrays import pack_completions, to_wire
-from megarl.rollout.protocol import SamplingParams
+from megarl.rollout.protocol import Completion, SamplingParams
+from megarl.rollout.weight_stream import WeightGroup, receive_bucket, tensor_digest
 
 
 class RolloutWorker:
     """Serves ``channel``'s requests on ``engine`` (an engine with ``open_session``) with the
-    shared ``sampling`` settings; ``max_len``: prompt + response tokens any request may reach."""
+    shared ``sampling`` settings; ``max_len``: prompt + response tokens any request may reach.
+    ``group``: the weight group new weights arrive on (None: the weights never change);
+    ``version``: the version of the engine's weights at the start."""
 
     def __init__(self, engine: Any, channel: Channel, sampling: SamplingParams, max_len: int,
-                 *, heartbeat_s: float = 5.0, idle_timeout_s: float = 1800.0) -> None:
-        self.engine, self.channel = engine, channel
+                 *, heartbeat_s: float = 5.0, idle_timeout_s: float = 1800.0,
+                 group: WeightGroup | None = None, version: int = 0) -> None:
+        self.engine, self.channel, self.group = engine, channel, group
         self.session = engine.open_session(sampling, max_len)
         self.heartbeat_s, self.idle_timeout_s = heartbeat_s, idle_timeout_s
-        self.owner: dict[int, list] = {}  # session request id -> [coordinator's id, samples left]
+        self.owner: dict[int, list] = {}  # session request id -> [coordinator's id, left, version]
         self.steps = 0
+        self.version = version
+        self.staged: list = []  # (name, tensor) of the weights being received
+        self.barriers: deque = deque()  # ("swap", version, digest) / ("generate", payload)
+        self.held: deque = deque()  # requests that arrived behind a barrier
 
     def serve(self) -> None:
         """Until the coordinator says stop (or goes away: ChannelError). A failure of the
@@ -55,15 +80,16 @@ class RolloutWorker:
     def _serve(self) -> None:
         last_beat = idle_since = time.monotonic()
         while True:
-            wait = 0.0 if self.session.busy else self.heartbeat_s
+            wait = 0.0 if self.session.busy or self.barriers else self.heartbeat_s
             while self.channel.poll(wait):
                 kind, payload = self.channel.recv("a request")
                 if kind == "stop":
                     return
-                if kind != "request":
-                    raise ValueError(f"rollout worker: unknown message {kind!r}")
-                self._submit(payload)
+                self._handle(kind, payload)
                 wait = 0.0
+            if self.barriers and not self.session.busy:
+                self._pass_barriers()
+                continue
             if not self.session.busy:
                 if time.monotonic() - idle_since > self.idle_timeout_s:
                     raise ChannelError(f"{self.channel.peer} sent no request for "
@@ -75,7 +101,7 @@ class RolloutWorker:
             done = self.session.step()
             self.steps += 1
             if done:
-                ids = [self._returned(c.prompt_index) for c in done]
+                ids = [self._returned(c) for c in done]
                 self.channel.send("samples", {"ids": ids, "step": self.steps,
                                               "completions": to_wire(pack_completions(done))})
             elif time.monotonic() - last_beat >= self.heartbeat_s:
@@ -83,37 +109,105 @@ class RolloutWorker:
                                                 "in_flight": len(self.owner)})
                 last_beat = time.monotonic()
 
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "request":
+            if self.barriers:
+                self.held.append(payload)
+            else:
+                self._submit(payload)
+        elif kind == "weights_bucket":
+            if self.group is None:
+                raise ValueError("rollout worker: weights sent, but it has no weight group")
+            self.staged += receive_bucket(self.group, payload)
+        elif kind == "weights_end":
+            self.barriers.append(("swap", int(payload["version"]), bool(payload["digest"])))
+        elif kind == "generate":
+            self.barriers.append(("generate", payload))
+        else:
+            raise ValueError(f"rollout worker: unknown message {kind!r}")
+
+    def _pass_barriers(self) -> None:
+        """The session is empty: apply staged weights and run whole-batch generations, in the
+        order they came, then submit the requests held behind them."""
+        while self.barriers:
+            barrier = self.barriers.popleft()
+            if barrier[0] == "swap":
+                _, version, digest = barrier
+                staged, self.staged = self.staged, []
+                self.engine.update_weights(staged)
+                self.version = version
+                self.channel.send("weights_loaded", {
+                    "version": version, "digests": self._digests() if digest else None})
+            else:
+                job = barrier[1]
+                done = self.engine.generate(job["prompts"], job["sampling"],
+                                            prompt_keys=job["prompt_keys"])
+                for c in done:
+                    c.policy_version = self.version
+                self.channel.send("generated", {"id": job["id"],
+                                                "completions": to_wire(pack_completions(done))})
+        while self.held:
+            self._submit(self.held.popleft())
+
+    def _digests(self) -> dict[str, str]:
+        """sha256 of every tensor of the engine's model, by HF name."""
+        return {name: tensor_digest(t) for name, t in self.engine.model.state_dict().items()}
+
     def _submit(self, req: dict[str, Any]) -> None:
         n = int(req.get("n", 1))
         rid = self.session.submit(req["prompt"], prompt_key=int(req["prompt_key"]),
                                   seed=int(req["seed"]), n=n,
                                   max_new_tokens=req.get("max_new_tokens"))
-        self.owner[rid] = [req["id"], n]
+        self.owner[rid] = [req["id"], n, self.version]
 
-    def _returned(self, rid: int) -> Any:
-        """The coordinator's id of a completion of request ``rid`` (forgotten after its
-        last sample)."""
-        entry = self.owner[rid]
+    def _returned(self, c: Completion) -> Any:
+        """The coordinator's id of completion ``c`` (stamped with the version that sampled
+        it); a request is forgotten after its last sample."""
+        entry = self.owner[c.prompt_index]
+        c.policy_version = entry[2]
         entry[1] -= 1
         if entry[1] == 0:
-            del self.owner[rid]
+            del self.owner[c.prompt_index]
         return entry[0]
 
 
-def worker_main(model_path: str, host: str, port: int, authkey: bytes, sampling: SamplingParams,
+def worker_main(spec: Any, host: str, port: int, authkey: bytes, sampling: SamplingParams,
                 max_len: int, engine_kwargs: dict[str, Any] | None = None,
-                name: str = "rollout worker", timeout_s: float = 1800.0) -> None:
-    """A rollout worker process: megarl's torch engine on ``model_path`` (``engine_kwargs``:
-    `TorchRolloutEngine.from_pretrained`'s), connected to the coordinator at ``host:port``."""
+                name: str = "rollout worker", timeout_s: float = 1800.0,
+                group: tuple[int, int, int] | None = None) -> None:
+    """A rollout worker process: the engine of ``spec`` (a `megarl.rollout.build.EngineSpec`,
+    or a model folder for megarl's torch engine with ``engine_kwargs``:
+    `TorchRolloutEngine.from_pretrained`'s), connected to the coordinator at ``host:port``.
+    ``group``: (store port, rank, size) of the weight group on ``host``. Dies with the process
+    that started it."""
     import torch
 
-    from megarl.rollout.torch import TorchRolloutEngine
+    from megarl.utils.lifetime import die_with_parent
 
+    die_with_parent()
     torch.set_num_threads(1)
-    engine = TorchRolloutEngine.from_pretrained(model_path, **(engine_kwargs or {}))
+    engine = _build_engine(spec, engine_kwargs)
     channel = connect(host, port, authkey, "the coordinator", timeout_s=timeout_s)
-    channel.send("hello", {"name": name})
+    channel.send("hello", {"name": name, "dtype": str(engine.dtype)})
+    weights = None
     try:
-        RolloutWorker(engine, channel, sampling, max_len, idle_timeout_s=timeout_s).serve()
+        if group is not None:
+            store_port, rank, size = group
+            weights = WeightGroup.join(host, store_port, rank, size, engine.device, timeout_s)
+        RolloutWorker(engine, channel, sampling, max_len, idle_timeout_s=timeout_s,
+                      group=weights).serve()
     finally:
         channel.close()
+
+
+def _build_engine(spec: Any, engine_kwargs: dict[str, Any] | None) -> Any:
+    if isinstance(spec, str):
+        from megarl.rollout.torch import TorchRolloutEngine
+
+        return TorchRolloutEngine.from_pretrained(spec, **(engine_kwargs or {}))
+    from megarl.rollout.build import engine_from_spec
+    from megarl.rollout.engine_process import enter_engine_env, pin_process
+
+    device = enter_engine_env(spec)
+    pin_process(spec.cpus, spec.threads)
+    return engine_from_spec(spec, device)

@@ -41,6 +41,23 @@ def sampling_seed(base: int, *parts: int) -> int:
     return zlib.crc32(repr((base, *parts)).encode()) & 0x7FFFFFFF
 
 
+def sampling_params(cfg: Any, eos_id: int, seed: int, *, validation: bool = False,
+                    n: int | None = None, greedy: bool = False) -> SamplingParams:
+    """The engine's sampling settings for the training rollout (``actor_rollout_ref.rollout``)
+    or, with ``validation``, for validation (``rollout.val_kwargs``); ``cfg``: the run's
+    `megarl.config.schema.Config`."""
+    ro = cfg.actor_rollout_ref.rollout
+    src = ro.val_kwargs if validation else ro
+    do_sample = getattr(src, "do_sample", True) and not greedy
+    return SamplingParams(
+        n=n if n is not None else src.n,
+        temperature=src.temperature if do_sample else 0.0,
+        top_k=src.top_k, top_p=src.top_p, greedy=not do_sample,
+        max_new_tokens=cfg.data.max_response_length,
+        stop_token_ids=list(ro.stop_token_ids) + [eos_id],
+        stop=list(ro.stop), seed=seed)
+
+
 def local_share(num_items: int, tp_size: int = 1) -> tuple[list[int], int]:
     """(positions of the items this rank's engine generates, this rank's place in its engine
     group): the items are dealt round-robin to the engine groups of ``tp_size`` ranks."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from megarl.backends.protocol import Backend
+from megarl.config import disaggregated
 from megarl.config.schema import Config
 from megarl.config.schema_judge import judge_enabled
 from megarl.data import PromptSampler, RLDataset, load_tokenizer, resolve_path
@@ -25,7 +26,7 @@ from megarl.errors import UserInputError
 from megarl.logging import MetricLogger
 from megarl.rollout.build import EngineSpec, build_engine, check_engine_installed, engine_spec
 from megarl.rollout.protocol import RolloutEngine
-from megarl.trainer.generation import AgentRollout, Scorer
+from megarl.trainer.generation import AgentRollout, Scorer, sampling_params
 from megarl.trainer.outcome_rm import OutcomeRewardModel
 from megarl.trainer.run_lock import RunDirLock
 from megarl.trainer.settings import lora_settings, role_settings, rollout_settings
@@ -98,10 +99,14 @@ def async_settings(cfg: Config) -> tuple[int, bool, list[int]]:
     return int(s), bool(sec.use_rollout_log_probs), [int(c) for c in sec.engine_cpus]
 
 
-def run_engine(cfg: Config, model_path: str, device: torch.device) -> RolloutEngine:
+def run_engine(cfg: Config, model_path: str, device: torch.device,
+               eos_id: int | None = None) -> RolloutEngine:
     """The run's rollout engine (`megarl.rollout.build`): in this process, or, with
     ``async_training.staleness_threshold`` s > 0, in a process of its own with s + 1 weight
-    slots, pinned to ``async_training.engine_cpus[local rank]``."""
+    slots, pinned to ``async_training.engine_cpus[local rank]``; disaggregated
+    (``actor_rollout_ref.hybrid_engine=false``): the rollout workers (`worker_pool`)."""
+    if disaggregated.is_disaggregated(cfg):
+        return worker_pool(cfg, model_path, device, eos_id)
     staleness, _, cpus = async_settings(cfg)
     if staleness == 0:
         if adapter_sync(cfg):
@@ -118,11 +123,43 @@ def run_engine(cfg: Config, model_path: str, device: torch.device) -> RolloutEng
     spec = with_adapter_sync(cfg, engine_spec(rollout_settings(cfg), model_path, device,
                                               own_process=True, cpus=mine))
     spec.tool_cpus = cores_apart(cpus)
+    return ProcessRolloutEngine(spec, slots=staleness + 1, timeout_s=_engine_timeout(cfg))
+
+
+def worker_pool(cfg: Config, model_path: str, device: torch.device,
+                eos_id: int | None) -> RolloutEngine:
+    """The disaggregated run's rollout workers (`megarl.rollout.worker_pool`), started by
+    trainer rank 0 on its node: rollout.n_gpus_per_node of them, worker i on the GPU after the
+    node's trainer ranks' (cuda:local_world + i) or pinned to engine_cpus[i]."""
+    from megarl.rollout.worker_pool import WorkerPlacement, WorkerPool
+
+    at, ro = cfg.async_training, cfg.actor_rollout_ref.rollout
+    timeout = _engine_timeout(cfg)
+    placement = None
+    if mdist.rank() == 0:
+        count = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc_per_node))
+        specs = []
+        for i in range(count):
+            where = (torch.device("cuda", local_world + i) if device.type == "cuda"
+                     else torch.device("cpu"))
+            cpus = [at.engine_cpus[i % len(at.engine_cpus)]] if at.engine_cpus else []
+            specs.append(engine_spec(rollout_settings(cfg), model_path, where, own_process=True,
+                                     cpus=cpus))
+        placement = WorkerPlacement(  # seed 0: each request brings its own
+            specs=specs, sampling=sampling_params(cfg, eos_id, 0), timeout_s=timeout,
+            max_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+            capacity=ro.max_num_seqs)
+    return WorkerPool(placement, device, bucket_bytes=ro.update_weights_bucket_megabytes << 20,
+                      check_digest=cfg.rollout.check_weight_digest)
+
+
+def _engine_timeout(cfg: Config) -> float:
     timeout = cfg.async_training.engine_timeout_s
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise UserInputError(f"async_training.engine_timeout_s={timeout!r}: expected seconds "
                              "> 0 (how long the trainer waits on a silent engine process)")
-    return ProcessRolloutEngine(spec, slots=staleness + 1, timeout_s=float(timeout))
+    return float(timeout)
 
 
 def adapter_sync(cfg: Config) -> bool:
@@ -349,7 +386,7 @@ def _build_parts(cfg: Config) -> RunParts:
     total_steps = _total_steps(cfg, sampler)
     # The engine first: it sizes its memory from what is free, before the training backends
     # hold theirs (asleep, it gives its memory back until the first weight sync).
-    engine = run_engine(cfg, paths["actor"], device)
+    engine = run_engine(cfg, paths["actor"], device, tokenizer.eos_token_id)
     # the generative judge next, on this rank's device: it sizes its memory from what the
     # awake rollout engine left free (the engine takes its memory back at each wake)
     try:

@@ -57,16 +57,8 @@ class SampleProducer:
                  greedy: bool = False) -> SamplingParams:
         """The engine's sampling settings for the training rollout (``rollout.*``) or, with
         ``validation``, for validation (``rollout.val_kwargs``)."""
-        ro = self.cfg.actor_rollout_ref.rollout
-        src = ro.val_kwargs if validation else ro
-        do_sample = getattr(src, "do_sample", True) and not greedy
-        return SamplingParams(
-            n=n if n is not None else src.n,
-            temperature=src.temperature if do_sample else 0.0,
-            top_k=src.top_k, top_p=src.top_p, greedy=not do_sample,
-            max_new_tokens=self.cfg.data.max_response_length,
-            stop_token_ids=list(ro.stop_token_ids) + [self.parts.eos_id],
-            stop=list(ro.stop), seed=seed)
+        return R.sampling_params(self.cfg, self.parts.eos_id, seed, validation=validation, n=n,
+                                 greedy=greedy)
 
     # ------------------------------------------------------------------ a batch
     def produce(self, step: int, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:

@@ -42,7 +42,7 @@ from megarl.trainer.learner import Learner
 from megarl.trainer.metrics import Timer, data_metrics, per_token_timing
 from megarl.trainer.parts import RunParts, build_run
 from megarl.trainer.reward_assembly import RewardAssembly
-from megarl.trainer.schedules import PRODUCERS, colocated_step, schedule_name
+from megarl.trainer.schedules import PRODUCERS, SCHEDULES, schedule_name
 from megarl.trainer.settings import algorithm_settings
 from megarl.trainer.validation import validate
 from megarl.utils import dist as mdist
@@ -74,7 +74,7 @@ class RLTrainer:
         self.publisher = WeightPublisher(
             p.engine, free_cache_engine=cfg.actor_rollout_ref.rollout.free_cache_engine,
             version_of=self.producer.version_of)
-        self.rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        self.rollout_tp = self.producer.rollout_tp  # ranks per engine group of a generation
         self.peak_flops = peak_flops(p.device)
         self.actor_hf_config = None
         if self.peak_flops is not None:
@@ -94,8 +94,8 @@ class RLTrainer:
         the step's data, timing and throughput metrics."""
         timer = Timer()
         t0 = time.perf_counter()
-        batch, metrics = colocated_step(self.step, self.producer, self.learner, self.publisher,
-                                        timer)
+        batch, metrics = SCHEDULES[self.schedule](self.step, self.producer, self.learner,
+                                                  self.publisher, timer)
         metrics.update(self.step_metrics(batch, timer, time.perf_counter() - t0))
         metrics["actor/lr"] = metrics.get("actor/lr", float("nan"))
         return metrics

@@ -69,7 +69,7 @@ def test_a_worker_streams_samples_equal_to_generating_alone(tiny_folder):
     proc = _start(path, listener)
     try:
         ch = listener.accept("worker 0", timeout_s=60)
-        assert ch.recv("its hello", timeout_s=60) == ("hello", {"name": "worker 0"})
+        assert ch.recv("its hello", timeout_s=60) == ("hello", {"name": "worker 0", "dtype": "torch.float32"})
         prompts = prompts_of([6, 2, 13, 4, 9, 3], seed=4)
         first = [_request(i, prompts[i], n=2 if i == 0 else 1) for i in range(3)]
         for r in first:

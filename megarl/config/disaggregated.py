@@ -1,0 +1,116 @@
+"""The disaggregated mode's settings (``actor_rollout_ref.hybrid_engine=false``, verl's
+fully-async recipe): its derived values and its checks, in one place.
+
+- ``rollout.nnodes`` x ``rollout.n_gpus_per_node`` rollout workers (one engine each) beside
+  the trainer's ranks;
+- a learner step trains on ``ppo_mini_batch_size x async_training.require_batches`` prompts
+  (``data.train_batch_size`` 0, verl's spelling, is that number);
+- new weights every ``async_training.trigger_parameter_sync_step`` steps;
+- ``async_training.staleness_threshold``: a share (>= 0) of extra prompts generated ahead.
+
+What is not built yet is refused naming it: workers on other nodes, ``partial_rollout``, an
+engine other than megarl's torch engine, rollout tensor parallelism, multi-turn rollouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from megarl.config.schema import Config
+
+
+class Checker(Protocol):
+    def fail(self, keys: str | tuple[str, ...], text: str) -> None: ...
+
+
+def is_disaggregated(cfg: Config) -> bool:
+    """Whether rollouts run on rollout workers of their own."""
+    return not cfg.actor_rollout_ref.hybrid_engine
+
+
+def prompts_per_step(cfg: Config) -> int:
+    """Prompts a disaggregated learner step trains on."""
+    return (cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+            * cfg.async_training.require_batches)
+
+
+def fill(cfg: Config) -> None:
+    """``data.train_batch_size`` 0 (verl's fully-async scripts) = the prompts of a step."""
+    if is_disaggregated(cfg) and cfg.data.train_batch_size == 0:
+        cfg.data.train_batch_size = prompts_per_step(cfg)
+
+
+def check(cfg: Config, c: Checker) -> None:
+    """Problems of the disaggregated keys, in either mode."""
+    at, workers = cfg.async_training, cfg.rollout
+    s = at.staleness_threshold
+    if not is_disaggregated(cfg):
+        if workers.nnodes or workers.n_gpus_per_node:
+            c.fail(("rollout.nnodes", "actor_rollout_ref.hybrid_engine"),
+                   "rollout workers of their own run with actor_rollout_ref.hybrid_engine=false "
+                   "(the disaggregated mode); colocated rollouts share the training ranks: "
+                   "set rollout.nnodes=0 and rollout.n_gpus_per_node=0, or hybrid_engine=false")
+        if isinstance(s, float) and not s.is_integer():
+            c.fail(("async_training.staleness_threshold", "actor_rollout_ref.hybrid_engine"),
+                   f"{s!r}: colocated rollouts lag by whole steps (0, 1, 2, ...); a share of "
+                   "samples is the disaggregated mode's (actor_rollout_ref.hybrid_engine=false "
+                   "with rollout.nnodes / rollout.n_gpus_per_node)")
+        return
+    _check_workers(cfg, c)
+    if isinstance(s, bool) or s < 0:
+        c.fail("async_training.staleness_threshold", f"must be >= 0 (a share of extra prompts "
+               f"generated ahead of a sync window), got {s!r}")
+    for key in ("require_batches", "trigger_parameter_sync_step"):
+        value = getattr(at, key)
+        if value < 1:
+            c.fail(f"async_training.{key}", f"must be >= 1, got {value!r}")
+    want = prompts_per_step(cfg)
+    if cfg.data.train_batch_size != want:
+        c.fail(("data.train_batch_size", "async_training.require_batches"),
+               f"{cfg.data.train_batch_size} prompts, but a disaggregated step trains on "
+               f"actor.ppo_mini_batch_size x async_training.require_batches = {want}; set "
+               f"data.train_batch_size={want} or 0")
+    if at.partial_rollout:
+        c.fail("async_training.partial_rollout",
+               "continuing requests across a weight sync is not built yet; false lets each "
+               "request finish on the weights it started with (every sample from one version)")
+    for key, why in _unbuilt(cfg):
+        c.fail(key, why)
+
+
+def _check_workers(cfg: Config, c: Checker) -> None:
+    w = cfg.rollout
+    if w.nnodes < 1 or w.n_gpus_per_node < 1:
+        c.fail(("actor_rollout_ref.hybrid_engine", "rollout.nnodes", "rollout.n_gpus_per_node"),
+               f"hybrid_engine=false runs rollouts on workers of their own: rollout.nnodes "
+               f"({w.nnodes}) and rollout.n_gpus_per_node ({w.n_gpus_per_node}) must be >= 1")
+    elif w.nnodes > 1:
+        c.fail("rollout.nnodes", f"{w.nnodes}: rollout workers on other nodes need the "
+               "launcher's rollout world, not built yet; rollout.nnodes=1 starts them on the "
+               "trainer's first node")
+
+
+def _unbuilt(cfg: Config) -> list[tuple[Any, str]]:
+    ro = cfg.actor_rollout_ref.rollout
+    out = []
+    if ro.name != "torch":
+        out.append((("actor_rollout_ref.rollout.name", "actor_rollout_ref.hybrid_engine"),
+                    f"{ro.name!r}: the disaggregated mode's workers run megarl's torch engine "
+                    "(vLLM and SGLang workers are not built yet); set rollout.name=torch"))
+    if ro.tensor_model_parallel_size != 1:
+        out.append(("actor_rollout_ref.rollout.tensor_model_parallel_size",
+                    "a rollout worker is one engine on one device (engine groups of several "
+                    "ranks are not built yet); set it to 1"))
+    if ro.multi_turn.enable:
+        out.append(("actor_rollout_ref.rollout.multi_turn.enable",
+                    "multi-turn rollouts on rollout workers are not built yet; use the "
+                    "colocated modes (hybrid_engine=true)"))
+    if cfg.algorithm.filter_groups.enable:
+        out.append(("algorithm.filter_groups.enable",
+                    "dynamic sampling's refill rounds are not built for rollout workers; use the "
+                    "colocated modes"))
+    if cfg.actor_rollout_ref.model.lora_rank > 0:
+        out.append(("actor_rollout_ref.model.lora_rank",
+                    "LoRA adapters on rollout workers are not built yet (merged weights could "
+                    "be sent, but are not); use the colocated modes"))
+    return out
