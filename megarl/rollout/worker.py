@@ -12,6 +12,7 @@ Messages on its `megarl.rollout.channel.Channel`:
                                           "sampling": SamplingParams})
                             ("stop", None)
     worker -> coordinator   ("hello", {"name": str, "dtype": str})   first
+                            ("group_ready", None)   then, with a weight group: it has joined
                             ("samples", {"ids": [request id per completion], "completions":
                                           flat arrays (`completion_arrays.pack_completions`,
                                           each with the version that sampled it),
@@ -194,6 +195,7 @@ def worker_main(spec: Any, host: str, port: int, authkey: bytes, sampling: Sampl
         if group is not None:
             store_port, rank, size = group
             weights = WeightGroup.join(host, store_port, rank, size, engine.device, timeout_s)
+            channel.send("group_ready", None)
         RolloutWorker(engine, channel, sampling, max_len, idle_timeout_s=timeout_s,
                       group=weights).serve()
     finally:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megarl.rollout.build import EngineSpec
-from megarl.rollout.channel import ChannelListener
+from megarl.rollout.channel import ChannelError, ChannelListener
 from megarl.rollout.coordinator import Coordinator
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.reshard import as_named
@@ -91,6 +91,10 @@ class WorkerPool:
         finally:
             listener.close()
         self.group.form()
+        for ch in channels:  # every member formed (not only this end): none waits on another
+            kind, _ = ch.recv("its place in the weight group", timeout_s=p.timeout_s)
+            if kind != "group_ready":
+                raise ChannelError(f"{ch.peer} sent {kind!r} instead of joining the weight group")
         self.digest_dtype = DTYPES[dtypes.pop()] if len(dtypes) == 1 else None
         self.coord = Coordinator(channels, capacity=p.capacity, timeout_s=p.timeout_s,
                                  group=self.group)

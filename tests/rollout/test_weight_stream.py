@@ -1,0 +1,143 @@
+"""The weight stream (megarl/rollout/weight_stream.py) through the rollout workers' pool
+(megarl/rollout/worker_pool.py): two worker processes, a weight group over gloo, new weights
+published while requests run.
+
+- every prompt's samples equal generating it alone (this process, transformers-free: megarl's
+  engine on the same weights; tokens exact, logprobs within 1e-5) on the weights of the version
+  it carries: prompts handed out before the publish on the old weights (version 0), those
+  handed out after it on the new ones (version 1); each version serves some;
+- the stream went out in several buckets and both workers report version 1 with digests equal
+  to the trainer's; a whole-list generation (greedy, as validation) runs on the new weights;
+- a digest that disagrees (the trainer digests float16 casts, the engines hold float32) fails
+  the run naming a tensor; a publish after a worker died fails naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import prompts_of
+from safetensors.torch import load_file
+
+from megarl.rollout.build import EngineSpec
+from megarl.rollout.channel import ChannelError
+from megarl.rollout.coordinator import PromptRequest
+from megarl.rollout.protocol import SamplingParams
+from megarl.rollout.weight_stream import Bucket, WeightDigestError, buckets_of
+from megarl.rollout.worker_pool import WorkerPlacement, WorkerPool
+
+pytestmark = pytest.mark.dist  # processes of their own
+
+SP = SamplingParams(temperature=0.9, max_new_tokens=12, stop_token_ids=[7, 20, 33, 61])
+GREEDY = SamplingParams(greedy=True, temperature=0.0, max_new_tokens=12,
+                        stop_token_ids=[7, 20, 33, 61])
+PROMPTS = prompts_of([6, 2, 13, 4, 9, 3, 7, 5, 11, 8], seed=4)
+BUCKET = 64 << 10  # bytes: the tiny model goes out in several buckets
+
+
+def _pool(path, count: int = 2) -> WorkerPool:
+    spec = EngineSpec("torch", {"path": str(path), "dtype": "fp32", "device": "cpu",
+                                "tokenizer": None, "max_num_seqs": 3})
+    placement = WorkerPlacement(specs=[spec] * count, sampling=SP, max_len=40, capacity=3,
+                                timeout_s=60)
+    return WorkerPool(placement, torch.device("cpu"), bucket_bytes=BUCKET, check_digest=True)
+
+
+def _new_weights(path) -> dict[str, torch.Tensor]:
+    """The folder's weights, each moved by 5% noise (seeded)."""
+    g = torch.Generator().manual_seed(7)
+    state = load_file(str(path / "model.safetensors"))
+    return {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def _requests(keys):
+    return [PromptRequest(key=k, prompt=PROMPTS[k % len(PROMPTS)], seed=50 + k, n=2,
+                          max_new_tokens=12) for k in keys]
+
+
+def _engine(path, weights=None):
+    from megarl.rollout.torch import TorchRolloutEngine
+
+    engine = TorchRolloutEngine.from_pretrained(path, max_num_seqs=3, tokenizer=None)
+    if weights is not None:
+        engine.update_weights(iter(weights.items()))
+    return engine
+
+
+def _same(a, b):
+    for x, y in zip(sorted(a, key=lambda c: c.token_ids), sorted(b, key=lambda c: c.token_ids),
+                    strict=True):
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+        torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+
+
+def test_buckets_keep_the_stream_order_and_their_size():
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([3, 5, 40, 2])]
+    got = list(buckets_of(iter(named), bucket_bytes=32))
+    assert [[e[0] for e in b.entries] for b, _ in got] == [["t0", "t1"], ["t2"], ["t3"]]
+    assert [b.nbytes for b, _ in got] == [32, 160, 8]  # a larger tensor travels alone
+    assert isinstance(got[0][0], Bucket)
+
+
+def test_requests_after_a_publish_run_on_the_new_weights(tiny_folder):
+    path = tiny_folder("qwen3")
+    new = _new_weights(path)
+    pool = _pool(path)
+    try:
+        coord = pool.coord
+        coord.add(_requests(range(6)))  # 3 sequences per worker go out now, the rest queue
+        before = {k for held in coord.in_flight.values() for k in held}
+        pool.update_weights(iter(new.items()), version=1)
+        coord.add(_requests(range(6, 12)))
+        ready = coord.take(12, timeout_s=120)
+        while set(coord.versions.values()) != {1}:  # the loads (and digest checks) reported
+            coord.pump(0.1)
+        greedy = pool.generate(PROMPTS[:4], GREEDY, [0, 1, 2, 3])
+        sent = coord.sent[1]
+    finally:
+        pool.close()
+    assert sent.nbytes == sum(v.numel() * 4 for v in new.values())
+    assert len(list(buckets_of(iter(new.items()), BUCKET))) > 2
+    versions = {r.key: {c.policy_version for c in r.samples} for r in ready}
+    assert all(len(v) == 1 for v in versions.values()), versions
+    assert {k for k, v in versions.items() if v == {0}} == before and before
+    assert all(versions[k] == {1} for k in range(6, 12))
+    old_engine, new_engine = _engine(path), _engine(path, new)
+    for r in ready:
+        engine = new_engine if versions[r.key] == {1} else old_engine
+        alone = engine.generate([r.prompt], SamplingParams(
+            n=2, temperature=SP.temperature, max_new_tokens=12, seed=r.seed,
+            stop_token_ids=SP.stop_token_ids), prompt_keys=[r.key])
+        _same(alone, r.samples)
+    assert [c.prompt_index for c in greedy] == [0, 1, 2, 3]
+    assert all(c.policy_version == 1 for c in greedy)
+    _same(new_engine.generate(PROMPTS[:4], GREEDY, prompt_keys=[0, 1, 2, 3]), greedy)
+
+
+def test_a_digest_that_disagrees_fails_naming_the_tensor(tiny_folder):
+    path = tiny_folder("qwen3")
+    pool = _pool(path, count=1)
+    try:
+        pool.digest_dtype = torch.float16  # what the trainer digests is not what engines hold
+        pool.update_weights(iter(_new_weights(path).items()), version=1)
+        with pytest.raises(WeightDigestError, match=r"weight digest mismatch: rollout worker 0 "
+                                                    r"\(pid \d+\) holds \S+ with sha256"):
+            for _ in range(600):
+                pool.coord.pump(0.1)
+    finally:
+        pool.close()
+
+
+def test_a_publish_after_a_worker_died_names_it(tiny_folder):
+    path = tiny_folder("qwen3")
+    pool = _pool(path)
+    try:
+        pool.coord.warn = lambda _: None
+        pool.procs[1].kill()
+        pool.coord.add(_requests(range(6)))
+        pool.coord.take(6, timeout_s=120)  # served by the other
+        with pytest.raises(ChannelError, match=r"cannot publish version 1: a rollout worker was "
+                                               r"lost \(rollout worker 1 \(pid \d+\)"):
+            pool.update_weights(iter(_new_weights(path).items()), version=1)
+    finally:
+        pool.close()
