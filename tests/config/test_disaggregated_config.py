@@ -1,0 +1,63 @@
+"""The disaggregated mode's keys (megarl/config/disaggregated.py): what they derive, and each
+setting that is wrong or not built yet refused naming its key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.trainer.schedules import schedule_name
+
+ON = ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"]
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config("grpo", list(overrides))
+    return str(err.value)
+
+
+def test_verl_s_fully_async_spelling_resolves():
+    cfg = load_config("grpo", [*ON, "data.train_batch_size=0",
+                               "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                               "async_training.require_batches=4",
+                               "async_training.staleness_threshold=0.5",
+                               "async_training.trigger_parameter_sync_step=2"])
+    assert cfg.data.train_batch_size == 64  # ppo_mini_batch_size x require_batches
+    assert cfg.async_training.staleness_threshold == 0.5
+    assert schedule_name(cfg) == "fully_async"
+    assert schedule_name(load_config("grpo", [])) == "synchronous"
+    assert schedule_name(load_config("grpo", ["async_training.staleness_threshold=1"])) \
+        == "one_step_off"
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["actor_rollout_ref.hybrid_engine=false"],
+     "actor_rollout_ref.hybrid_engine: hybrid_engine=false runs rollouts on workers of their "
+     "own: rollout.nnodes (0)"),
+    (["rollout.n_gpus_per_node=2", "rollout.nnodes=1"],
+     "rollout.nnodes: rollout workers of their own run with actor_rollout_ref.hybrid_engine="
+     "false"),
+    (["async_training.staleness_threshold=0.5"],
+     "async_training.staleness_threshold: 0.5: colocated rollouts lag by whole steps"),
+    ([*ON, "async_training.staleness_threshold=-0.5"],
+     "async_training.staleness_threshold: must be >= 0"),
+    ([*ON, "async_training.require_batches=0"], "async_training.require_batches: must be >= 1"),
+    ([*ON, "async_training.trigger_parameter_sync_step=0"],
+     "async_training.trigger_parameter_sync_step: must be >= 1"),
+    ([*ON, "data.train_batch_size=48"],
+     "data.train_batch_size: 48 prompts, but a disaggregated step trains on "
+     "actor.ppo_mini_batch_size x async_training.require_batches = 64; set "
+     "data.train_batch_size=64 or 0"),
+    ([*ON, "async_training.partial_rollout=true"],
+     "async_training.partial_rollout: continuing requests across a weight sync is not built"),
+    ([*ON[:2], "rollout.nnodes=2", "rollout.n_gpus_per_node=1"],
+     "rollout.nnodes: 2: rollout workers on other nodes need the launcher's rollout world"),
+    ([*ON, "actor_rollout_ref.rollout.name=vllm"],
+     "actor_rollout_ref.rollout.name: 'vllm': the disaggregated mode's workers run megarl's "
+     "torch engine"),
+    ([*ON, "actor_rollout_ref.model.lora_rank=8"],
+     "actor_rollout_ref.model.lora_rank: LoRA adapters on rollout workers are not built yet"),
+])
+def test_wrong_or_unbuilt_settings_are_refused_by_name(overrides, words):
+    assert words in _error(*overrides)
