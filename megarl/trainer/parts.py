@@ -149,7 +149,8 @@ def worker_pool(cfg: Config, model_path: str, device: torch.device,
         placement = WorkerPlacement(  # seed 0: each request brings its own
             specs=specs, sampling=sampling_params(cfg, eos_id, 0), timeout_s=timeout,
             max_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-            capacity=ro.max_num_seqs)
+            capacity=2 * ro.max_num_seqs)  # a backlog as deep as the batch: a worker
+            # never idles while the trainer trains (its session admits from it as slots free)
     return WorkerPool(placement, device, bucket_bytes=ro.update_weights_bucket_megabytes << 20,
                       check_digest=cfg.rollout.check_weight_digest)
 
