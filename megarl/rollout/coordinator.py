@@ -19,8 +19,8 @@ New weights go to every worker at once (`publish`, over the weight group of
 `megarl.rollout.weight_stream`); each worker applies them once its submitted requests are done
 and says so, with a digest of its engine's tensors when asked for one, which is checked against
 what was sent. `generate` runs a whole list of prompts (validation, greedy baselines) on the
-workers' current weights, dealt round-robin. A weight group cannot lose a member: a publish
-after a worker was dropped fails naming it (the group is not rebuilt).
+workers' current weights, dealt round-robin. After a worker was dropped, the next publish
+first forms the weight group again with the live workers (`regroup`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class Coordinator:
         self.versions: dict[Channel, int] = {c: 0 for c in channels}  # weights each one runs
         self.dtypes: dict[Channel, str] = {}  # the engine dtype each one said hello with
         self.sent: dict[int, Sent] = {}  # version -> what its publish sent (digests checked)
+        self._formed: set[Channel] = set()  # workers that joined the group's last forming
         self._jobs: dict[int, dict] = {}  # generate job id -> its parts and results
         self._next_job = 0
 
@@ -136,15 +137,31 @@ class Coordinator:
         with ``digest_dtype`` each worker's digests are checked when it reports the load."""
         if self.group is None:
             raise RuntimeError("Coordinator.publish needs the weight group (group=)")
-        if self.dropped:
-            raise ChannelError(
-                f"cannot publish version {version}: a rollout worker was lost "
-                f"({self.dropped[0]}) and the weight group is not rebuilt without it")
+        if self.group.size != len(self.live) + 1:
+            self.regroup()
         sent = send_weights(self.group, list(self.live), named, version, bucket_bytes,
                             digest_dtype)
         self.sent = {v: s for v, s in self.sent.items() if v >= version - 4}
         self.sent[version] = sent
         return sent
+
+    def regroup(self) -> None:
+        """Form the weight group again with the live workers only (after a loss)."""
+        if not self.live:
+            raise ChannelError(f"no rollout worker is left (the last: {self.last_cause})")
+        generation, size = self.group.generation + 1, len(self.live) + 1
+        self._formed.clear()
+        for rank, ch in enumerate(self.live, start=1):
+            ch.send("regroup", {"rank": rank, "size": size, "generation": generation})
+        self.group.reform(0, size, generation)
+        deadline = time.monotonic() + self.timeout_s
+        while set(self.live) - self._formed:  # every member formed, not only this end
+            if time.monotonic() > deadline:
+                raise ChannelError(f"the weight group did not form again within "
+                                   f"{self.timeout_s:g} s")
+            self.pump(0.1)
+        self.warn(f"the weight group formed again with the {len(self.live)} live rollout "
+                  f"workers (lost: {'; '.join(self.dropped)})")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  prompt_keys: list[int], timeout_s: float | None = None) -> list[Completion]:
@@ -233,6 +250,9 @@ class Coordinator:
             raise ChannelError(f"{ch.peer} failed: {str(payload).strip().splitlines()[-1]}")
         if kind == "hello":
             self.dtypes[ch] = str(payload.get("dtype", ""))
+            return
+        if kind == "group_ready":
+            self._formed.add(ch)
             return
         if kind == "weights_loaded":
             version = int(payload["version"])

@@ -53,6 +53,7 @@ class WeightGroup:
     device: torch.device
     host: str = "127.0.0.1"
     timeout_s: float = 1800.0
+    generation: int = 0  # how many times the group was formed again (without lost members)
 
     @property
     def port(self) -> int:
@@ -84,7 +85,7 @@ class WeightGroup:
 
     def form(self) -> None:
         """Build the process group (collective over its ``size`` members)."""
-        prefixed = dist.PrefixStore("megarl/weights", self.store)
+        prefixed = dist.PrefixStore(f"megarl/weights/{self.generation}", self.store)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
             if self.device.type == "cuda":
@@ -97,6 +98,13 @@ class WeightGroup:
             raise WeightGroupError(
                 f"the weight group (rank {self.rank} of {self.size}) did not form within "
                 f"{self.timeout_s:g} s: a member never joined ({e})") from None
+
+    def reform(self, rank: int, size: int, generation: int) -> None:
+        """Form the group again as ``rank`` of ``size`` (the members left after a loss), on
+        keys of its own (``generation``); collective over the new members."""
+        self.pg = None
+        self.rank, self.size, self.generation = rank, size, generation
+        self.form()
 
     def broadcast(self, buf: torch.Tensor) -> None:
         """``buf`` [nbytes] uint8 from rank 0 into every member's ``buf`` (on ``device``)."""

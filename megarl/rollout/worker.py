@@ -8,6 +8,8 @@ Messages on its `megarl.rollout.channel.Channel`:
                             ("weights_bucket", header)   then the bucket's broadcast on the
                                           weight group (`megarl.rollout.weight_stream`)
                             ("weights_end", {"version": int, "digest": bool})
+                            ("regroup", {"rank": int, "size": int, "generation": int})   the
+                                          weight group forms again without a lost member
                             ("generate", {"id": any, "prompts": [[ids]], "prompt_keys": [int],
                                           "sampling": SamplingParams})
                             ("stop", None)
@@ -124,6 +126,10 @@ class RolloutWorker:
             self.barriers.append(("swap", int(payload["version"]), bool(payload["digest"])))
         elif kind == "generate":
             self.barriers.append(("generate", payload))
+        elif kind == "regroup":  # a member was lost: the group forms again without it
+            self.group.reform(int(payload["rank"]), int(payload["size"]),
+                              int(payload["generation"]))
+            self.channel.send("group_ready", None)
         else:
             raise ValueError(f"rollout worker: unknown message {kind!r}")
 

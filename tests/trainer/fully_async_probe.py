@@ -1,10 +1,10 @@
 """``launch/train.py`` with every fully asynchronous batch recorded (rank 0 writes them):
 
-    python tests/trainer/fully_async_probe.py OUT.json launch/train.py --config grpo ...
+    python tests/trainer/fully_async_probe.py OUT.json [--kill-worker-at=STEP] launch/train.py ...
 
 OUT.json: one row per learner step: its step, the dataset index (``extra_info.index``) of each
-prompt of the batch and the policy version of each of their samples. Read by
-test_fully_async.py."""
+prompt of the batch and the policy version of each of their samples. ``--kill-worker-at``:
+rollout worker 1 is killed (SIGKILL) as that step begins. Read by test_fully_async.py."""
 
 from __future__ import annotations
 
@@ -16,11 +16,16 @@ from megarl.trainer.fully_async import FullyAsyncProducer
 from megarl.utils import dist as mdist
 
 out = sys.argv.pop(1)
+kill_at = int(sys.argv.pop(1).split("=")[1]) if sys.argv[1].startswith("--kill") else None
 produce = FullyAsyncProducer.produce
 rows: list[dict] = []
 
 
 def recording(self, step, timer):
+    if step == kill_at and mdist.rank() == 0:
+        victim = self.parts.engine.procs[1]
+        victim.kill()
+        victim.join()
     batch, metrics = produce(self, step, timer)
     if mdist.rank() == 0:
         groups = batch.tensors["policy_version"].tolist()

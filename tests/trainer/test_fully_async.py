@@ -7,7 +7,9 @@ of 2 x 4 prompts), weights streamed after every step with the digest check on.
   every step streamed the weights; validation runs on the workers;
 - resumed from the checkpoint of step 2, the run trains in steps 3 and 4 exactly the prompts
   the uninterrupted run trained there (those handed out but not trained when step 2 saved):
-  none lost, none trained twice; the 16 prompts of the 4 steps are distinct.
+  none lost, none trained twice; the 16 prompts of the 4 steps are distinct;
+- a worker killed (SIGKILL) as step 2 begins is dropped with a warning naming it, the weight
+  group forms again without it and the run ends its 4 steps on the other, every prompt once.
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ DISAGGREGATED = ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
                  "async_training.staleness_threshold=1", "trainer.total_training_steps=4"]
 
 
-def _probe(tmp_path, name, *overrides):
+def _probe(tmp_path, name, *overrides, probe_args=()):
     out = tmp_path / f"{name}.json"
-    train(tmp_path / name, "grpo", *DISAGGREGATED, *overrides,
-          python_args=("tests/trainer/fully_async_probe.py", str(out)), timeout=900)
-    return json.loads(out.read_text())
+    proc = train(tmp_path / name, "grpo", *DISAGGREGATED, *overrides,
+                 python_args=("tests/trainer/fully_async_probe.py", str(out), *probe_args),
+                 timeout=900)
+    return json.loads(out.read_text()), proc
 
 
 def test_fully_async_trains_every_prompt_once_across_a_resume(tmp_path):
-    rows = _probe(tmp_path, "a", "trainer.save_freq=2", "trainer.test_freq=4",
-                  "data.val_batch_size=100")
+    rows, _ = _probe(tmp_path, "a", "trainer.save_freq=2", "trainer.test_freq=4",
+                     "data.val_batch_size=100")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(len(r["prompts"]) == 4 and len(r["versions"]) == 16 for r in rows)
     assert all(0 <= v <= r["step"] - 1 for r in rows for v in r["versions"])
@@ -50,7 +53,18 @@ def test_fully_async_trains_every_prompt_once_across_a_resume(tmp_path):
     ckpt = tmp_path / "a" / "checkpoints" / "global_step_2"
     state = json.loads((ckpt / "trainer_state.json").read_text())["fully_async"]
     assert state["taken"] == 8 and len(state["untrained"]) == 8
-    resumed = _probe(tmp_path, "b", f"trainer.resume={ckpt}", "trainer.save_freq=-1",
-                     "trainer.test_freq=-1")
+    resumed, _ = _probe(tmp_path, "b", f"trainer.resume={ckpt}", "trainer.save_freq=-1",
+                        "trainer.test_freq=-1")
     assert [r["step"] for r in resumed] == [3, 4]
     assert sorted(p for r in resumed for p in r["prompts"]) == sorted(trained[8:])
+
+
+def test_a_worker_killed_mid_run_is_dropped_and_the_run_goes_on(tmp_path):
+    rows, proc = _probe(tmp_path, "k", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                        probe_args=("--kill-worker-at=2",))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert len({p for r in rows for p in r["prompts"]}) == 16  # its prompts served by the other
+    assert "rollout worker dropped: rollout worker 1 (pid " in proc.stderr
+    assert "the weight group formed again with the 1 live rollout workers" in proc.stderr
+    m = {r["step"]: r for r in metrics(tmp_path / "k") if r["step"] > 0}
+    assert all(m[s]["rollout/weight_sync_bytes"] > 0 for s in range(1, 5))
