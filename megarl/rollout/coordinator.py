@@ -77,6 +77,7 @@ class Coordinator:
         self.versions: dict[Channel, int] = {c: 0 for c in channels}  # weights each one runs
         self.dtypes: dict[Channel, str] = {}  # the engine dtype each one said hello with
         self.sent: dict[int, Sent] = {}  # version -> what its publish sent (digests checked)
+        self.busy_s: dict[Channel, float] = {}  # seconds each worker has computed so far
         self._formed: set[Channel] = set()  # workers that joined the group's last forming
         self._jobs: dict[int, dict] = {}  # generate job id -> its parts and results
         self._next_job = 0
@@ -264,6 +265,8 @@ class Coordinator:
             job = self._jobs[payload["id"][0]]
             job["done"][payload["id"][1]] = unpack_completions(payload["completions"])
             return
+        if isinstance(payload, dict) and "busy_s" in payload:
+            self.busy_s[ch] = float(payload["busy_s"])
         if kind != "samples":
             return  # heartbeats
         for key, c in zip(payload["ids"], unpack_completions(payload["completions"])):

@@ -18,11 +18,13 @@ Messages on its `megarl.rollout.channel.Channel`:
                             ("samples", {"ids": [request id per completion], "completions":
                                           flat arrays (`completion_arrays.pack_completions`,
                                           each with the version that sampled it),
-                                          "step": the engine step they finished at})
+                                          "step": the engine step they finished at,
+                                          "busy_s": seconds the worker has computed so far})
                             ("weights_loaded", {"version": int, "digests": {name: sha256} or
                                           None})
                             ("generated", {"id": any, "completions": flat arrays})
-                            ("heartbeat", {"step": int, "in_flight": int})   when idle or
+                            ("heartbeat", {"step": int, "busy_s": float, "in_flight": int})
+                                          when idle or
                                           every ``heartbeat_s`` while decoding
                             ("error", "traceback text")   then the worker ends
 
@@ -64,6 +66,7 @@ class RolloutWorker:
         self.heartbeat_s, self.idle_timeout_s = heartbeat_s, idle_timeout_s
         self.owner: dict[int, list] = {}  # session request id -> [coordinator's id, left, version]
         self.steps = 0
+        self.busy_s = 0.0  # seconds spent decoding and applying weights / generations
         self.version = version
         self.staged: list = []  # (name, tensor) of the weights being received
         self.barriers: deque = deque()  # ("swap", version, digest) / ("generate", payload)
@@ -91,24 +94,29 @@ class RolloutWorker:
                 self._handle(kind, payload)
                 wait = 0.0
             if self.barriers and not self.session.busy:
+                t0 = time.monotonic()
                 self._pass_barriers()
+                self.busy_s += time.monotonic() - t0
                 continue
             if not self.session.busy:
                 if time.monotonic() - idle_since > self.idle_timeout_s:
                     raise ChannelError(f"{self.channel.peer} sent no request for "
                                        f"{self.idle_timeout_s:g} s")
-                self.channel.send("heartbeat", {"step": self.steps, "in_flight": 0})
+                self.channel.send("heartbeat", {"step": self.steps, "busy_s": self.busy_s,
+                                                "in_flight": 0})
                 last_beat = time.monotonic()
                 continue
             idle_since = time.monotonic()
             done = self.session.step()
+            self.busy_s += time.monotonic() - idle_since
             self.steps += 1
             if done:
                 ids = [self._returned(c) for c in done]
                 self.channel.send("samples", {"ids": ids, "step": self.steps,
+                                              "busy_s": self.busy_s,
                                               "completions": to_wire(pack_completions(done))})
             elif time.monotonic() - last_beat >= self.heartbeat_s:
-                self.channel.send("heartbeat", {"step": self.steps,
+                self.channel.send("heartbeat", {"step": self.steps, "busy_s": self.busy_s,
                                                 "in_flight": len(self.owner)})
                 last_beat = time.monotonic()
 

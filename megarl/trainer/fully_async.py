@@ -153,7 +153,10 @@ class FullyAsyncProducer(SampleProducer):
                 "async/policy_version_lag/min": float(lag.min()),
                 "async/policy_version_lag/mean": float(lag.mean()),
                 "async/policy_version_lag/max": float(lag.max()),
-                "async/prompts_out": float(self.issued - self.taken)}
+                "async/prompts_out": float(self.issued - self.taken),
+                # seconds the workers have computed since the run began (all of them)
+                "async/rollout_busy_s": (float(sum(self.coord.busy_s.values()))
+                                         if self.coord is not None else 0.0)}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
