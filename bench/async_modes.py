@@ -20,7 +20,7 @@ Per mode (median over ``--repeats`` runs, modes alternating):
   asynchronous modes) as a share of the step time.
 - response lengths: median and max over the run's samples (``response_length/*``).
 
-    OMP_NUM_THREADS=1 python bench/async_modes.py --steps 8 --repeats 2 [--json PATH]
+    OMP_NUM_THREADS=1 python bench/async_modes.py --steps 8 --repeats 2 [--json PATH] [k=v ...]
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ MODES = {
     "synchronous": [],
     "one-step-off": ["async_training.staleness_threshold=1", "async_training.engine_cpus=[1]"],
     "fully async": ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
-                    "rollout.n_gpus_per_node=1", "async_training.engine_cpus=[1]",
-                    "async_training.staleness_threshold=1"],
+                    "rollout.n_gpus_per_node=1", "async_training.engine_cpus=[1]"],
 }
 
 
@@ -79,7 +78,10 @@ def run(mode: str, assets: Path, args: argparse.Namespace) -> dict[str, Any]:
            f"actor_rollout_ref.rollout.n={args.n}", "actor_rollout_ref.actor.optim.lr=1e-6",
            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
            "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
-           "trainer.export_hf=false", *MODES[mode]]
+           "trainer.export_hf=false", *args.overrides, *MODES[mode]]
+    if mode == "fully async":
+        cmd += [f"async_training.staleness_threshold={args.staleness}",
+                f"async_training.trigger_parameter_sync_step={args.sync_every}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MEGARL_ASSETS=str(assets))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -144,20 +146,26 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--stops", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--staleness", type=float, default=1.0, help="fully async's threshold")
+    ap.add_argument("--sync-every", type=int, default=1,
+                    help="fully async's trigger_parameter_sync_step")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("async_modes needs 2 cores (the trainer on core 0, the engine on core 1)")
     model = random_assets(Path(tempfile.mkdtemp(prefix="megarl_async_assets_")))
-    res: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    modes = args.modes.split(",")
+    res: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rep in range(args.repeats):
-        order = list(MODES) if rep % 2 == 0 else list(reversed(MODES))
+        order = modes if rep % 2 == 0 else list(reversed(modes))
         for mode in order:
             r = run(mode, model, args)
             res[mode].append(r)
             print(f"{mode}: {r}", flush=True)
-    base = statistics.median(r["samples_per_s"] for r in res["synchronous"])
+    base = statistics.median(r["samples_per_s"] for r in res[modes[0]])
     lines = ["| mode | samples/s | vs synchronous | trainer core busy | engine core busy | "
              "trainer waits for samples | response length: median of step means / longest |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -171,12 +179,14 @@ def main() -> None:
                      f"{med('len_median'):.0f} / {max(r['len_max'] for r in runs):.0f} |")
     cmd = ("OMP_NUM_THREADS=1 python bench/async_modes.py " +
            " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                    if k not in ("json", "no_write")))
+                    if k not in ("json", "no_write", "overrides", "modes")) +
+           "".join(f" {o}" for o in args.overrides))
     body = (f"`{cmd}`, {time.strftime('%Y-%m-%d')}, {platform_line()}.\n"
             f"GRPO, {args.prompts} prompts x {args.n} responses per step, responses ended by "
             f"EOS or {args.stops} extra stop tokens under a random policy (geometric lengths, "
-            f"at most {args.max_len}); fully async: 1 rollout worker, staleness_threshold=1, "
-            "trigger_parameter_sync_step=1, partial_rollout=false. Medians over "
+            f"at most {args.max_len}); fully async: 1 rollout worker, staleness_threshold="
+            f"{args.staleness:g}, trigger_parameter_sync_step={args.sync_every}, "
+            "partial_rollout=false. Medians over "
             f"{args.repeats} runs per mode, steps {args.warmup + 1}..{args.steps} kept.\n\n"
             + "\n".join(lines) + "\n")
     print(body)
