@@ -12,7 +12,10 @@ seeds stand in for that (`bench/learning_margins.py`, docs/testing.md has every 
 gain at the test's steps, seeds 42 / 1 / 2 (2-core Intel Xeon, one thread): GRPO +12.0 / +9.4 /
 +8.6, PACS +10.8 / +10.8 / +11.4, PURE-PRM+VR +8.0 / +9.6 / +7.2 (20 steps); GRPO with vLLM
 +16.0 / +9.6 / +15.4 at 30 steps (at 20: +12.2 / +3.2 / +12.6); PURE-PRM+VR with staleness 1
-(each batch sampled by the weights one update old) +10.0 / +8.6 / +7.4 at 10 steps; the
+(each batch sampled by the weights one update old) +10.0 / +8.6 / +7.4 at 10 steps; GRPO
+fully asynchronous (a rollout worker of its own, staleness_threshold 0.5: batches hold prompts
+one version old) +6.4 / +8.0 / +7.4 at 10 steps (a second run of seed 42: +6.6; the batches
+hold the prompts that finish first, so runs differ; 2 threads: +6.4); the
 mixture-of-experts policy (embedded://policy_moe: the SFT policy upcycled to a Qwen2-MoE with 4
 experts, top-2 and a shared expert) +9.4 / +6.6 / +10.4 at 20 steps (at 10: +7.8 / +5.2 /
 +4.4); LoRA +8.4 / +9.4 / +12.6 at 20 steps and lr 2e-3 (at lr 3e-3: +8.4 / +4.2 / +5.6 at
@@ -38,7 +41,7 @@ from trainer_helpers import REPO, env, metrics, train
 
 VAL = "val/test_score/arith"
 STEPS = 20  # the recipes as shipped, the MoE and LoRA variants
-VARIANT_STEPS = 10  # the asynchronous variant
+VARIANT_STEPS = 10  # the asynchronous variants
 VLLM_STEPS = 30  # GRPO with vLLM rollouts (at 20 steps one seed of three gained +3.2)
 RUN_TIMEOUT = 1080  # s: below pytest's --timeout=1200 (Makefile), which would kill it first
 
@@ -55,6 +58,11 @@ RUN_TIMEOUT = 1080  # s: below pytest's --timeout=1200 (Makefile), which would k
     # PRM and the rule reward both score the stale batch; GRPO shares the same loop)
     pytest.param("pure_prm_vr", ["async_training.staleness_threshold=1"], VARIANT_STEPS,
                  id="pure_prm_vr-async1"),
+    # disaggregated, fully asynchronous: one rollout worker process generating continuously,
+    # up to 1.5 x 64 prompts out per sync window, weights streamed after every step
+    pytest.param("grpo", ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
+                          "rollout.n_gpus_per_node=1", "async_training.staleness_threshold=0.5"],
+                 VARIANT_STEPS, id="grpo-fully-async", marks=pytest.mark.dist),
     # a mixture-of-experts policy: the SFT policy upcycled to 4 experts, top-2 (policy_moe)
     pytest.param("grpo", ["actor_rollout_ref.model.path=embedded://policy_moe"], STEPS,
                  id="grpo-moe"),
