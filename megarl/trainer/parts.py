@@ -139,6 +139,12 @@ def worker_pool(cfg: Config, model_path: str, device: torch.device,
     if mdist.rank() == 0:
         count = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc_per_node))
+        if device.type == "cuda" and torch.cuda.device_count() < local_world + count:
+            raise UserInputError(
+                f"rollout.n_gpus_per_node={count}: the rollout workers take the GPUs after the "
+                f"node's {local_world} trainer ranks, but this node has "
+                f"{torch.cuda.device_count()} GPUs; lower rollout.n_gpus_per_node or "
+                "trainer.n_gpus_per_node")
         specs = []
         for i in range(count):
             where = (torch.device("cuda", local_world + i) if device.type == "cuda"
