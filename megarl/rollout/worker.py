@@ -189,19 +189,21 @@ class RolloutWorker:
 def worker_main(spec: Any, host: str, port: int, authkey: bytes, sampling: SamplingParams,
                 max_len: int, engine_kwargs: dict[str, Any] | None = None,
                 name: str = "rollout worker", timeout_s: float = 1800.0,
-                group: tuple[int, int, int] | None = None) -> None:
+                group: tuple[int, int, int] | None = None,
+                kv_fraction: float | None = None) -> None:
     """A rollout worker process: the engine of ``spec`` (a `megarl.rollout.build.EngineSpec`,
     or a model folder for megarl's torch engine with ``engine_kwargs``:
     `TorchRolloutEngine.from_pretrained`'s), connected to the coordinator at ``host:port``.
-    ``group``: (store port, rank, size) of the weight group on ``host``. Dies with the process
-    that started it."""
+    ``group``: (store port, rank, size) of the weight group on ``host``. ``kv_fraction``: the
+    share of its GPU's free memory the KV cache of megarl's engine takes, measured here. Dies
+    with the process that started it."""
     import torch
 
     from megarl.utils.lifetime import die_with_parent
 
     die_with_parent()
     torch.set_num_threads(1)
-    engine = _build_engine(spec, engine_kwargs)
+    engine = _build_engine(spec, engine_kwargs, kv_fraction)
     channel = connect(host, port, authkey, "the coordinator", timeout_s=timeout_s)
     channel.send("hello", {"name": name, "dtype": str(engine.dtype)})
     weights = None
@@ -216,14 +218,22 @@ def worker_main(spec: Any, host: str, port: int, authkey: bytes, sampling: Sampl
         channel.close()
 
 
-def _build_engine(spec: Any, engine_kwargs: dict[str, Any] | None) -> Any:
+def _build_engine(spec: Any, engine_kwargs: dict[str, Any] | None,
+                  kv_fraction: float | None) -> Any:
     if isinstance(spec, str):
         from megarl.rollout.torch import TorchRolloutEngine
 
         return TorchRolloutEngine.from_pretrained(spec, **(engine_kwargs or {}))
+    import dataclasses
+
     from megarl.rollout.build import engine_from_spec
     from megarl.rollout.engine_process import enter_engine_env, pin_process
+    from megarl.rollout.memory import device_memory
 
     device = enter_engine_env(spec)
     pin_process(spec.cpus, spec.threads)
+    if kv_fraction is not None and "kv_cache_bytes" in spec.settings:
+        free, _ = device_memory(device)
+        spec = dataclasses.replace(spec, settings={**spec.settings,
+                                                   "kv_cache_bytes": int(kv_fraction * free)})
     return engine_from_spec(spec, device)

@@ -44,6 +44,8 @@ class WorkerPlacement:
     capacity: int  # sequences in flight per worker
     timeout_s: float
     host: str = "127.0.0.1"
+    # on a GPU: the share of its free memory a worker's KV cache takes (measured there)
+    kv_fraction: float | None = None
 
 
 class WorkerPool:
@@ -76,7 +78,8 @@ class WorkerPool:
             proc = ctx.Process(
                 target=worker_main, daemon=True, name=f"megarl-rollout-worker-{i}",
                 args=(spec, listener.host, listener.port, key, p.sampling, p.max_len, None,
-                      f"rollout worker {i}", p.timeout_s, (self.group.port, i + 1, count + 1)))
+                      f"rollout worker {i}", p.timeout_s, (self.group.port, i + 1, count + 1),
+                      p.kv_fraction))
             proc.start()
             self.procs.append(proc)
         channels, dtypes = [], set()

@@ -147,13 +147,17 @@ def worker_pool(cfg: Config, model_path: str, device: torch.device,
                 "trainer.n_gpus_per_node")
         specs = []
         for i in range(count):
-            where = (torch.device("cuda", local_world + i) if device.type == "cuda"
-                     else torch.device("cpu"))
             cpus = [at.engine_cpus[i % len(at.engine_cpus)]] if at.engine_cpus else []
-            specs.append(engine_spec(rollout_settings(cfg), model_path, where, own_process=True,
-                                     cpus=cpus))
+            # built for the CPU, then placed: rank 0 never touches a worker's GPU (no CUDA
+            # context there); the worker sizes its KV cache from its own GPU's free memory
+            spec = engine_spec(rollout_settings(cfg), model_path, "cpu", own_process=True,
+                               cpus=cpus)
+            if device.type == "cuda":
+                spec = dataclasses.replace(spec, device=f"cuda:{local_world + i}")
+            specs.append(spec)
         placement = WorkerPlacement(  # seed 0: each request brings its own
             specs=specs, sampling=sampling_params(cfg, eos_id, 0), timeout_s=timeout,
+            kv_fraction=ro.gpu_memory_utilization if device.type == "cuda" else None,
             max_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
             capacity=2 * ro.max_num_seqs)  # a backlog as deep as the batch: a worker
             # never idles while the trainer trains (its session admits from it as slots free)
