@@ -6,7 +6,9 @@ fully-async recipe): its derived values and its checks, in one place.
 - a learner step trains on ``ppo_mini_batch_size x async_training.require_batches`` prompts
   (``data.train_batch_size`` 0, verl's spelling, is that number);
 - new weights every ``async_training.trigger_parameter_sync_step`` steps;
-- ``async_training.staleness_threshold``: a share (>= 0) of extra prompts generated ahead.
+- ``async_training.staleness_threshold``: a share (>= 0) of extra prompts generated ahead;
+- ``rollout.total_rollout_steps``: the run's length in prompts (verl's), unless
+  ``trainer.total_training_steps`` is set.
 
 What is not built yet is refused naming it: workers on other nodes, ``partial_rollout``, an
 engine other than megarl's torch engine, rollout tensor parallelism, multi-turn rollouts.
@@ -34,6 +36,14 @@ def prompts_per_step(cfg: Config) -> int:
             * cfg.async_training.require_batches)
 
 
+def learner_steps(cfg: Config) -> int | None:
+    """Learner steps of ``rollout.total_rollout_steps`` prompts (None: not set)."""
+    total = cfg.rollout.total_rollout_steps
+    if not is_disaggregated(cfg) or total is None:
+        return None
+    return int(total) // prompts_per_step(cfg)
+
+
 def fill(cfg: Config) -> None:
     """``data.train_batch_size`` 0 (verl's fully-async scripts) = the prompts of a step."""
     if is_disaggregated(cfg) and cfg.data.train_batch_size == 0:
@@ -45,6 +55,11 @@ def check(cfg: Config, c: Checker) -> None:
     at, workers = cfg.async_training, cfg.rollout
     s = at.staleness_threshold
     if not is_disaggregated(cfg):
+        if workers.total_rollout_steps is not None:
+            c.fail(("rollout.total_rollout_steps", "actor_rollout_ref.hybrid_engine"),
+                   "the run's length in prompts handed to rollout workers: a disaggregated "
+                   "mode key (hybrid_engine=false); colocated runs take "
+                   "trainer.total_training_steps")
         if workers.nnodes or workers.n_gpus_per_node:
             c.fail(("rollout.nnodes", "actor_rollout_ref.hybrid_engine"),
                    "rollout workers of their own run with actor_rollout_ref.hybrid_engine=false "
@@ -64,6 +79,12 @@ def check(cfg: Config, c: Checker) -> None:
         value = getattr(at, key)
         if value < 1:
             c.fail(f"async_training.{key}", f"must be >= 1, got {value!r}")
+    if workers.total_rollout_steps is not None and \
+            workers.total_rollout_steps < prompts_per_step(cfg):
+        c.fail("rollout.total_rollout_steps",
+               f"{workers.total_rollout_steps} prompts do not make one learner step of "
+               f"{prompts_per_step(cfg)} (actor.ppo_mini_batch_size x "
+               "async_training.require_batches)")
     want = prompts_per_step(cfg)
     if cfg.data.train_batch_size != want:
         c.fail(("data.train_batch_size", "async_training.require_batches"),

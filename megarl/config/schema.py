@@ -295,6 +295,10 @@ class RolloutWorkersConfig:
     # after each weight sync every worker reports a sha256 of each tensor its engine holds,
     # compared with what the trainer sent; a mismatch fails the run naming the tensor
     check_weight_digest: bool = False
+    # the run's length in prompts handed to the workers (verl's fully-async recipe; one rollout
+    # step is one prompt): total_rollout_steps // (ppo_mini_batch_size x require_batches)
+    # learner steps, unless trainer.total_training_steps is set; None: trainer.total_epochs
+    total_rollout_steps: int | None = None
 
 
 @dataclass

@@ -330,6 +330,9 @@ def _resolve_all(cfg: Config) -> dict[str, str]:
 def _total_steps(cfg: Config, sampler: PromptSampler | ExternSampler) -> int:
     if cfg.trainer.total_training_steps:
         return int(cfg.trainer.total_training_steps)
+    from_prompts = disaggregated.learner_steps(cfg)  # rollout.total_rollout_steps (verl)
+    if from_prompts is not None:
+        return from_prompts
     return int(cfg.trainer.total_epochs) * sampler.batches_per_epoch
 
 

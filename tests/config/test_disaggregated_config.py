@@ -56,8 +56,21 @@ def test_verl_s_fully_async_spelling_resolves():
     ([*ON, "actor_rollout_ref.rollout.name=vllm"],
      "actor_rollout_ref.rollout.name: 'vllm': the disaggregated mode's workers run megarl's "
      "torch engine"),
+    (["rollout.total_rollout_steps=640"],
+     "rollout.total_rollout_steps: the run's length in prompts handed to rollout workers: a "
+     "disaggregated mode key"),
+    ([*ON, "rollout.total_rollout_steps=10"],
+     "rollout.total_rollout_steps: 10 prompts do not make one learner step of 64"),
     ([*ON, "actor_rollout_ref.model.lora_rank=8"],
      "actor_rollout_ref.model.lora_rank: LoRA adapters on rollout workers are not built yet"),
 ])
 def test_wrong_or_unbuilt_settings_are_refused_by_name(overrides, words):
     assert words in _error(*overrides)
+
+
+def test_total_rollout_steps_sets_the_learner_steps():
+    from megarl.config import disaggregated
+
+    cfg = load_config("grpo", [*ON, "rollout.total_rollout_steps=650"])
+    assert disaggregated.learner_steps(cfg) == 10  # 650 prompts // 64 per step
+    assert disaggregated.learner_steps(load_config("grpo", [])) is None

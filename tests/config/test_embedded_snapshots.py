@@ -45,6 +45,7 @@ ADDED: dict[str, object] = {
     "rollout.nnodes": 0,
     "rollout.n_gpus_per_node": 0,
     "rollout.check_weight_digest": False,
+    "rollout.total_rollout_steps": None,
     "data.gen_batch_size": None,
     "data.on_bad_row": "error",
     "algorithm.rollout_correction.rollout_is": None,
