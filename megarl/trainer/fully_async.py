@@ -21,8 +21,8 @@ The PPO ratio is taken against the engine's logprobs with
 ``async_training.use_rollout_log_probs`` (verl's default), as the one-step-off producer does
 (`megarl.trainer.correction.lagged_logprobs`).
 
-Each prompt's noise is keyed by its serial number (the n-th prompt handed out), so a prompt
-gives the same samples on whichever worker serves it. Which prompts a batch holds depends on
+Each prompt's noise is keyed by its serial number (the n-th prompt handed out, counted across
+resumes), so a prompt gives the same samples on whichever worker serves it. Which prompts a batch holds depends on
 when samples finish, so runs are not bitwise repeatable across machines or loads.
 
 Checkpoints hold the sampler's position and the prompts handed out but not yet trained on; a
@@ -69,6 +69,7 @@ class FullyAsyncProducer(SampleProducer):
         self.pool: deque[int] = deque()  # dataset indices drawn, not yet handed out
         self.index_of: dict[int, int] = {}  # prompt serial -> dataset index (out, untrained)
         self.issued = 0  # prompts handed out
+        self.next_key = 0  # the next prompt's serial number (its noise key), never reused
         self.taken = 0  # prompts trained on (or being trained on)
         self.window_base = 0  # ``taken`` when the current sync window began
 
@@ -104,7 +105,8 @@ class FullyAsyncProducer(SampleProducer):
         while (self.issued - self.window_base < self.window
                and self.issued < self.total_prompts):
             idx = self._next_index()
-            serial = self.issued
+            serial = self.next_key
+            self.next_key += 1
             self.coord.add([PromptRequest(key=serial, prompt=list(ds[idx].prompt_ids),
                                           seed=self.seed, n=sampling.n,
                                           max_new_tokens=sampling.max_new_tokens)])
@@ -165,7 +167,7 @@ class FullyAsyncProducer(SampleProducer):
         out = sorted(self.index_of.items())
         return {"sampler": self.parts.sampler.state_dict(),
                 "fully_async": {"untrained": [idx for _, idx in out], "pool": list(self.pool),
-                                "taken": self.taken}}
+                                "taken": self.taken, "next_key": self.next_key}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -176,4 +178,5 @@ class FullyAsyncProducer(SampleProducer):
                 "workers' state); resume it with actor_rollout_ref.hybrid_engine=true")
         self.pool = deque(int(i) for i in mine["untrained"] + mine["pool"])
         self.taken = self.issued = self.window_base = int(mine["taken"])
+        self.next_key = int(mine["next_key"])
 

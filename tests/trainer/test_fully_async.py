@@ -52,7 +52,7 @@ def test_fully_async_trains_every_prompt_once_across_a_resume(tmp_path):
 
     ckpt = tmp_path / "a" / "checkpoints" / "global_step_2"
     state = json.loads((ckpt / "trainer_state.json").read_text())["fully_async"]
-    assert state["taken"] == 8 and len(state["untrained"]) == 8
+    assert state["taken"] == 8 and len(state["untrained"]) == 8 and state["next_key"] == 16
     resumed, _ = _probe(tmp_path, "b", f"trainer.resume={ckpt}", "trainer.save_freq=-1",
                         "trainer.test_freq=-1")
     assert [r["step"] for r in resumed] == [3, 4]
