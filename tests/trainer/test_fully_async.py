@@ -9,7 +9,9 @@ of 2 x 4 prompts), weights streamed after every step with the digest check on.
   the uninterrupted run trained there (those handed out but not trained when step 2 saved):
   none lost, none trained twice; the 16 prompts of the 4 steps are distinct;
 - a worker killed (SIGKILL) as step 2 begins is dropped with a warning naming it, the weight
-  group forms again without it and the run ends its 4 steps on the other, every prompt once.
+  group forms again without it and the run ends its 4 steps on the other, every prompt once;
+- two trainer ranks (FSDP) with one worker: the batches, the weight export and validation
+  span the world.
 """
 
 from __future__ import annotations
@@ -68,3 +70,17 @@ def test_a_worker_killed_mid_run_is_dropped_and_the_run_goes_on(tmp_path):
     assert "the weight group formed again with the 1 live rollout workers" in proc.stderr
     m = {r["step"]: r for r in metrics(tmp_path / "k") if r["step"] > 0}
     assert all(m[s]["rollout/weight_sync_bytes"] > 0 for s in range(1, 5))
+
+
+def test_two_trainer_ranks_share_one_worker_s_batches(tmp_path):
+    """SPMD: rank 0 takes the batch and hands it to rank 1, both export the weights (one
+    stream), validation runs once on the worker for the whole world."""
+    train(tmp_path, "grpo", *DISAGGREGATED[:4], "rollout.n_gpus_per_node=1",
+          "async_training.staleness_threshold=1", "trainer.total_training_steps=3",
+          "trainer.test_freq=3", "data.val_batch_size=100", "launch.nproc_per_node=2",
+          nproc=2, timeout=900)
+    m = {r["step"]: r for r in metrics(tmp_path) if r["step"] > 0}
+    assert [m[s]["async/policy_version"] for s in (1, 2, 3)] == [0, 1, 2]
+    assert m[1]["async/policy_version_lag/max"] == 0
+    assert all(m[s]["rollout/weight_sync_bytes"] > 0 for s in (1, 2, 3))
+    assert 0.0 <= m[3]["val/test_score/arith"] <= 1.0
