@@ -45,9 +45,15 @@ def learner_steps(cfg: Config) -> int | None:
 
 
 def fill(cfg: Config) -> None:
-    """``data.train_batch_size`` 0 (verl's fully-async scripts) = the prompts of a step."""
-    if is_disaggregated(cfg) and cfg.data.train_batch_size == 0:
+    """``data.train_batch_size`` 0 (verl's fully-async scripts) = the prompts of a step;
+    ``data.gen_batch_size`` 1 (verl asserts it there: one prompt per rollout step) is how the
+    workers are fed anyway, so it is read as unset."""
+    if not is_disaggregated(cfg):
+        return
+    if cfg.data.train_batch_size == 0:
         cfg.data.train_batch_size = prompts_per_step(cfg)
+    if cfg.data.gen_batch_size == 1:
+        cfg.data.gen_batch_size = None
 
 
 def check(cfg: Config, c: Checker) -> None:

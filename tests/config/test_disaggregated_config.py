@@ -18,12 +18,13 @@ def _error(*overrides: str) -> str:
 
 
 def test_verl_s_fully_async_spelling_resolves():
-    cfg = load_config("grpo", [*ON, "data.train_batch_size=0",
+    cfg = load_config("grpo", [*ON, "data.train_batch_size=0", "data.gen_batch_size=1",
                                "actor_rollout_ref.actor.ppo_mini_batch_size=16",
                                "async_training.require_batches=4",
                                "async_training.staleness_threshold=0.5",
                                "async_training.trigger_parameter_sync_step=2"])
     assert cfg.data.train_batch_size == 64  # ppo_mini_batch_size x require_batches
+    assert cfg.data.gen_batch_size is None  # verl's 1: one prompt per request, as always here
     assert cfg.async_training.staleness_threshold == 0.5
     assert schedule_name(cfg) == "fully_async"
     assert schedule_name(load_config("grpo", [])) == "synchronous"
