@@ -138,6 +138,7 @@ class Coordinator:
         with ``digest_dtype`` each worker's digests are checked when it reports the load."""
         if self.group is None:
             raise RuntimeError("Coordinator.publish needs the weight group (group=)")
+        self.pump(0)  # a worker that died since the last read is dropped before the broadcast
         if self.group.size != len(self.live) + 1:
             self.regroup()
         sent = send_weights(self.group, list(self.live), named, version, bucket_bytes,
