@@ -75,7 +75,6 @@ class Coordinator:
         self.group = group  # the weight group (rank 0 here), for `publish`
         self.dropped: list[str] = []  # causes, in order
         self.versions: dict[Channel, int] = {c: 0 for c in channels}  # weights each one runs
-        self.dtypes: dict[Channel, str] = {}  # the engine dtype each one said hello with
         self.sent: dict[int, Sent] = {}  # version -> what its publish sent (digests checked)
         self.busy_s: dict[Channel, float] = {}  # seconds each worker has computed so far
         self._formed: set[Channel] = set()  # workers that joined the group's last forming
@@ -133,16 +132,18 @@ class Coordinator:
                 self._drop(ch, str(e))
 
     def publish(self, named: Any, version: int, bucket_bytes: int,
-                digest_dtype: Any = None) -> Sent:
-        """Stream new weights (version ``version``) to every worker over the weight group;
-        with ``digest_dtype`` each worker's digests are checked when it reports the load."""
+                engine_dtype: Any = None, digest: bool = False) -> Sent:
+        """Stream new weights (version ``version``, cast to ``engine_dtype``) to every worker
+        over the weight group; with ``digest`` each worker's digests are checked when it
+        reports the load."""
         if self.group is None:
             raise RuntimeError("Coordinator.publish needs the weight group (group=)")
         self.pump(0)  # a worker that died since the last read is dropped before the broadcast
         if self.group.size != len(self.live) + 1:
             self.regroup()
         sent = send_weights(self.group, list(self.live), named, version, bucket_bytes,
-                            digest_dtype)
+                            engine_dtype, digest)
+        # a worker reports a load once its running requests end: keep a few versions' digests
         self.sent = {v: s for v, s in self.sent.items() if v >= version - 4}
         self.sent[version] = sent
         return sent
@@ -250,9 +251,6 @@ class Coordinator:
         self.heard[ch] = time.monotonic()
         if kind == "error":
             raise ChannelError(f"{ch.peer} failed: {str(payload).strip().splitlines()[-1]}")
-        if kind == "hello":
-            self.dtypes[ch] = str(payload.get("dtype", ""))
-            return
         if kind == "group_ready":
             self._formed.add(ch)
             return

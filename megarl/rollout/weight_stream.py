@@ -4,33 +4,32 @@
 The trainer and the workers form a process group of their own, beside the trainer's default
 one: a TCPStore served by trainer rank 0, a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL`
 (GPU) built on it directly, rank 0 the sender. A publish streams the (HF name, full tensor)
-pairs of ``actor.export_weights()`` in buckets of at most ``bucket_bytes``: each bucket's
-header (names, shapes, dtypes) goes to every worker on its control channel, then the bucket's
-bytes go out in one broadcast. A worker stages the tensors and applies them between decode
-steps (`megarl.rollout.worker`); it then reports the version it runs and, when asked, a
-digest of every tensor its engine holds, which `check_digests` compares with what was sent.
+pairs of ``actor.export_weights()``, cast to the engines' dtype, in the buckets of
+`megarl.rollout.reshard.weight_buckets`: each bucket's header (names, shapes, dtypes) goes to
+every worker on its control channel, then the bucket's bytes go out in one broadcast. A worker
+stages the tensors and applies them between decode steps (`megarl.rollout.worker`); it then
+reports the version it runs and, when asked, a digest of every tensor its engine holds, which
+`check_digests` compares with what was sent.
 
-    group = WeightGroup.serve(size=1 + workers, device, timeout_s)     # trainer rank 0
+    group = WeightGroup.listen(1 + workers, device, timeout_s)          # trainer rank 0
     group = WeightGroup.join(host, port, rank, size, device, timeout_s)  # a worker
-    sent = send_weights(group, channels, named_tensors, version, bucket_bytes, digest_dtype)
+    group.form()                                                         # rank 0, then
+    sent = send_weights(group, channels, named_tensors, version, bucket_bytes, engine_dtype)
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megarl.rollout.channel import Channel
-
-DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                               torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-                               torch.bool)}
+from megarl.rollout.reshard import tensor_bytes, weight_buckets
 
 
 class WeightGroupError(RuntimeError):
@@ -121,15 +120,12 @@ class WeightGroup:
         self.store = None
 
 
-@dataclass
-class Bucket:
-    """One broadcast's tensors: (name, shape, dtype name) in byte order, ``nbytes`` in all."""
-
-    entries: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
-    nbytes: int = 0
-
-    def header(self) -> dict[str, Any]:
-        return {"entries": self.entries, "nbytes": self.nbytes}
+def wire_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ``str(dtype)`` (``"torch.bfloat16"``), as headers and hellos carry it."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -138,31 +134,10 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def buckets_of(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-               ) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
-    """Group the stream into buckets of at most ``bucket_bytes`` (a larger tensor travels
-    alone), in stream order."""
-    bucket, tensors = Bucket(), []
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if tensors and bucket.nbytes + n > bucket_bytes:
-            yield bucket, tensors
-            bucket, tensors = Bucket(), []
-        bucket.entries.append((name, tuple(t.shape), str(t.dtype)))
-        bucket.nbytes += n
-        tensors.append(t)
-    if tensors:
-        yield bucket, tensors
-
-
 @dataclass
 class Sent:
-    """What one publish sent: its version, bytes, and each tensor's digest in the engines'
-    dtype (when asked for)."""
+    """What one publish sent: its version, bytes (in the engines' dtype), and each tensor's
+    digest (when asked for)."""
 
     version: int
     nbytes: int
@@ -171,22 +146,24 @@ class Sent:
 
 def send_weights(group: WeightGroup, channels: list[Channel],
                  named: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
-                 digest_dtype: torch.dtype | None = None) -> Sent:
-    """Rank 0: stream ``named`` to every worker on ``channels`` (one bucket header each, then
-    the bucket's broadcast), then tell them ``version`` is complete. ``digest_dtype``: digest
-    each tensor as the engines hold it (cast to that dtype) and ask the workers for theirs."""
+                 engine_dtype: torch.dtype | None = None, digest: bool = False) -> Sent:
+    """Rank 0: stream ``named`` (floating tensors cast to ``engine_dtype``, the dtype the
+    engines hold) to every worker on ``channels``, one bucket header each, then the bucket's
+    broadcast; then tell them ``version`` is complete. ``digest``: digest each tensor sent and
+    ask the workers for the digests of what their engines hold."""
     total, digests = 0, {}
-    for bucket, tensors in buckets_of(named, bucket_bytes):
+    for bucket in weight_buckets(named, bucket_bytes, dtype=engine_dtype, device=group.device):
+        header = {"entries": [(n, tuple(t.shape), str(t.dtype)) for n, t in bucket],
+                  "nbytes": sum(tensor_bytes(t) for _, t in bucket)}
         for ch in channels:
-            ch.send("weights_bucket", bucket.header())
-        buf = torch.cat([_as_bytes(t.to(group.device)) for t in tensors])
-        group.broadcast(buf)
-        total += bucket.nbytes
-        if digest_dtype is not None:
-            for (name, _, _), t in zip(bucket.entries, tensors):
-                digests[name] = tensor_digest(t.to(digest_dtype))
+            ch.send("weights_bucket", header)
+        group.broadcast(torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8)
+                                   for _, t in bucket]))
+        total += header["nbytes"]
+        if digest:
+            digests.update((n, tensor_digest(t)) for n, t in bucket)
     for ch in channels:
-        ch.send("weights_end", {"version": version, "digest": digest_dtype is not None})
+        ch.send("weights_end", {"version": version, "digest": digest})
     return Sent(version, total, digests)
 
 
@@ -196,7 +173,7 @@ def receive_bucket(group: WeightGroup, header: dict[str, Any]) -> list[tuple[str
     group.broadcast(buf)
     out, offset = [], 0
     for name, shape, dtype_name in header["entries"]:
-        dtype = DTYPES[dtype_name]
+        dtype = wire_dtype(dtype_name)
         n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         out.append((name, buf[offset:offset + n].view(dtype).reshape(shape).clone()))
         offset += n

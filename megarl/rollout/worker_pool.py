@@ -27,7 +27,7 @@ from megarl.rollout.channel import ChannelError, ChannelListener
 from megarl.rollout.coordinator import Coordinator
 from megarl.rollout.protocol import Completion, SamplingParams
 from megarl.rollout.reshard import as_named
-from megarl.rollout.weight_stream import DTYPES, WeightGroup
+from megarl.rollout.weight_stream import WeightGroup, wire_dtype
 from megarl.rollout.worker import worker_main
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,10 @@ class WorkerPool:
             kind, _ = ch.recv("its place in the weight group", timeout_s=p.timeout_s)
             if kind != "group_ready":
                 raise ChannelError(f"{ch.peer} sent {kind!r} instead of joining the weight group")
-        self.digest_dtype = DTYPES[dtypes.pop()] if len(dtypes) == 1 else None
+        if len(dtypes) != 1:
+            raise ChannelError(f"the rollout workers hold their weights in different dtypes "
+                               f"({sorted(dtypes)}); they are built from one spec")
+        self.engine_dtype = wire_dtype(dtypes.pop())  # what the weights are cast to and sent in
         self.coord = Coordinator(channels, capacity=p.capacity, timeout_s=p.timeout_s,
                                  group=self.group)
         log.info("rollout workers: %d started (pids %s)", count, [q.pid for q in self.procs])
@@ -122,8 +125,8 @@ class WorkerPool:
             for _ in named:
                 pass
         else:
-            digest = self.digest_dtype if self.check_digest else None
-            sent = self.coord.publish(named, version, self.bucket_bytes, digest)
+            sent = self.coord.publish(named, version, self.bucket_bytes, self.engine_dtype,
+                                      self.check_digest)
             self.last_sync_bytes = sent.nbytes
         self._latest = version
 

@@ -8,8 +8,8 @@ published while requests run.
   handed out after it on the new ones (version 1); each version serves some;
 - the stream went out in several buckets and both workers report version 1 with digests equal
   to the trainer's; a whole-list generation (greedy, as validation) runs on the new weights;
-- a digest that disagrees (the trainer digests float16 casts, the engines hold float32) fails
-  the run naming a tensor; after a worker died the group forms again without it (a warning
+- a digest that disagrees (the trainer sends and digests float16 casts, the engines hold
+  float32) fails the run naming a tensor; after a worker died the group forms again without it (a warning
   names it) and the other worker runs the new weights.
 """
 
@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 from megarl.rollout.build import EngineSpec
 from megarl.rollout.coordinator import PromptRequest
 from megarl.rollout.protocol import SamplingParams
-from megarl.rollout.weight_stream import Bucket, WeightDigestError, buckets_of
+from megarl.rollout.reshard import weight_buckets
+from megarl.rollout.weight_stream import WeightDigestError, wire_dtype
 from megarl.rollout.worker_pool import WorkerPlacement, WorkerPool
 
 pytestmark = pytest.mark.dist  # processes of their own
@@ -71,12 +72,11 @@ def _same(a, b):
         torch.testing.assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
 
 
-def test_buckets_keep_the_stream_order_and_their_size():
-    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([3, 5, 40, 2])]
-    got = list(buckets_of(iter(named), bucket_bytes=32))
-    assert [[e[0] for e in b.entries] for b, _ in got] == [["t0", "t1"], ["t2"], ["t3"]]
-    assert [b.nbytes for b, _ in got] == [32, 160, 8]  # a larger tensor travels alone
-    assert isinstance(got[0][0], Bucket)
+def test_header_dtypes_read_back_and_others_are_refused():
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+        assert wire_dtype(str(d)) is d
+    with pytest.raises(ValueError, match="not a torch dtype: 'torch.nn'"):
+        wire_dtype("torch.nn")
 
 
 def test_requests_after_a_publish_run_on_the_new_weights(tiny_folder):
@@ -97,7 +97,7 @@ def test_requests_after_a_publish_run_on_the_new_weights(tiny_folder):
     finally:
         pool.close()
     assert sent.nbytes == sum(v.numel() * 4 for v in new.values())
-    assert len(list(buckets_of(iter(new.items()), BUCKET))) > 2
+    assert len(list(weight_buckets(iter(new.items()), BUCKET))) > 2
     versions = {r.key: {c.policy_version for c in r.samples} for r in ready}
     assert all(len(v) == 1 for v in versions.values()), versions
     assert {k for k, v in versions.items() if v == {0}} == before and before
@@ -118,7 +118,8 @@ def test_a_digest_that_disagrees_fails_naming_the_tensor(tiny_folder):
     path = tiny_folder("qwen3")
     pool = _pool(path, count=1)
     try:
-        pool.digest_dtype = torch.float16  # what the trainer digests is not what engines hold
+        pool.engine_dtype = torch.float16  # sent (and digested) in another dtype than engines
+        # hold: each engine casts the values back to float32, whose bytes differ
         pool.update_weights(iter(_new_weights(path).items()), version=1)
         with pytest.raises(WeightDigestError, match=r"weight digest mismatch: rollout worker 0 "
                                                     r"\(pid \d+\) holds \S+ with sha256"):
