@@ -65,14 +65,16 @@ def fully_async_step(step: int, producer: FullyAsyncProducer, learner: Learner,
                      publisher: WeightPublisher, timer: Timer
                      ) -> tuple[RolloutBatch, dict[str, float]]:
     """One learner step beside rollout workers that never stop: the next ready batch, the
-    update, and every ``trigger_parameter_sync_step`` steps the new weights streamed to the
-    workers (after a step that updated the actor), which opens the next window of prompts."""
+    update, and every ``trigger_parameter_sync_step`` steps a sync: the new weights streamed to
+    the workers (after a step that updated the actor: none during the critic warmup) and the
+    next window of prompts opened."""
     batch, metrics = producer.produce(step, timer)
     learner.prepare(batch, producer.step_context(timer))
     learner.update(batch, step, metrics, timer,
                    ratio_against_rollout=producer.ratio_against_rollout)
-    if producer.sync_due(step) and learner.updates_actor(step):
-        metrics.update(publisher.publish(learner.export_weights(), step, timer))
+    if producer.sync_due(step):
+        if learner.updates_actor(step):
+            metrics.update(publisher.publish(learner.export_weights(), step, timer))
         producer.new_window()
     return batch, metrics
 

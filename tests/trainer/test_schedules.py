@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from megarl.rollout.publish import WeightPublisher
-from megarl.trainer.schedules import PRODUCERS, colocated_step, schedule_name
+from megarl.trainer.schedules import PRODUCERS, colocated_step, fully_async_step, schedule_name
 
 
 class Calls(list):
@@ -104,6 +104,36 @@ def test_no_publish_during_the_critic_warmup_unless_the_engine_dropped_its_weigh
     assert "update_weights ['w']" not in calls and "rollout/weight_sync_bytes" not in metrics
     calls, _ = run(1, warmup=1, sleeps_without_weights=True)
     assert "update_weights ['w']" in calls
+
+
+class AsyncProducer(Producer):
+    def __init__(self, calls, every):
+        super().__init__(calls)
+        self.every = every
+
+    def sync_due(self, step):
+        return step % self.every == 0
+
+    def new_window(self):
+        self.calls.append("new window")
+
+
+@pytest.mark.parametrize("step,warmup,every,expected", [
+    (2, 0, 2, ["export", "update_weights ['w']", "new window"]),
+    (3, 0, 2, []),
+    # the critic warmup: no weights to send, but the window opens (before: it stayed shut and
+    # the workers got no prompt for the next step)
+    (2, 2, 2, ["new window"]),
+])
+def test_fully_async_syncs_open_a_window_and_publish_only_updated_weights(step, warmup, every,
+                                                                          expected):
+    calls = Calls()
+    publisher = WeightPublisher(Engine(calls), free_cache_engine=False)
+    fully_async_step(step, AsyncProducer(calls, every), Learner(calls, warmup), publisher,
+                     calls.timer)
+    assert [c for c in calls if not c.startswith("[")] == [
+        f"produce {step}", "prepare batch ctx", f"update {step} ratio_against_rollout=True",
+        *expected]
 
 
 def test_without_free_cache_the_engine_never_sleeps():
