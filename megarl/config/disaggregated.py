@@ -10,8 +10,11 @@ fully-async recipe): its derived values and its checks, in one place.
 - ``rollout.total_rollout_steps``: the run's length in prompts (verl's), unless
   ``trainer.total_training_steps`` is set.
 
-What is not built yet is refused naming it: workers on other nodes, ``partial_rollout``, an
-engine other than megarl's torch engine, rollout tensor parallelism, multi-turn rollouts.
+- ``async_training.partial_rollout``: requests running at a sync go on under the new weights
+  (their KV cache recomputed; each token carries the version that sampled it).
+
+What is not built yet is refused naming it: workers on other nodes, an engine other than
+megarl's torch engine, rollout tensor parallelism, multi-turn rollouts.
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ def check(cfg: Config, c: Checker) -> None:
                    "rollout workers of their own run with actor_rollout_ref.hybrid_engine=false "
                    "(the disaggregated mode); colocated rollouts share the training ranks: "
                    "set rollout.nnodes=0 and rollout.n_gpus_per_node=0, or hybrid_engine=false")
+        if at.partial_rollout:
+            c.fail(("async_training.partial_rollout", "actor_rollout_ref.hybrid_engine"),
+                   "requests that go on across a weight sync are the disaggregated mode's "
+                   "(actor_rollout_ref.hybrid_engine=false with rollout workers); colocated "
+                   "rollouts end before the weights change: set it to false")
         if isinstance(s, float) and not s.is_integer():
             c.fail(("async_training.staleness_threshold", "actor_rollout_ref.hybrid_engine"),
                    f"{s!r}: colocated rollouts lag by whole steps (0, 1, 2, ...); a share of "
@@ -97,10 +105,12 @@ def check(cfg: Config, c: Checker) -> None:
                f"{cfg.data.train_batch_size} prompts, but a disaggregated step trains on "
                f"actor.ppo_mini_batch_size x async_training.require_batches = {want}; set "
                f"data.train_batch_size={want} or 0")
-    if at.partial_rollout:
-        c.fail("async_training.partial_rollout",
-               "continuing requests across a weight sync is not built yet; false lets each "
-               "request finish on the weights it started with (every sample from one version)")
+    if at.partial_rollout and cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
+        c.fail(("async_training.partial_rollout", "actor_rollout_ref.actor.router_replay.mode"),
+               "R3 replays the experts the engine chose, but a partial rollout recomputes a "
+               "running request's prefix under new weights, which route it anew; set "
+               "partial_rollout=false (each request finishes on its weights) or router_replay "
+               "R2")
     for key, why in _unbuilt(cfg):
         c.fail(key, why)
 

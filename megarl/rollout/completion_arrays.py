@@ -7,6 +7,7 @@ A batch of N completions with T generated tokens in all packs into
     token_ids      [T] int64          logprobs [T] float32 (has_logprobs [N] bool)
     policy_version [N] int64 (-1: none)   finish_reason: N short strings
     routed_experts [R, layers, k] int16, routed_rows [N] int64 (-1: none)
+    token_versions [T] int64, when every completion carries them (a rollout worker's)
 
 so pickling or saving it costs O(N) Python objects, not one per token (a routing record is
 [prompt + response tokens, layers, k] per completion: millions of numbers a batch). Packed
@@ -47,6 +48,9 @@ def pack_completions(comps: Sequence[Completion]) -> dict[str, Any]:
     present = [r.to(torch.int16) for r in routed if r is not None]
     if present:
         out["routed_experts"] = torch.cat(present)
+    if comps and all(c.token_versions is not None for c in comps):
+        out["token_versions"] = torch.tensor([v for c in comps for v in c.token_versions],
+                                             dtype=torch.int64)
     return out
 
 
@@ -56,6 +60,7 @@ def unpack_completions(packed: dict[str, Any]) -> list[Completion]:
     token_ids = p["token_ids"].tolist()
     lengths, rows = p["lengths"].tolist(), p["routed_rows"].tolist()
     versions, has_lp = p["policy_version"].tolist(), p["has_logprobs"].tolist()
+    per_token = p["token_versions"].tolist() if "token_versions" in p else None
     tok = lp = routed = 0
     out = []
     for i, (n, r) in enumerate(zip(lengths, rows)):
@@ -71,7 +76,9 @@ def unpack_completions(packed: dict[str, Any]) -> list[Completion]:
                               token_ids=token_ids[tok: tok + n], logprobs=logprobs,
                               finish_reason=p["finish_reason"][i],
                               policy_version=None if versions[i] < 0 else versions[i],
-                              routed_experts=experts))
+                              routed_experts=experts,
+                              token_versions=(None if per_token is None
+                                              else per_token[tok: tok + n])))
         tok += n
     return out
 

@@ -45,7 +45,10 @@ class Completion:
     logprobs:     [len(token_ids)] float32 logprob of each token under the sampling distribution
     finish_reason: "stop" (EOS, stop token or stop string) or "length"
     policy_version: the version of the weights that sampled it, for engines that publish
-                   versions (asynchronous rollout, `megarl.rollout.process`); else None
+                   versions (asynchronous rollout, `megarl.rollout.process`); else None. A
+                   partial rollout's sample spans versions: this is its first token's
+    token_versions: [len(token_ids)] the version that sampled each token, from a generation
+                   session that tracks versions (a rollout worker's); else None
     routed_experts: [len(prompt) + len(token_ids), n_sparse, k] int16, the experts each prompt
                    and response token was routed to in each sparse (MoE) layer, -1 where the
                    engine did not run the token (the last response token); engines that record
@@ -58,6 +61,7 @@ class Completion:
     finish_reason: str
     policy_version: int | None = None
     routed_experts: torch.Tensor | None = None
+    token_versions: list[int] | None = None
 
 
 @runtime_checkable

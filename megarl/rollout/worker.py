@@ -33,10 +33,18 @@ worker reads new requests between decode steps without waiting while it has work
 sends a heartbeat every ``heartbeat_s`` and ends after ``idle_timeout_s`` without a request.
 
 New weights arrive between two decode steps: the buckets are staged at once (the trainer
-waits on their broadcast), and applied when the requests already submitted have finished
-(``async_training.partial_rollout=false``: every sample comes whole from one version);
-requests that arrive meanwhile wait and run on the new version. A "generate" call (validation,
-greedy baselines) waits the same way and runs on the weights its message follows.
+waits on their broadcast), then
+
+- ``async_training.partial_rollout=false`` (verl's default): applied when the requests already
+  submitted have finished, so every sample comes whole from one version; requests that arrive
+  meanwhile wait and run on the new version;
+- ``partial_rollout=true``: applied at the next step boundary; the running sequences go on
+  under them with their KV cache recomputed (`GenerationSession.weights_changed`), so a sample
+  may span versions: each token carries the version that sampled it (``token_versions``), its
+  ``policy_version`` is its first token's.
+
+A "generate" call (validation, greedy baselines) waits for the running requests to finish and
+runs on the weights its message follows.
 """
 
 from __future__ import annotations
@@ -56,15 +64,18 @@ class RolloutWorker:
     """Serves ``channel``'s requests on ``engine`` (an engine with ``open_session``) with the
     shared ``sampling`` settings; ``max_len``: prompt + response tokens any request may reach.
     ``group``: the weight group new weights arrive on (None: the weights never change);
-    ``version``: the version of the engine's weights at the start."""
+    ``version``: the version of the engine's weights at the start; ``partial_rollout``: new
+    weights apply at the next step, running requests go on under them (module doc)."""
 
     def __init__(self, engine: Any, channel: Channel, sampling: SamplingParams, max_len: int,
                  *, heartbeat_s: float = 5.0, idle_timeout_s: float = 1800.0,
-                 group: WeightGroup | None = None, version: int = 0) -> None:
+                 group: WeightGroup | None = None, version: int = 0,
+                 partial_rollout: bool = False) -> None:
         self.engine, self.channel, self.group = engine, channel, group
-        self.session = engine.open_session(sampling, max_len)
+        self.session = engine.open_session(sampling, max_len, version=version)
+        self.partial_rollout = partial_rollout
         self.heartbeat_s, self.idle_timeout_s = heartbeat_s, idle_timeout_s
-        self.owner: dict[int, list] = {}  # session request id -> [coordinator's id, left, version]
+        self.owner: dict[int, list] = {}  # session request id -> [coordinator's id, left]
         self.steps = 0
         self.busy_s = 0.0  # seconds spent decoding and applying weights / generations
         self.version = version
@@ -93,7 +104,7 @@ class RolloutWorker:
                     return
                 self._handle(kind, payload)
                 wait = 0.0
-            if self.barriers and not self.session.busy:
+            if self.barriers and self._barrier_open():
                 t0 = time.monotonic()
                 self._pass_barriers()
                 self.busy_s += time.monotonic() - t0
@@ -141,15 +152,22 @@ class RolloutWorker:
         else:
             raise ValueError(f"rollout worker: unknown message {kind!r}")
 
+    def _barrier_open(self) -> bool:
+        """Whether the first barrier may pass now: with the session empty, or new weights
+        under a partial rollout (running requests go on under them)."""
+        return not self.session.busy or (self.partial_rollout and self.barriers[0][0] == "swap")
+
     def _pass_barriers(self) -> None:
-        """The session is empty: apply staged weights and run whole-batch generations, in the
-        order they came, then submit the requests held behind them."""
-        while self.barriers:
+        """Apply staged weights and run whole-batch generations, in the order they came, while
+        each may pass (`_barrier_open`); then, with none left, submit the requests held
+        behind them."""
+        while self.barriers and self._barrier_open():
             barrier = self.barriers.popleft()
             if barrier[0] == "swap":
                 _, version, digest = barrier
                 staged, self.staged = self.staged, []
                 self.engine.update_weights(staged)
+                self.session.weights_changed(version)
                 self.version = version
                 self.channel.send("weights_loaded", {
                     "version": version, "digests": self._digests() if digest else None})
@@ -161,7 +179,7 @@ class RolloutWorker:
                     c.policy_version = self.version
                 self.channel.send("generated", {"id": job["id"],
                                                 "completions": to_wire(pack_completions(done))})
-        while self.held:
+        while self.held and not self.barriers:
             self._submit(self.held.popleft())
 
     def _digests(self) -> dict[str, str]:
@@ -173,13 +191,13 @@ class RolloutWorker:
         rid = self.session.submit(req["prompt"], prompt_key=int(req["prompt_key"]),
                                   seed=int(req["seed"]), n=n,
                                   max_new_tokens=req.get("max_new_tokens"))
-        self.owner[rid] = [req["id"], n, self.version]
+        self.owner[rid] = [req["id"], n]
 
     def _returned(self, c: Completion) -> Any:
         """The coordinator's id of completion ``c`` (stamped with the version that sampled
-        it); a request is forgotten after its last sample."""
+        its first token); a request is forgotten after its last sample."""
         entry = self.owner[c.prompt_index]
-        c.policy_version = entry[2]
+        c.policy_version = c.token_versions[0]
         entry[1] -= 1
         if entry[1] == 0:
             del self.owner[c.prompt_index]
@@ -190,13 +208,13 @@ def worker_main(spec: Any, host: str, port: int, authkey: bytes, sampling: Sampl
                 max_len: int, engine_kwargs: dict[str, Any] | None = None,
                 name: str = "rollout worker", timeout_s: float = 1800.0,
                 group: tuple[int, int, int] | None = None,
-                kv_fraction: float | None = None) -> None:
+                kv_fraction: float | None = None, partial_rollout: bool = False) -> None:
     """A rollout worker process: the engine of ``spec`` (a `megarl.rollout.build.EngineSpec`,
     or a model folder for megarl's torch engine with ``engine_kwargs``:
     `TorchRolloutEngine.from_pretrained`'s), connected to the coordinator at ``host:port``.
     ``group``: (store port, rank, size) of the weight group on ``host``. ``kv_fraction``: the
-    share of its GPU's free memory the KV cache of megarl's engine takes, measured here. Dies
-    with the process that started it."""
+    share of its GPU's free memory the KV cache of megarl's engine takes, measured here.
+    ``partial_rollout``: `RolloutWorker`'s. Dies with the process that started it."""
     import torch
 
     from megarl.utils.lifetime import die_with_parent
@@ -213,7 +231,7 @@ def worker_main(spec: Any, host: str, port: int, authkey: bytes, sampling: Sampl
             weights = WeightGroup.join(host, store_port, rank, size, engine.device, timeout_s)
             channel.send("group_ready", None)
         RolloutWorker(engine, channel, sampling, max_len, idle_timeout_s=timeout_s,
-                      group=weights).serve()
+                      group=weights, partial_rollout=partial_rollout).serve()
     finally:
         channel.close()
 

@@ -46,6 +46,8 @@ class WorkerPlacement:
     host: str = "127.0.0.1"
     # on a GPU: the share of its free memory a worker's KV cache takes (measured there)
     kv_fraction: float | None = None
+    # running requests go on under new weights (async_training.partial_rollout)
+    partial_rollout: bool = False
 
 
 class WorkerPool:
@@ -79,7 +81,7 @@ class WorkerPool:
                 target=worker_main, daemon=True, name=f"megarl-rollout-worker-{i}",
                 args=(spec, listener.host, listener.port, key, p.sampling, p.max_len, None,
                       f"rollout worker {i}", p.timeout_s, (self.group.port, i + 1, count + 1),
-                      p.kv_fraction))
+                      p.kv_fraction, p.partial_rollout))
             proc.start()
             self.procs.append(proc)
         channels, dtypes = [], set()

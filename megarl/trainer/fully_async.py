@@ -8,7 +8,11 @@ room, and a learner step takes the first ``R = ppo_mini_batch_size x require_bat
 whose samples are all back, in the order they completed. Then the step is scored and trained
 like any other; every ``trigger_parameter_sync_step`` steps the new weights stream to the
 workers (`megarl.rollout.weight_stream`), which apply them once their running requests finish,
-so every sample comes whole from one version, which it carries (``policy_version``).
+so every sample comes whole from one version, which it carries (``policy_version``); with
+``async_training.partial_rollout`` they apply them at once and the running requests go on
+under them (their KV cache recomputed), each token carrying the version that sampled it
+(``token_version``; lags per token ``async/token_version_lag/*``, the share of samples that
+span versions ``async/partial_samples``).
 
 How far ahead the workers run is verl's rule: within a sync window of ``T`` steps at most
 ``R x T x (1 + staleness_threshold)`` prompts are out (handed out since the window began, plus
@@ -138,7 +142,7 @@ class FullyAsyncProducer(SampleProducer):
                 rollout_logprobs=c.logprobs.tolist() if c.logprobs is not None else None,
                 finish_reason=c.finish_reason, group=g, data_source=item.data_source,
                 ground_truth=item.ground_truth, extra_info=dict(item.extra_info or {}),
-                policy_version=c.policy_version)
+                policy_version=c.policy_version, token_versions=c.token_versions)
             for g, ((_, _, completions), item) in enumerate(zip(picked, items))
             for c in completions]
         scores, reward_metrics = self.rewards.score(samples, items, 0, timer)
@@ -149,9 +153,23 @@ class FullyAsyncProducer(SampleProducer):
         return batch, metrics
 
     def _lag_metrics(self, step: int, batch: RolloutBatch) -> dict[str, float]:
+        """Lags in actor updates behind the weights this step trains: per sample (its first
+        token's version) and, with per-token versions, per generated token, with the share of
+        samples that span versions (a partial rollout's)."""
         trained = self.policy_version(step - 1)  # the weights this step's update starts from
         lag = trained - batch.tensors["policy_version"].double()
-        return {"async/policy_version": float(trained),
+        out = {}
+        if "token_version" in batch.tensors:
+            versions = batch.tensors["token_version"]
+            model = batch.response_mask.bool() & (versions >= 0)
+            token_lag = trained - versions[model].double()
+            spans = (versions.masked_fill(~model, 2**62).amin(1)
+                     != versions.masked_fill(~model, -1).amax(1))
+            out = {"async/token_version_lag/min": float(token_lag.min()),
+                   "async/token_version_lag/mean": float(token_lag.mean()),
+                   "async/token_version_lag/max": float(token_lag.max()),
+                   "async/partial_samples": float(spans.double().mean())}
+        return out | {"async/policy_version": float(trained),
                 "async/policy_version_lag/min": float(lag.min()),
                 "async/policy_version_lag/mean": float(lag.mean()),
                 "async/policy_version_lag/max": float(lag.max()),

@@ -27,6 +27,8 @@ def test_verl_s_fully_async_spelling_resolves():
     assert cfg.data.gen_batch_size is None  # verl's 1: one prompt per request, as always here
     assert cfg.async_training.staleness_threshold == 0.5
     assert schedule_name(cfg) == "fully_async"
+    assert load_config("grpo", [*ON, "async_training.partial_rollout=true"]) \
+        .async_training.partial_rollout is True
     assert schedule_name(load_config("grpo", [])) == "synchronous"
     assert schedule_name(load_config("grpo", ["async_training.staleness_threshold=1"])) \
         == "one_step_off"
@@ -50,8 +52,13 @@ def test_verl_s_fully_async_spelling_resolves():
      "data.train_batch_size: 48 prompts, but a disaggregated step trains on "
      "actor.ppo_mini_batch_size x async_training.require_batches = 64; set "
      "data.train_batch_size=64 or 0"),
-    ([*ON, "async_training.partial_rollout=true"],
-     "async_training.partial_rollout: continuing requests across a weight sync is not built"),
+    (["async_training.partial_rollout=true"],
+     "async_training.partial_rollout: requests that go on across a weight sync are the "
+     "disaggregated mode's"),
+    ([*ON, "async_training.partial_rollout=true",
+      "actor_rollout_ref.actor.router_replay.mode=R3"],
+     "async_training.partial_rollout: R3 replays the experts the engine chose, but a partial "
+     "rollout recomputes"),
     ([*ON[:2], "rollout.nnodes=2", "rollout.n_gpus_per_node=1"],
      "rollout.nnodes: 2: rollout workers on other nodes need the launcher's rollout world"),
     ([*ON, "actor_rollout_ref.rollout.name=vllm"],

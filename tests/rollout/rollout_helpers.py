@@ -107,3 +107,50 @@ def brute_force_generate(hf, prompts, sp, stop_ids: set[int],
                     break
             out.append((seq, finish))
     return out
+
+
+def moved_folder(path, dest, scale: float = 0.3, seed: int = 11):
+    """A copy of the model folder ``path`` at ``dest`` with every weight moved by ``scale`` of
+    its spread (seeded noise): another policy of the same shape."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, dest)
+    g = torch.Generator().manual_seed(seed)
+    state = load_file(str(path / "model.safetensors"))
+    save_file({k: (v + scale * v.std() * torch.randn(v.shape, generator=g)).contiguous()
+               for k, v in state.items()}, str(dest / "model.safetensors"))
+    return dest
+
+
+def float64_model(path):
+    """transformers' model of the folder ``path`` in float64 (eval): a reference of its own."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path),
+                                                             dtype=torch.float64).eval()
+
+
+def switching_reference(hf_old, hf_new, switch: int, prompt, key: int, seed: int, sample: int,
+                        sp) -> tuple[list[int], list[float]]:
+    """(tokens, float64 logprobs) of one sample of a partial rollout drawn one token at a time
+    without a cache: the tokens before position ``switch`` from float64 model ``hf_old``'s
+    logits, the rest from ``hf_new``'s (each reads the whole prefix), the CDF inverted at the
+    engine's uniform of (seed, key, sample, position). ``sp``: temperature sampling without
+    stops (``ignore_eos``): every sample runs ``sp.max_new_tokens`` tokens."""
+    assert sp.ignore_eos and not sp.stop_token_ids and sp.top_k <= 0 and sp.top_p >= 1.0
+    seq: list[int] = []
+    lps: list[float] = []
+    while len(seq) < sp.max_new_tokens:
+        hf = hf_old if len(seq) < switch else hf_new
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + seq])).logits[0, -1].numpy()
+        p = target_distribution(logits, sp.temperature)
+        u = counter_uniforms(seed, torch.tensor([key]), torch.tensor([sample]),
+                             torch.tensor([len(seq)])).item()
+        cdf = np.cumsum(p)
+        tok = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
+        seq.append(tok)
+        lps.append(float(np.log(p[tok])))
+    return seq, lps

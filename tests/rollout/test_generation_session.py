@@ -11,9 +11,23 @@ its own. A session driven the same way again gives the same bits.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
-from rollout_helpers import brute_force_generate, prompts_of
+from rollout_helpers import (
+    brute_force_generate,
+    float64_model,
+    moved_folder,
+    prompts_of,
+    switching_reference,
+)
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fp32_bounds import fp32_ref_gap_bound  # noqa: E402
 
 from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.torch import TorchRolloutEngine
@@ -102,3 +116,55 @@ def test_a_request_that_cannot_fit_is_refused(tiny_folder):
     while session.busy:
         done += session.step()
     assert [c.prompt_index for c in done] == [rid] and len(done[0].token_ids) <= 5
+
+
+RUN_ON = SamplingParams(temperature=0.9, max_new_tokens=10, ignore_eos=True, seed=0)  # no stop
+
+
+def test_a_partial_rollout_goes_on_under_new_weights(tiny_folder, tmp_path):
+    """Weights replaced after 3 steps while 3 samples are mid-sequence (a partial rollout; no
+    stop token, so none can have ended):
+    each keeps its tokens so far, with the logprobs they were sampled with, and goes on as if
+    the new weights had read its whole prefix (its KV cache recomputed): every token equals a
+    brute-force draw from the old model before the switch and from the new one after it, at
+    the same uniforms, and every logprob is the float64 reference's within the fp32 bound
+    (tests/fp32_bounds.py; measured <= 1.3e-6). A request submitted after the switch runs
+    wholly on the new version. Planted: the refill skipped (the old weights' KV cache kept)
+    -> the first token after the switch is off the reference's logprob by 0.31 / 0.83 and the
+    tokens that follow differ."""
+    path = tiny_folder("qwen3")
+    new_path = moved_folder(path, tmp_path / "moved")
+    engine = TorchRolloutEngine.from_pretrained(path, max_num_seqs=3)
+    session = engine.open_session(RUN_ON, max_len=48, version=0)
+    prompts = prompts_of([6, 9, 4], seed=5)
+    reqs = {session.submit(prompts[0], prompt_key=0, seed=3, n=2, max_new_tokens=10): (0, 3, 2),
+            session.submit(prompts[1], prompt_key=1, seed=4, n=1, max_new_tokens=10): (1, 4, 1)}
+    out: dict[int, list] = {}
+    for _ in range(3):
+        for c in session.step():
+            out.setdefault(c.prompt_index, []).append(c)
+    assert not out, "every sample should still be running at the switch"
+    engine.update_weights(iter(load_file(str(new_path / "model.safetensors")).items()))
+    session.weights_changed(1)
+    reqs[session.submit(prompts[2], prompt_key=2, seed=5, n=1, max_new_tokens=10)] = (2, 5, 1)
+    while session.busy:
+        for c in session.step():
+            out.setdefault(c.prompt_index, []).append(c)
+    hf_old, hf_new = float64_model(path), float64_model(new_path)
+    bound = max(fp32_ref_gap_bound(p, tokens=40, temperature=RUN_ON.temperature)
+                for p in (path, new_path))
+    switched = 0
+    for rid, (key, seed, n) in reqs.items():
+        assert len(out[rid]) == n
+        for c in out[rid]:
+            v = c.token_versions
+            assert v == sorted(v) and len(v) == len(c.token_ids) and set(v) <= {0, 1}
+            switch = v.index(1) if 1 in v else len(v)
+            assert (switch == 0) == (key == 2), (key, v)  # the late request: all version 1
+            switched += 0 < switch < len(v)
+            want = [switching_reference(hf_old, hf_new, switch, prompts[key], key, seed, s,
+                                        RUN_ON) for s in range(n)]
+            (match,) = [w for w in want if w[0] == c.token_ids]
+            assert c.finish_reason == "length"
+            np.testing.assert_allclose(c.logprobs.double().numpy(), match[1], atol=bound, rtol=0)
+    assert switched == 3, "the 3 running samples should each span both versions"

@@ -15,9 +15,13 @@ published while requests run.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
-from rollout_helpers import prompts_of
+from rollout_helpers import float64_model, moved_folder, prompts_of, switching_reference
 from safetensors.torch import load_file
 
 from megarl.rollout.build import EngineSpec
@@ -26,6 +30,9 @@ from megarl.rollout.protocol import SamplingParams
 from megarl.rollout.reshard import weight_buckets
 from megarl.rollout.weight_stream import WeightDigestError, wire_dtype
 from megarl.rollout.worker_pool import WorkerPlacement, WorkerPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fp32_bounds import fp32_ref_gap_bound  # noqa: E402
 
 pytestmark = pytest.mark.dist  # processes of their own
 
@@ -36,11 +43,12 @@ PROMPTS = prompts_of([6, 2, 13, 4, 9, 3, 7, 5, 11, 8], seed=4)
 BUCKET = 64 << 10  # bytes: the tiny model goes out in several buckets
 
 
-def _pool(path, count: int = 2) -> WorkerPool:
+def _pool(path, count: int = 2, sampling: SamplingParams = SP, max_len: int = 40,
+          partial_rollout: bool = False) -> WorkerPool:
     spec = EngineSpec("torch", {"path": str(path), "dtype": "fp32", "device": "cpu",
                                 "tokenizer": None, "max_num_seqs": 3})
-    placement = WorkerPlacement(specs=[spec] * count, sampling=SP, max_len=40, capacity=3,
-                                timeout_s=60)
+    placement = WorkerPlacement(specs=[spec] * count, sampling=sampling, max_len=max_len,
+                                capacity=3, timeout_s=60, partial_rollout=partial_rollout)
     return WorkerPool(placement, torch.device("cpu"), bucket_bytes=BUCKET, check_digest=True)
 
 
@@ -154,3 +162,54 @@ def test_a_lost_worker_leaves_the_group_and_the_other_gets_the_weights(tiny_fold
         _same(engine.generate([r.prompt], SamplingParams(
             n=2, temperature=SP.temperature, max_new_tokens=12, seed=r.seed,
             stop_token_ids=SP.stop_token_ids), prompt_keys=[r.key]), r.samples)
+
+
+LONG = SamplingParams(temperature=0.9, max_new_tokens=200, ignore_eos=True)  # no stop
+
+
+def test_a_partial_rollout_goes_on_under_the_published_weights(tiny_folder, tmp_path):
+    """``partial_rollout``: a request of 2 tokens and two of 200 start together on one worker;
+    once the short one is back (the long ones then have 198 tokens to go) new weights are
+    published and a fourth request added. The long samples span both versions: each token
+    stamped with the version that sampled it, every token equal to the brute-force draw that
+    reads its whole prefix with the old weights before the switch and the new ones after it
+    (float64 transformers, the same uniforms), every logprob within the fp32 bound of its
+    reference; ``policy_version`` is the first token's; the fourth request runs wholly on
+    version 1, and the worker reports the load at once, while the long requests still run."""
+    path = tiny_folder("qwen3")
+    new_path = moved_folder(path, tmp_path / "moved")
+    pool = _pool(path, count=1, sampling=LONG, max_len=220, partial_rollout=True)
+    reqs = [PromptRequest(key=k, prompt=PROMPTS[k], seed=70 + k, n=1,
+                          max_new_tokens=2 if k == 0 else 200) for k in range(4)]
+    try:
+        coord = pool.coord
+        coord.add(reqs[:3])
+        (short,) = coord.take(1, timeout_s=60)
+        pool.update_weights(iter(load_file(str(new_path / "model.safetensors")).items()),
+                            version=1)
+        coord.add(reqs[3:])
+        while coord.versions[coord.live[0]] != 1:
+            coord.pump(0.1)
+        loaded_with = coord.pending  # prompts still running when the load was reported
+        ready = coord.take(3, timeout_s=120)
+    finally:
+        pool.close()
+    assert short.key == 0 and short.samples[0].token_versions == [0, 0]
+    assert loaded_with >= 2
+    hf_old, hf_new = float64_model(path), float64_model(new_path)
+    bound = max(fp32_ref_gap_bound(p, tokens=600, temperature=LONG.temperature)
+                for p in (path, new_path))
+    for r in ready:
+        (c,) = r.samples
+        v = c.token_versions
+        assert len(v) == len(c.token_ids) == 200 and v == sorted(v) and set(v) <= {0, 1}
+        switch = v.index(1) if 1 in v else 200
+        assert c.policy_version == v[0]
+        if r.key == 3:
+            assert switch == 0, v
+        else:
+            assert 0 < switch < 200, f"prompt {r.key} did not span the publish: {v}"
+        tokens, lps = switching_reference(hf_old, hf_new, switch, r.prompt, r.key, r.seed, 0,
+                                          LONG)
+        assert c.token_ids == tokens, r.key
+        np.testing.assert_allclose(c.logprobs.double().numpy(), lps, atol=bound, rtol=0)

@@ -3,7 +3,8 @@
     python tests/trainer/fully_async_probe.py OUT.json [--kill-worker-at=STEP] launch/train.py ...
 
 OUT.json: one row per learner step: its step, the dataset index (``extra_info.index``) of each
-prompt of the batch and the policy version of each of their samples. ``--kill-worker-at``:
+prompt of the batch, the policy version of each of their samples and, where tracked, the
+version of each of their response tokens. ``--kill-worker-at``:
 rollout worker 1 is killed (SIGKILL) as that step begins. Read by test_fully_async.py."""
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ def recording(self, step, timer):
     batch, metrics = produce(self, step, timer)
     if mdist.rank() == 0:
         groups = batch.tensors["policy_version"].tolist()
-        rows.append({"step": step, "versions": groups,
-                     "prompts": sorted({int(info["index"]) for info in batch.extra_infos})})
+        row = {"step": step, "versions": groups,
+               "prompts": sorted({int(info["index"]) for info in batch.extra_infos})}
+        if "token_version" in batch.tensors:  # each sample's, over its response tokens
+            lengths = batch.response_mask.sum(1).long().tolist()
+            row["token_versions"] = [v[:n] for v, n in
+                                     zip(batch.tensors["token_version"].tolist(), lengths)]
+        rows.append(row)
         with open(out, "w") as f:
             json.dump(rows, f)
     return batch, metrics

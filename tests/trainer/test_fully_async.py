@@ -11,7 +11,11 @@ of 2 x 4 prompts), weights streamed after every step with the digest check on.
 - a worker killed (SIGKILL) as step 2 begins is dropped with a warning naming it, the weight
   group forms again without it and the run ends its 4 steps on the other, every prompt once;
 - two trainer ranks (FSDP) with one worker: the batches, the weight export and validation
-  span the world.
+  span the world;
+- a partial rollout (``async_training.partial_rollout=true``) on one worker that generates one
+  sequence at a time, so it is always mid-sequence when new weights arrive: samples span
+  versions, each token's version is at most the trained one and never decreases, a sample's
+  version is its first token's, and the per-token lag metrics agree with the tokens.
 """
 
 from __future__ import annotations
@@ -84,3 +88,28 @@ def test_two_trainer_ranks_share_one_worker_s_batches(tmp_path):
     assert m[1]["async/policy_version_lag/max"] == 0
     assert all(m[s]["rollout/weight_sync_bytes"] > 0 for s in (1, 2, 3))
     assert 0.0 <= m[3]["val/test_score/arith"] <= 1.0
+
+
+def test_partial_rollout_samples_span_versions(tmp_path):
+    rows, _ = _probe(tmp_path, "p", "rollout.n_gpus_per_node=1",
+                     "async_training.partial_rollout=true",
+                     "async_training.staleness_threshold=3",  # a window of 16 prompts
+                     "actor_rollout_ref.rollout.max_num_seqs=1",  # one sequence at a time
+                     "trainer.save_freq=-1", "trainer.test_freq=-1")
+    m = {r["step"]: r for r in metrics(tmp_path / "p") if r["step"] > 0}
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    spanning = 0
+    for r in rows:
+        for first, tokens in zip(r["versions"], r["token_versions"], strict=True):
+            assert tokens == sorted(tokens) and tokens[0] == first
+            assert tokens[-1] <= r["step"] - 1  # none from weights not yet trained
+            spanning += tokens[0] != tokens[-1]
+        flat = [v for tokens in r["token_versions"] for v in tokens]
+        lag = [r["step"] - 1 - v for v in flat]
+        row = m[r["step"]]
+        assert row["async/token_version_lag/max"] == max(lag)
+        assert row["async/token_version_lag/min"] == min(lag)
+        assert row["async/token_version_lag/mean"] == pytest.approx(sum(lag) / len(lag))
+        share = sum(t[0] != t[-1] for t in r["token_versions"]) / len(r["token_versions"])
+        assert row["async/partial_samples"] == pytest.approx(share)
+    assert spanning > 0, "no sample spanned a weight sync"

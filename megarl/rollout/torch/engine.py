@@ -252,11 +252,12 @@ class TorchRolloutEngine:
             run.collect()
         return [self.completion(s, sampling) for s in seqs]
 
-    def open_session(self, sampling: SamplingParams, max_len: int) -> GenerationSession:
+    def open_session(self, sampling: SamplingParams, max_len: int,
+                     version: int | None = None) -> GenerationSession:
         """Continuous generation: requests submitted at any step join the running batch
         (`megarl.rollout.torch.session`). ``max_len``: prompt + response tokens any request
-        may reach."""
-        return GenerationSession(self, sampling, max_len)
+        may reach; ``version``: the weights' version, tracked per token from here on."""
+        return GenerationSession(self, sampling, max_len, version)
 
     def completion(self, s: Seq, sampling: SamplingParams) -> Completion:
         """The `Completion` of a finished sequence whose tokens were collected."""
@@ -267,6 +268,7 @@ class TorchRolloutEngine:
                       if sampling.logprobs else None),
             finish_reason=s.finish or "length",
             routed_experts=self._routing_of(s) if self.return_routed_experts else None,
+            token_versions=s.token_versions(),
         )
 
     def _routing_of(self, s: Seq) -> torch.Tensor:

@@ -6,7 +6,12 @@ A `Run` serves one ``generate`` call (every sequence added at the start, stepped
 left) or a `megarl.rollout.torch.session.GenerationSession`, whose requests join between steps
 while others decode. One step is the same in both: a sequence added before a step is
 scheduled exactly as if it had been there from the start, so the schedule, hence every batch's
-rounding, is a function of what was added when, never of timing."""
+rounding, is a function of what was added when, never of timing.
+
+A session's weights may change between two steps (a partial rollout): `Run.refill` recomputes
+the KV cache of every active sequence (its prompt and the tokens sampled so far) under the new
+weights, and each sequence records from which token on each weights version sampled it
+(``Seq.versions``)."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ class Seq:
     """One (prompt, sample) being generated."""
 
     __slots__ = ("req", "sample", "prompt", "max_new", "prompt_key", "count", "tokens",
-                 "logprobs", "finish", "key", "routing")
+                 "logprobs", "finish", "key", "routing", "versions")
 
     def __init__(self, req: int, sample: int, prompt: list[int], max_new: int,
                  prompt_key: int) -> None:
@@ -38,12 +43,24 @@ class Seq:
         self.finish: str | None = None
         self.key = 0  # noise_key(seed, prompt_key, sample), set by the run
         self.routing: list[torch.Tensor] = []  # [n, n_sparse, k] per forward that ran its tokens
+        # (first token, weights version) of each version that sampled it; empty when the run
+        # tracks no versions
+        self.versions: list[tuple[int, int]] = []
 
     @property
     def cached(self) -> int:
         """Positions already in the KV cache (the last sampled token is not yet)."""
         return len(self.prompt) + self.count - 1
 
+    def token_versions(self) -> list[int] | None:
+        """The weights version that sampled each of ``tokens`` (None: not tracked)."""
+        if not self.versions:
+            return None
+        out: list[int] = []
+        ends = [start for start, _ in self.versions[1:]] + [len(self.tokens)]
+        for (start, version), end in zip(self.versions, ends):
+            out += [version] * (end - start)
+        return out
 
 
 class Run:
@@ -90,6 +107,7 @@ class Run:
                        else None)
         # (sequence ids, tokens [n], logprobs [n]) of every sampling call, on the device
         self.sampled: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        self.version: int | None = None  # the weights' version, when the caller tracks them
 
     def add(self, seqs: list[Seq], seed: int) -> list[int]:
         """Queue ``seqs`` (their noise drawn from ``seed``); returns their sequence ids."""
@@ -131,10 +149,50 @@ class Run:
 
     # ------------------------------------------------------------------------- steps
 
+    def refill(self, version: int) -> None:
+        """The model's weights changed to ``version`` between two steps: recompute the KV cache
+        of every active sequence (its prompt and every sampled token but the last, which is the
+        next decode's input) under them; the tokens sampled from now on are ``version``'s.
+        Waiting sequences need nothing: their prefill runs on the new weights."""
+        self.version = version
+        if not self.active:
+            return
+        if self.e.return_routed_experts:
+            raise ValueError("a partial rollout cannot keep the routing record of a sequence "
+                             "whose cache is recomputed (routing replay): let requests finish "
+                             "on their weights (async_training.partial_rollout=false)")
+        self.collect()  # every sampled token on the host
+        seqs = [self.seqs[sid] for sid in self.active]
+        for s in seqs:
+            s.versions.append((s.count, version))
+        rows = sorted(range(len(seqs)), key=lambda i: seqs[i].cached)
+        budget, chunk = self.e.prefill_token_budget, []
+        for i in rows:
+            if chunk and (len(chunk) + 1) * seqs[i].cached > budget:
+                self._fill([seqs[j].prompt + seqs[j].tokens[:-1] for j in chunk], chunk)
+                chunk = []
+            chunk.append(i)
+        if chunk:
+            self._fill([seqs[j].prompt + seqs[j].tokens[:-1] for j in chunk], chunk)
+
+    def _fill(self, rows: list[list[int]], slots: list[int]) -> None:
+        """Write the KV cache of ``rows`` (token lists, right-padded here) into ``slots``."""
+        ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        self.cache.begin_prefill(slots, list(range(len(rows))))
+        if self.device.type != "cpu":
+            ids = ids.to(self.device, non_blocking=True)
+        pos = torch.arange(ids.shape[1], device=self.device).expand(*ids.shape)
+        self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
+
     def prefill(self, new: list[int], first_slot: int) -> None:
         """Prefill the prompts of sequences ``new`` (slots first_slot...) and sample their
         first tokens. Samples of one prompt share a row; rows are batched by length under the
         token budget."""
+        if self.version is not None:
+            for sid in new:
+                self.seqs[sid].versions = [(0, self.version)]
         by_req: dict[int, list[int]] = {}
         for k, sid in enumerate(new):
             by_req.setdefault(self.seqs[sid].req, []).append(k)

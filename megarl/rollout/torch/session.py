@@ -6,6 +6,11 @@
         for c in session.step():                             # the completions finished now
             ...                                              # a follow-up may be submitted here
 
+With ``version`` the session tracks the weights' versions: each completion carries the version
+that sampled each of its tokens (``token_versions``), and `weights_changed` continues the
+running sequences on new weights (a partial rollout: their KV cache recomputed, their tokens
+so far kept with the logprobs they were sampled with).
+
 One ``generate`` call runs every sequence from the start; a session admits each request as a
 slot frees, while the others decode, and hands each completion back the step it finishes: a
 multi-turn trajectory's next turn (its tool responses appended) or another prompt joins the
@@ -34,9 +39,11 @@ class GenerationSession:
     """Continuous generation on one engine with shared ``sampling`` settings (temperature,
     top-k / top-p, stops, logprobs; each request brings its own seed, prompt key and token
     budget). ``max_len``: prompt + response tokens any request may reach (the KV cache's
-    length per slot). Not thread-safe: one caller submits and steps."""
+    length per slot). ``version``: the version of the engine's weights, tracked from here on
+    (None: not tracked). Not thread-safe: one caller submits and steps."""
 
-    def __init__(self, engine: Any, sampling: SamplingParams, max_len: int) -> None:
+    def __init__(self, engine: Any, sampling: SamplingParams, max_len: int,
+                 version: int | None = None) -> None:
         check_sampling_params(sampling, engine.model.args.vocab_size)
         if not 0 < max_len <= engine.max_model_len:
             raise ValueError(f"max_len={max_len}: expected 1..max_model_len "
@@ -51,6 +58,7 @@ class GenerationSession:
         self.run = Run(engine, sampling, frozenset(stop_ids),
                        StopStrings(engine.tokenizer, list(sampling.stop)), max_len=max_len,
                        max_seqs=engine.max_num_seqs)
+        self.run.version = version
         self._requests = 0
 
     @property
@@ -80,6 +88,16 @@ class GenerationSession:
         self._requests += 1
         self.run.add([Seq(rid, s, prompt, max_new, prompt_key) for s in range(n)], seed)
         return rid
+
+    def weights_changed(self, version: int) -> None:
+        """The engine's weights were replaced (between two steps) by ``version``'s: the running
+        sequences go on under them, their KV cache recomputed (module doc); requests not yet
+        admitted simply run on them."""
+        if self.run.version is None:
+            raise ValueError("weights_changed: this session tracks no versions (open it with "
+                             "version=)")
+        with torch.inference_mode():
+            self.run.refill(version)
 
     def step(self) -> list[Completion]:
         """One scheduling step (admit, prefill, decode, retire); the completions of the samples
