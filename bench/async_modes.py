@@ -1,5 +1,5 @@
-"""Samples per second and each side's busy share, synchronous vs one-step-off vs fully async,
-on long-tailed response lengths, measured in one invocation on 2 cores: the trainer pinned to
+"""Samples per second and each side's busy share, synchronous vs one-step-off vs fully async
+(with and without partial rollout), on long-tailed response lengths, measured in one invocation on 2 cores: the trainer pinned to
 core 0, the rollout engine (one-step-off's engine process, fully async's rollout worker) to core
 1 (``async_training.engine_cpus=[1]``); the synchronous loop generates on core 0 itself.
 
@@ -50,6 +50,8 @@ MODES = {
     "fully async": ["actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1",
                     "rollout.n_gpus_per_node=1", "async_training.engine_cpus=[1]"],
 }
+# fully async with partial rollout: new weights apply at the worker's next decode step
+MODES["fully async + partial"] = [*MODES["fully async"], "async_training.partial_rollout=true"]
 
 
 def random_assets(out: Path, seed: int = 0) -> Path:
@@ -79,7 +81,7 @@ def run(mode: str, assets: Path, args: argparse.Namespace) -> dict[str, Any]:
            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
            "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
            "trainer.export_hf=false", *args.overrides, *MODES[mode]]
-    if mode == "fully async":
+    if mode.startswith("fully async"):
         cmd += [f"async_training.staleness_threshold={args.staleness}",
                 f"async_training.trigger_parameter_sync_step={args.sync_every}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MEGARL_ASSETS=str(assets))
@@ -104,6 +106,12 @@ def run(mode: str, assets: Path, args: argparse.Namespace) -> dict[str, Any]:
     (w0, t0, e0), (w1, t1, e1) = marks[args.warmup], marks[args.steps]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"samples_per_s": len(kept) * args.prompts * args.n / step_s,
+            "step_s": [r["timing_s/step"] for r in kept],
+            "gen_s": [r.get("timing_s/gen", 0.0) for r in kept],
+            "tokens": [r["perf/total_num_tokens"] for r in kept],
+            "response_tokens": [r["response_length/mean"] * args.prompts * args.n for r in kept],
+            "partial_samples": statistics.mean(r.get("async/partial_samples", 0.0)
+                                               for r in kept),
             "trainer_busy": (t1 - t0) / (w1 - w0), "engine_busy": (e1 - e0) / (w1 - w0),
             "trainer_wait": wait_s / step_s,
             "len_median": statistics.median(r["response_length/mean"] for r in kept),
@@ -167,8 +175,9 @@ def main() -> None:
             print(f"{mode}: {r}", flush=True)
     base = statistics.median(r["samples_per_s"] for r in res[modes[0]])
     lines = ["| mode | samples/s | vs synchronous | trainer core busy | engine core busy | "
-             "trainer waits for samples | response length: median of step means / longest |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "trainer waits for samples | samples spanning a sync | response length: median "
+             "of step means / longest |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, runs in res.items():
         def med(key, runs=runs):
             return statistics.median(r[key] for r in runs)
@@ -176,6 +185,7 @@ def main() -> None:
             f"{med('engine_busy'):.0%}"
         lines.append(f"| {mode} | {med('samples_per_s'):.2f} | **{med('samples_per_s') / base:.2f}x**"
                      f" | {med('trainer_busy'):.0%} | {engine} | {med('trainer_wait'):.0%} | "
+                     f"{med('partial_samples'):.1%} | "
                      f"{med('len_median'):.0f} / {max(r['len_max'] for r in runs):.0f} |")
     cmd = ("OMP_NUM_THREADS=1 python bench/async_modes.py " +
            " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
@@ -186,12 +196,14 @@ def main() -> None:
             f"EOS or {args.stops} extra stop tokens under a random policy (geometric lengths, "
             f"at most {args.max_len}); fully async: 1 rollout worker, staleness_threshold="
             f"{args.staleness:g}, trigger_parameter_sync_step={args.sync_every}, "
-            "partial_rollout=false. Medians over "
+            "partial_rollout=false, and with partial_rollout=true (\"partial\"). Medians over "
             f"{args.repeats} runs per mode, steps {args.warmup + 1}..{args.steps} kept.\n\n"
             + "\n".join(lines) + "\n")
     print(body)
     if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                  if k != "json"} | {"command": cmd},
+                                         "modes": res}, indent=1, default=str))
     if not args.no_write:
         write_section("Disaggregated, fully asynchronous RL: the three schedules "
                       "(`bench/async_modes.py`)", body)

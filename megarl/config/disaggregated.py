@@ -47,14 +47,21 @@ def learner_steps(cfg: Config) -> int | None:
     return int(total) // prompts_per_step(cfg)
 
 
-def fill(cfg: Config) -> None:
-    """``data.train_batch_size`` 0 (verl's fully-async scripts) = the prompts of a step;
-    ``data.gen_batch_size`` 1 (verl asserts it there: one prompt per rollout step) is how the
-    workers are fed anyway, so it is read as unset."""
+def fill(cfg: Config, explicit: set[str] = frozenset()) -> None:
+    """``data.train_batch_size`` 0 (verl's fully-async scripts) = the prompts of a step; a
+    multiple k of ``ppo_mini_batch_size`` with ``async_training.require_batches`` unset
+    (verl's one-step-off scripts: a step of train_batch_size prompts in k updates) sets
+    require_batches to k; ``data.gen_batch_size`` 1 (verl asserts it in its fully-async
+    recipe: one prompt per rollout step) is how the workers are fed anyway, so it is read as
+    unset. ``explicit``: the dotted keys the user wrote."""
     if not is_disaggregated(cfg):
         return
-    if cfg.data.train_batch_size == 0:
+    mini, batch = cfg.actor_rollout_ref.actor.ppo_mini_batch_size, cfg.data.train_batch_size
+    if batch == 0:
         cfg.data.train_batch_size = prompts_per_step(cfg)
+    elif ("async_training.require_batches" not in explicit and isinstance(mini, int)
+          and mini > 0 and isinstance(batch, int) and batch > mini and batch % mini == 0):
+        cfg.async_training.require_batches = batch // mini
     if cfg.data.gen_batch_size == 1:
         cfg.data.gen_batch_size = None
 

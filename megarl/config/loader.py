@@ -27,7 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megarl.config import fsdp_size, global_micro
+from megarl.config import fsdp_size, global_micro, verl_async
 from megarl.config.aliases import canonical_keys, get_path, set_path
 from megarl.config.errors import ConfigError
 from megarl.config.keys import canonical_path, schema_problem
@@ -295,6 +295,7 @@ def _pipeline(files: list[tuple[str, dict]], overrides: Sequence[str],
     micro_notices, micro_problems = global_micro.convert(verl_only, resolved, raw, prov)
     problems += micro_problems
     problems += fsdp_size.convert(verl_only, resolved, raw, prov)
+    problems += verl_async.convert(verl_only, resolved, raw, prov)
     cfg = build(Config, resolved, "", problems, prov)
     bad = {p.split(":", 1)[0].split("[", 1)[0] for p in problems}
     explicit = {path for path, _ in walk(raw)}

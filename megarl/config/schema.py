@@ -134,7 +134,9 @@ class RolloutCorrectionConfig:
 
     # null = off; token: w_t = pi_old/mu per token; sequence: the product over the response
     rollout_is: Literal["token", "sequence"] | None = None
-    rollout_is_threshold: float = 2.0  # upper truncation of the weights (> 0)
+    # upper truncation of the weights (> 0); null is accepted while rollout_is is null (verl's
+    # scripts that switch IS off write both)
+    rollout_is_threshold: float | None = 2.0
     rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
     # rejection sampling: comma-separated options of megarl.algos.ROLLOUT_RS_OPTIONS (token_k1,
     # seq_sum_k1, seq_mean_k3, seq_max_k2, ...); tokens / responses whose statistic of the
@@ -280,8 +282,9 @@ class AsyncTrainingConfig:
     require_batches: int = 1
     # disaggregated: new weights go to the rollout workers every this many learner steps
     trigger_parameter_sync_step: int = 1
-    # disaggregated: requests in flight at a sync go on under the new weights (not built yet:
-    # false, the default, lets them finish on the weights they started with)
+    # disaggregated: requests in flight at a sync go on under the new weights, their KV cache
+    # recomputed, each token carrying the version that sampled it; false (the default) lets
+    # them finish on the weights they started with
     partial_rollout: bool = False
 
 

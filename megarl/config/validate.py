@@ -43,7 +43,7 @@ def fill_derived(cfg: Config, explicit: set[str]) -> tuple[Config, list[tuple[tu
         problems.append(((A.PATH_KEY,), bad_file))
     if cfg.data.seed is None:
         cfg.data.seed = cfg.trainer.seed
-    disaggregated.fill(cfg)
+    disaggregated.fill(cfg, explicit)
     arr = cfg.actor_rollout_ref
     model, actor, rollout, ref = arr.model, arr.actor, arr.rollout, arr.ref
     if model.tokenizer_path is None:
@@ -418,8 +418,15 @@ def _check_algorithm(cfg: Config, c: _Checker) -> None:
                "pacs.adv_estimator=rloo (PACS's default), pacs.norm_adv_by_std_in_grpo=false or "
                "pacs.reward_method=2")
     rc = alg.rollout_correction
-    c.positive("algorithm.rollout_correction.rollout_is_threshold", rc.rollout_is_threshold,
-               " (the upper truncation of the importance weights; verl's default is 2.0)")
+    if rc.rollout_is_threshold is None:
+        if rc.rollout_is is not None:
+            c.fail(("algorithm.rollout_correction.rollout_is_threshold",
+                    "algorithm.rollout_correction.rollout_is"),
+                   f"null, but rollout_is={rc.rollout_is!r} truncates its importance weights "
+                   "at it; set a threshold > 0 (verl's default is 2.0)")
+    else:
+        c.positive("algorithm.rollout_correction.rollout_is_threshold", rc.rollout_is_threshold,
+                   " (the upper truncation of the importance weights; verl's default is 2.0)")
     if rc.rollout_is is not None and pacs.enable:
         c.fail(("algorithm.rollout_correction.rollout_is", "pacs.enable"),
                f"{rc.rollout_is!r} weights the policy loss per token, but PACS (pacs.enable) "

@@ -36,6 +36,8 @@ from megarl.config.errors import ConfigError
 from megarl.config.fsdp_size import FSDP_SIZE
 from megarl.config.global_micro import GLOBAL_MICRO
 from megarl.config.keys import canonical_path, schema_problem
+from megarl.config.verl_async import RECIPE_KEYS
+from megarl.config.verl_async import RULES as ASYNC_RULES
 from megarl.config.verl_judge import JUDGE_RULES, read_judge_loop
 from megarl.config.verl_lora import LORA_RULES, read_lora_block
 from megarl.config.verl_model_engine import read_model_engine
@@ -67,6 +69,7 @@ OLDER_KEYS: dict[str, Any] = {
     "actor_rollout_ref.rollout.server.retry_delay": 2.0,
     "actor_rollout_ref.rollout.server.max_connections": 1000,
     "actor_rollout_ref.rollout.server.max_start_wait_time": 300.0,
+    "actor_rollout_ref.rollout.enable_sleep_mode": True,
 }
 
 # verl sections whose keys are free-form (passed on to megatron-core's TransformerConfig)
@@ -129,6 +132,8 @@ RULES: tuple[Rule, ...] = (
     Rule("trainer.v1.*", "inert", _ONLY_WHEN.format(what="trainer.v1.trainer_mode (async modes)")),
     Rule("trainer.use_v1", "inert", "megarl has one trainer implementation"),
     Rule("trainer.use_legacy_worker_impl", "inert", "megarl has one worker implementation"),
+    # verl's asynchronous recipes' own keys (megarl.config.verl_async)
+    *[Rule(pattern, status, note) for pattern, status, note in ASYNC_RULES],
     # trainer
     Rule("trainer.resume_mode", "mapped", "trainer.resume"),
     Rule("trainer.default_hdfs_dir", "rejected", "HDFS upload is not implemented; copy "
@@ -328,6 +333,9 @@ RULES: tuple[Rule, ...] = (
          "not implemented"),
     Rule(f"{_ROLLOUT}.disaggregation.*", "inert", _ONLY_WHEN.format(what="disaggregation.enabled")),
     Rule(f"{_ROLLOUT}.dtype", "inert", "the engine runs in actor_rollout_ref.model.dtype"),
+    Rule(f"{_ROLLOUT}.enable_sleep_mode", "inert", "a colocated engine sleeps between "
+         f"generations whenever {_ROLLOUT}.free_cache_engine is on (vLLM: where its build has "
+         "a sleep mode); rollout workers of their own never sleep"),
     Rule(f"{_ROLLOUT}.enable_rollout_routing_replay", "inert", "the torch engine records "
          f"routing whenever {_ACTOR}.router_replay.mode=R3"),
     Rule(f"{_ROLLOUT}.moe_load_balance_metrics_interval", "inert",
@@ -425,7 +433,7 @@ _ABSENT = object()
 
 @cache
 def _accepted_keys() -> dict[str, Any]:
-    return {**verl_keys(), **OLDER_KEYS}
+    return {**verl_keys(), **OLDER_KEYS, **RECIPE_KEYS}
 
 
 def verl_key_of(dotted: str) -> str | None:

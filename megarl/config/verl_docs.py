@@ -22,6 +22,7 @@ import yaml
 from megarl.config.verl_compat import (
     KEYS_FILE,
     OLDER_KEYS,
+    RECIPE_KEYS,
     STATUSES,
     VERL_RELEASE,
     classify,
@@ -88,8 +89,9 @@ def render_doc(keys: dict[str, Any]) -> str:
         "",
     ]
     older = {k: v for k, v in OLDER_KEYS.items() if k not in keys}
-    verdicts |= {k: classify(k) for k in older}
-    keys = {**keys, **older}
+    recipes = {k: v for k, v in RECIPE_KEYS.items() if k not in keys}
+    verdicts |= {k: classify(k) for k in {**older, **recipes}}
+    keys = {**keys, **older, **recipes}
     section = None
     for key, verdict in sorted(verdicts.items()):
         top = key.split(".")[0] if key.count(".") < 2 else ".".join(key.split(".")[:2])
@@ -99,7 +101,8 @@ def render_doc(keys: dict[str, Any]) -> str:
                       "|---|---|---|---|"]
         status, note = (verdict.status, verdict.note) if verdict else ("UNCLASSIFIED", "")
         shown = f"`{note}`" if status == "mapped" else note
-        mark = " (older spelling)" if key in older else ""
+        mark = (" (older spelling)" if key in older else
+                " (verl's asynchronous recipes)" if key in recipes else "")
         lines.append(f"| `{key}`{mark} | {_cell(keys[key])} | {status} | {shown} |")
     return "\n".join(lines) + "\n"
 

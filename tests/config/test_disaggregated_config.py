@@ -82,3 +82,32 @@ def test_total_rollout_steps_sets_the_learner_steps():
     cfg = load_config("grpo", [*ON, "rollout.total_rollout_steps=650"])
     assert disaggregated.learner_steps(cfg) == 10  # 650 prompts // 64 per step
     assert disaggregated.learner_steps(load_config("grpo", [])) is None
+
+
+def test_a_multiple_of_the_mini_batch_sets_require_batches():
+    """verl's one-step-off scripts (rollout GPUs of their own, no async_training keys): a step
+    of train_batch_size prompts in train_batch_size / ppo_mini_batch_size updates; an explicit
+    require_batches that disagrees is refused."""
+    cfg = load_config("grpo", [*ON, "data.train_batch_size=256",
+                               "actor_rollout_ref.actor.ppo_mini_batch_size=64"])
+    assert cfg.async_training.require_batches == 4 and cfg.data.train_batch_size == 256
+    assert "data.train_batch_size: 256 prompts, but a disaggregated step trains on " \
+           "actor.ppo_mini_batch_size x async_training.require_batches = 64" in _error(
+               *ON, "data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+               "async_training.require_batches=1")
+
+
+def test_verl_s_recipe_keys_are_read():
+    """compute_prox_log_prob=true is the ratio against the trainer's recomputation;
+    rollout.test_freq counts weight syncs; the checkpoint engine's buffer is the bucket size."""
+    cfg = load_config("grpo", [*ON, "async_training.compute_prox_log_prob=true",
+                               "async_training.trigger_parameter_sync_step=4",
+                               "rollout.test_freq=5", "rollout.total_epochs=3",
+                               "async_training.checkpoint_engine.device_buffer_size_M=512",
+                               "async_training.use_trainer_do_validate=true", "rollout.n=4"])
+    assert cfg.async_training.use_rollout_log_probs is False
+    assert cfg.trainer.test_freq == 20 and cfg.trainer.total_epochs == 3
+    assert cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 512
+    assert load_config("grpo", [*ON, "rollout.test_freq=-1"]).trainer.test_freq == -1
+    assert "async_training.compute_prox_log_prob=3" in _error(
+        *ON, "async_training.compute_prox_log_prob=3")

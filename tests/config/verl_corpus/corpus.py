@@ -29,23 +29,48 @@ from megarl.config.verl_compat import classify, verl_key_of
 HERE = Path(__file__).resolve().parent
 LINES = HERE / "lines.jsonl"
 OUTCOMES = HERE / "outcomes.json"
+# verl's asynchronous recipes (expand.py --set async)
+ASYNC_LINES = HERE / "lines_async.jsonl"
+ASYNC_OUTCOMES = HERE / "outcomes_async.json"
+# what a recipe's entry point itself means, in megarl's keys: verl's one-step-off trainer
+# samples each batch with the weights one step old (megarl: staleness_threshold=1)
+ENTRY_MEANS = {"verl.experimental.one_step_off_policy.main_ppo":
+               ["async_training.staleness_threshold=1"]}
+_SELECT = re.compile(r"^\$\{oc\.select:([^,}]+)(?:,(.*))?\}$")
 MEGATRON = "actor_rollout_ref.actor.strategy=megatron"
 TRAINER_CONFIGS = {"ppo_trainer": [], "ppo_megatron_trainer": [MEGATRON]}
 
 
-def read_lines() -> tuple[dict, list[dict]]:
-    """(header, lines) of the corpus."""
-    rows = [json.loads(t) for t in LINES.read_text().splitlines() if t.strip()]
+def read_lines(path: Path = LINES) -> tuple[dict, list[dict]]:
+    """(header, lines) of the corpus (``path``: the main set or ``ASYNC_LINES``)."""
+    rows = [json.loads(t) for t in path.read_text().splitlines() if t.strip()]
     return rows[0], rows[1:]
 
 
-def _flat(tree: dict, prefix: str = "") -> list[str]:
-    out: list[str] = []
+def _leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, dict) and v:
-            out += _flat(v, f"{prefix}{k}.")
+            out |= _leaves(v, f"{prefix}{k}.")
         else:
-            out.append(f"{prefix}{k}={json.dumps(v)}")
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _flat(tree: dict) -> list[str]:
+    """``key=value`` of every leaf, a ``${oc.select:KEY,FALLBACK}`` value read as hydra reads
+    it within the file: KEY's value there (a section: dropped, as its leaves are set), else
+    FALLBACK."""
+    leaves = _leaves(tree)
+    out: list[str] = []
+    for k, v in leaves.items():
+        if isinstance(v, str) and (m := _SELECT.match(v)):
+            ref = m.group(1).strip()
+            if any(key.startswith(ref + ".") for key in leaves):
+                continue
+            v = leaves.get(ref, json.loads(m.group(2).strip().lower())
+                           if m.group(2) and m.group(2).strip() else None)
+        out.append(f"{k}={json.dumps(v)}")
     return out
 
 
@@ -68,6 +93,7 @@ def command_line(line: dict) -> tuple[str, list[str]]:
                 entry += _trainer_config(a.split("=", 1)[1])
             continue
         rest.append(a)
+    entry += ENTRY_MEANS.get(line.get("entry", ""), [])
     if "config" in line:
         for base in line["config"]["extends"]:
             entry += _trainer_config(base)
@@ -100,8 +126,8 @@ def line_id(line: dict) -> str:
     return f"{line['script']}#{line['index']}"
 
 
-def outcomes() -> dict[str, dict]:
-    _, lines = read_lines()
+def outcomes(path: Path = LINES) -> dict[str, dict]:
+    _, lines = read_lines(path)
     return {line_id(line): outcome(line) for line in lines}
 
 
@@ -113,5 +139,6 @@ def not_built(key: str) -> str | None:
 
 
 if __name__ == "__main__":
-    OUTCOMES.write_text(json.dumps(outcomes(), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {OUTCOMES}", file=sys.stderr)
+    for lines_file, table in ((LINES, OUTCOMES), (ASYNC_LINES, ASYNC_OUTCOMES)):
+        table.write_text(json.dumps(outcomes(lines_file), indent=1, sort_keys=True) + "\n")
+        print(f"wrote {table}", file=sys.stderr)
