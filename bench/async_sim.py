@@ -340,11 +340,12 @@ def measure_engine(policy: Path, batches=(1, 16, 64, 256), tokens: int = 160) ->
     return EngineCost(d0, d1, d2, p=statistics.median(prefill))
 
 
-def train_cost(sync_runs: list[dict]) -> TrainCost:
-    """t0, t1 by least squares over the synchronous runs' steps: step - generation seconds
+def train_cost(runs: list[dict]) -> TrainCost:
+    """t0, t1 by least squares over the runs' kept steps: step seconds less ``timing_s/gen``
+    (the generation in the synchronous loop, the wait for samples in the asynchronous ones)
     against the step's tokens."""
-    x = [tok for r in sync_runs for tok in r["tokens"]]
-    y = [s - g for r in sync_runs for s, g in zip(r["step_s"], r["gen_s"])]
+    x = [tok for r in runs for tok in r["tokens"]]
+    y = [s - g for r in runs for s, g in zip(r["step_s"], r["gen_s"])]
     t1, t0 = np.polyfit(x, y, 1)
     if t0 < 0:  # too little spread in the tokens to place the intercept: through 0
         t0, t1 = 0.0, sum(y) / sum(x)
@@ -352,15 +353,22 @@ def train_cost(sync_runs: list[dict]) -> TrainCost:
 
 
 def check_two_cores(measured: Path) -> None:
-    """The bench's modes, simulated with this machine's engine costs and the synchronous run's
-    trainer costs, against what the bench measured."""
+    """The bench's modes, simulated with this machine's engine costs and the learner's costs
+    of the bench's runs, against what the bench measured: the synchronous loop's learner cost
+    from its own runs (its step also loads the weights into the engine it shares the core
+    with), the asynchronous modes' from the one-step-off runs (the learner alone on its core,
+    barely waiting), so the fully async predictions test the schedule model alone."""
     from bench.async_modes import random_assets
 
     data = json.loads(measured.read_text())
     args, modes = data["args"], data["modes"]
     assets = random_assets(Path(tempfile.mkdtemp(prefix="megarl_async_sim_")))
     eng = measure_engine(assets / "policy")
+    if "synchronous" not in modes or "one-step-off" not in modes:
+        sys.exit("--measured needs an async_modes.py run with the synchronous and one-step-off "
+                 "modes (the learner's costs are read from them)")
     train = train_cost(modes["synchronous"])
+    alone = train_cost(modes["one-step-off"])
     vocab = json.loads((assets / "policy" / "config.json").read_text())["vocab_size"]
     stops = int(args["stops"]) + 1  # the extra stop tokens and EOS
     prompt_len = 30  # the demo's chat-templated prompts: 24-36 tokens
@@ -371,22 +379,26 @@ def check_two_cores(measured: Path) -> None:
                                       rng=np.random.default_rng(seed)),
                         int(args["steps"]), int(args["warmup"]))
 
-    slots = 512  # the demo's max_num_seqs
+    slots = 512  # the demo's max_num_seqs, unless the run set another
+    for o in args.get("overrides") or []:
+        if o.startswith("actor_rollout_ref.rollout.max_num_seqs="):
+            slots = int(o.split("=", 1)[1])
     sims = {
         "synchronous": lambda s: simulate_synchronous(workload(s), eng, train, slots),
-        "one-step-off": lambda s: simulate_one_step_off(workload(s), eng, train, slots),
+        "one-step-off": lambda s: simulate_one_step_off(workload(s), eng, alone, slots),
         "fully async": lambda s: simulate_fully_async(
-            workload(s), eng, train, workers=1, slots=slots, capacity=2 * slots,
+            workload(s), eng, alone, workers=1, slots=slots, capacity=10**9,
             staleness=float(args["staleness"]), sync_every=int(args["sync_every"]),
             partial=False)["samples_per_s"],
         "fully async + partial": lambda s: simulate_fully_async(
-            workload(s), eng, train, workers=1, slots=slots, capacity=2 * slots,
+            workload(s), eng, alone, workers=1, slots=slots, capacity=10**9,
             staleness=float(args["staleness"]), sync_every=int(args["sync_every"]),
             partial=True)["samples_per_s"],
     }
     print(f"engine (measured here): d0 {eng.d0 * 1e3:.2f} ms, d1 {eng.d1 * 1e6:.1f} us/seq, "
           f"d2 {eng.d2 * 1e9:.1f} ns/(seq x token), prefill {eng.p * 1e6:.1f} us/token")
-    print(f"trainer (the synchronous runs): {train.t0:.2f} s + {train.t1 * 1e6:.0f} us/token")
+    print(f"learner: synchronous runs {train.t0:.2f} s + {train.t1 * 1e6:.0f} us/token, "
+          f"one-step-off runs {alone.t0:.2f} s + {alone.t1 * 1e6:.0f} us/token")
     print("| mode | measured samples/s | simulated | simulated / measured |")
     print("|---|---:|---:|---:|")
     for mode, runs in modes.items():

@@ -39,6 +39,22 @@ def prompts_per_step(cfg: Config) -> int:
             * cfg.async_training.require_batches)
 
 
+def window_prompts(cfg: Config) -> int:
+    """Prompts out at most per sync window: R x T x (1 + staleness_threshold) (verl's rule)."""
+    at = cfg.async_training
+    return int(prompts_per_step(cfg) * at.trigger_parameter_sync_step
+               * (1 + float(at.staleness_threshold)))
+
+
+def worker_capacity(cfg: Config) -> int:
+    """Sequences a rollout worker may hold (running or queued in its session): its share of a
+    whole window, so the window goes out as soon as it opens and no worker waits for the
+    trainer to hand out more while it trains, and at least twice its engine's slots."""
+    workers = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    share = -(-window_prompts(cfg) * cfg.actor_rollout_ref.rollout.n // max(workers, 1))
+    return max(2 * cfg.actor_rollout_ref.rollout.max_num_seqs, share)
+
+
 def learner_steps(cfg: Config) -> int | None:
     """Learner steps of ``rollout.total_rollout_steps`` prompts (None: not set)."""
     total = cfg.rollout.total_rollout_steps

@@ -65,7 +65,7 @@ class FullyAsyncProducer(SampleProducer):
         self.rollout_tp = mdist.world_size()  # rank 0 generates for the whole world
         self.per_step = disaggregated.prompts_per_step(cfg)
         self.sync_every = int(at.trigger_parameter_sync_step)
-        self.window = int(self.per_step * self.sync_every * (1 + float(at.staleness_threshold)))
+        self.window = disaggregated.window_prompts(cfg)
         self.total_prompts = parts.total_steps * self.per_step
         self.timeout_s = float(at.engine_timeout_s)
         self.seed = R.sampling_seed(cfg.trainer.seed, 0, 0, R.ROLLOUT_STREAM)

@@ -159,9 +159,9 @@ def worker_pool(cfg: Config, model_path: str, device: torch.device,
             specs=specs, sampling=sampling_params(cfg, eos_id, 0), timeout_s=timeout,
             kv_fraction=ro.gpu_memory_utilization if device.type == "cuda" else None,
             max_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-            capacity=2 * ro.max_num_seqs,  # a backlog as deep as the batch: a worker
-            # never idles while the trainer trains (its session admits from it as slots free)
-            partial_rollout=at.partial_rollout)
+            # the coordinator hands out only while the trainer waits on it: each worker takes
+            # its share of the window at once and its session admits from it as slots free
+            capacity=disaggregated.worker_capacity(cfg), partial_rollout=at.partial_rollout)
     return WorkerPool(placement, device, bucket_bytes=ro.update_weights_bucket_megabytes << 20,
                       check_digest=cfg.rollout.check_weight_digest)
 

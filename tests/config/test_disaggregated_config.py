@@ -111,3 +111,22 @@ def test_verl_s_recipe_keys_are_read():
     assert load_config("grpo", [*ON, "rollout.test_freq=-1"]).trainer.test_freq == -1
     assert "async_training.compute_prox_log_prob=3" in _error(
         *ON, "async_training.compute_prox_log_prob=3")
+
+
+def test_each_worker_takes_its_share_of_a_window_at_once():
+    """R x T x (1 + s) prompts a window (64 x 2 x 1.5 = 192), n = 8 samples each, over 2
+    workers: 768 sequences each, beyond twice the engine's 32 slots. (The coordinator hands
+    out only while the trainer waits on it: with twice the slots, a worker ran dry while the
+    trainer trained, and the trainer then waited 21% of its steps, bench/async_modes.py.)"""
+    from megarl.config import disaggregated
+
+    cfg = load_config("grpo", [*ON, "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                               "async_training.require_batches=4", "data.train_batch_size=0",
+                               "async_training.trigger_parameter_sync_step=2",
+                               "async_training.staleness_threshold=0.5",
+                               "actor_rollout_ref.rollout.n=8",
+                               "actor_rollout_ref.rollout.max_num_seqs=32"])
+    assert disaggregated.window_prompts(cfg) == 192
+    assert disaggregated.worker_capacity(cfg) == 192 * 8 // 2
+    big = load_config("grpo", [*ON, "actor_rollout_ref.rollout.max_num_seqs=4096"])
+    assert disaggregated.worker_capacity(big) == 2 * 4096
