@@ -106,7 +106,12 @@ _MEMORY = "a memory/speed option of verl's workers; megarl's results do not depe
 _TEXT = "megarl trains text-only language models"
 _OFFLOAD = ("offload is not implemented: parameters, gradients and optimizer states stay on the "
             "device (memory differs, results do not)")
-_ASYNC = "asynchronous training is not implemented; megarl's loop is synchronous"
+_ASYNC = ("verl 0.9's v1 trainers: sync is megarl's loop; colocate_async and separate_async "
+          "(a replay buffer bounding staleness in versions, rollout replicas lent by the "
+          "trainer) are not mapped; megarl's asynchronous modes take verl's recipe keys: "
+          "async_training.staleness_threshold (one-step-off, colocated) or "
+          "actor_rollout_ref.hybrid_engine=false with rollout.nnodes / n_gpus_per_node and "
+          "async_training.* (fully async, partial rollout)")
 _ONLY_WHEN = "only read by {what}, which is rejected unless off"
 _ULYSSES_ACTOR = f"{_ACTOR}.parallel.ulysses_sequence_parallel_size"
 _ULYSSES_CRITIC = "critic.parallel.ulysses_sequence_parallel_size"
