@@ -15,7 +15,10 @@ published while requests run.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -169,8 +172,10 @@ LONG = SamplingParams(temperature=0.9, max_new_tokens=200, ignore_eos=True)  # n
 
 def test_a_partial_rollout_goes_on_under_the_published_weights(tiny_folder, tmp_path):
     """``partial_rollout``: a request of 2 tokens and two of 200 start together on one worker;
-    once the short one is back (the long ones then have 198 tokens to go) new weights are
-    published and a fourth request added. The long samples span both versions: each token
+    once the short one is back (the long ones then have 198 tokens to go) the worker is
+    stopped (SIGSTOP, so however slowly this process gets to it, the publish finds the long
+    requests running), new weights are published, the worker resumed, and a fourth request
+    added. The long samples span both versions: each token
     stamped with the version that sampled it, every token equal to the brute-force draw that
     reads its whole prefix with the old weights before the switch and the new ones after it
     (float64 transformers, the same uniforms), every logprob within the fp32 bound of its
@@ -185,8 +190,16 @@ def test_a_partial_rollout_goes_on_under_the_published_weights(tiny_folder, tmp_
         coord = pool.coord
         coord.add(reqs[:3])
         (short,) = coord.take(1, timeout_s=60)
-        pool.update_weights(iter(load_file(str(new_path / "model.safetensors")).items()),
-                            version=1)
+        worker = pool.procs[0].pid
+        os.kill(worker, signal.SIGSTOP)
+        # resumed from another thread: the publish may wait on the worker's socket buffers
+        resume = threading.Timer(1.0, os.kill, (worker, signal.SIGCONT))
+        resume.start()
+        try:
+            pool.update_weights(iter(load_file(str(new_path / "model.safetensors")).items()),
+                                version=1)
+        finally:
+            resume.join()
         coord.add(reqs[3:])
         while coord.versions[coord.live[0]] != 1:
             coord.pump(0.1)
