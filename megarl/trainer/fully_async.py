@@ -163,8 +163,8 @@ class FullyAsyncProducer(SampleProducer):
             versions = batch.tensors["token_version"]
             model = batch.response_mask.bool() & (versions >= 0)
             token_lag = trained - versions[model].double()
-            spans = (versions.masked_fill(~model, 2**62).amin(1)
-                     != versions.masked_fill(~model, -1).amax(1))
+            # versions never decrease along a sample, whose own is its first token's
+            spans = versions.masked_fill(~model, -1).amax(1) != batch.tensors["policy_version"]
             out = {"async/token_version_lag/min": float(token_lag.min()),
                    "async/token_version_lag/mean": float(token_lag.mean()),
                    "async/token_version_lag/max": float(token_lag.max()),

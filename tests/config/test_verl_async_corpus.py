@@ -22,7 +22,6 @@ one-step-off entry read as ``async_training.staleness_threshold=1``
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from corpus import (  # noqa: E402
     ASYNC_LINES,
     ASYNC_OUTCOMES,
     LINES,
+    changed_lines,
     command_line,
     line_id,
     not_built,
@@ -99,8 +99,7 @@ def test_corpus_is_verls_async_recipes():
 
 
 def test_outcomes_equal_the_table(today):
-    table = json.loads(ASYNC_OUTCOMES.read_text())
-    changed = sorted(k for k in table.keys() | today.keys() if table.get(k) != today.get(k))
+    changed = changed_lines(today, ASYNC_OUTCOMES)
     assert not changed, "outcome changed for: " + ", ".join(changed) + "; rewrite the table " \
         "with python tests/config/verl_corpus/corpus.py if meant"
 

@@ -165,26 +165,35 @@ class Run:
         seqs = [self.seqs[sid] for sid in self.active]
         for s in seqs:
             s.versions.append((s.count, version))
-        rows = sorted(range(len(seqs)), key=lambda i: seqs[i].cached)
-        budget, chunk = self.e.prefill_token_budget, []
-        for i in rows:
-            if chunk and (len(chunk) + 1) * seqs[i].cached > budget:
-                self._fill([seqs[j].prompt + seqs[j].tokens[:-1] for j in chunk], chunk)
-                chunk = []
-            chunk.append(i)
-        if chunk:
-            self._fill([seqs[j].prompt + seqs[j].tokens[:-1] for j in chunk], chunk)
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].cached)
+        for chunk in self._chunks(order, [seqs[i].cached for i in order]):
+            self._prefill_rows([seqs[i].prompt + seqs[i].tokens[:-1] for i in chunk], chunk,
+                               list(range(len(chunk))))
 
-    def _fill(self, rows: list[list[int]], slots: list[int]) -> None:
-        """Write the KV cache of ``rows`` (token lists, right-padded here) into ``slots``."""
-        ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    def _chunks(self, items: list[int], lengths: list[int]) -> list[list[int]]:
+        """``items`` (sorted by their ``lengths``) cut into runs whose padded rows stay within
+        the prefill token budget."""
+        out: list[list[int]] = []
+        for item, length in zip(items, lengths):
+            if out and (len(out[-1]) + 1) * length <= self.e.prefill_token_budget:
+                out[-1].append(item)
+            else:
+                out.append([item])
+        return out
+
+    def _prefill_rows(self, rows: list[list[int]], dst: list[int], src: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``rows`` (token lists, right-padded here) through the model, row src[i]'s keys
+        and values written into cache slot dst[i]: (hidden [rows, t, H], routing or None)."""
+        t = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        self.cache.begin_prefill(slots, list(range(len(rows))))
+        self.cache.begin_prefill(dst, src)
         if self.device.type != "cpu":
             ids = ids.to(self.device, non_blocking=True)
-        pos = torch.arange(ids.shape[1], device=self.device).expand(*ids.shape)
-        self.e.model(ids, position_ids=pos, kv_cache=self.cache, output="hidden")
+        pos = torch.arange(t, device=self.device).expand(len(rows), t)
+        return self._forward(ids, pos)
 
     def prefill(self, new: list[int], first_slot: int) -> None:
         """Prefill the prompts of sequences ``new`` (slots first_slot...) and sample their
@@ -197,15 +206,8 @@ class Run:
         for k, sid in enumerate(new):
             by_req.setdefault(self.seqs[sid].req, []).append(k)
         reqs = sorted(by_req, key=lambda r: len(self.seqs[new[by_req[r][0]]].prompt))
-        budget = self.e.prefill_token_budget
-        chunk: list[int] = []
-        for r in reqs:
-            length = len(self.seqs[new[by_req[r][0]]].prompt)
-            if chunk and (len(chunk) + 1) * length > budget:
-                self._prefill_chunk(chunk, by_req, new, first_slot)
-                chunk = []
-            chunk.append(r)
-        if chunk:
+        lengths = [len(self.seqs[new[by_req[r][0]]].prompt) for r in reqs]
+        for chunk in self._chunks(reqs, lengths):
             self._prefill_chunk(chunk, by_req, new, first_slot)
 
     def _prefill_chunk(
@@ -214,20 +216,13 @@ class Run:
         prompts = [self.seqs[new[by_req[r][0]]].prompt for r in reqs]
         lengths = [len(p) for p in prompts]
         t = max(lengths)
-        ids = torch.zeros(len(prompts), t, dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
         dst, src, sids = [], [], []
         for row, r in enumerate(reqs):
             for k in by_req[r]:
                 dst.append(first_slot + k)
                 src.append(row)
                 sids.append(new[k])
-        self.cache.begin_prefill(dst, src)
-        if self.device.type != "cpu":
-            ids = ids.to(self.device, non_blocking=True)
-        pos = torch.arange(t, device=self.device).expand(len(prompts), t)
-        hidden, routing = self._forward(ids, pos)
+        hidden, routing = self._prefill_rows(prompts, dst, src)
         if routing is not None:  # [rows * t, n_sparse, k] -> each sample its prompt's rows
             routing = routing.view(len(prompts), t, *routing.shape[1:])
             for sid, row in zip(sids, src):

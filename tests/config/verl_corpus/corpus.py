@@ -131,6 +131,13 @@ def outcomes(path: Path = LINES) -> dict[str, dict]:
     return {line_id(line): outcome(line) for line in lines}
 
 
+def changed_lines(today: dict[str, dict], table: Path) -> list[str]:
+    """The ids of the lines whose outcome differs from the committed ``table`` (or that only
+    one of them has)."""
+    kept = json.loads(table.read_text())
+    return sorted(k for k in kept.keys() | today.keys() if kept.get(k) != today.get(k))
+
+
 def not_built(key: str) -> str | None:
     """The reason megarl's verl key rules give for refusing ``key`` (a feature megarl states as
     not built), or None."""
